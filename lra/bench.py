@@ -1,0 +1,314 @@
+"""Speed and memory of whole training steps: the protocol of LRA Table 2.
+
+Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers" (ICLR 2021,
+https://arxiv.org/abs/2011.04006), §4.2 / Table 2: the byte-level Text model at N = 1K, 2K, 3K, 4K, batch 32,
+steps per second and peak memory, speed also relative to the Transformer at the same N.
+
+Each (model, length) builds the shared :class:`~lra.encoder.Encoder` + :class:`~lra.encoder.Classifier` with
+the task's backbone and the model's ``conf/model/<name>.yaml`` options, feeds one batch of random byte ids
+(1..256, no padding) and times full training steps (forward, cross-entropy, backward, AdamW step) in the
+training precision: ``warmup`` untimed steps, then ``steps`` timed ones, each between two
+``torch.cuda.synchronize`` calls; steps/s = 1 / median. Peak memory is that of the timed steps:
+``torch.cuda.max_memory_allocated`` (parameters, gradients, AdamW state, activations; the warm-up's compilation
+transients excluded) on a GPU, the process's peak RSS on CPU. The last warm-up step runs under the profiler to
+record which SDPA kernel ran (cudnn, flash, efficient, math, flash_cpu; blank when the model calls none).
+
+Differences from LRA: one GPU instead of a 4x4 TPU v3 slice (their memory is per device); the model is built
+for each bench length (position table and mixer ``max_len`` = N); an OOM or a failure is a row, not a crash.
+"""
+from __future__ import annotations
+
+import gc
+import re
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import hydra
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from lra import plot
+from lra.encoder import Classifier, Encoder
+from lra.results import BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
+from models import list_models
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+BASELINE = "transformer"
+
+
+def resolve_device(spec: str | None) -> torch.device:
+    if spec in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def model_config_options(name: str) -> dict:
+    """The options in ``conf/model/<name>.yaml`` (without ``name``); none when the model has no config."""
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.exists():
+        return {}
+    opts = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    opts.pop("name", None)
+    return opts
+
+
+def build_model(name: str, task: DictConfig, backbone: DictConfig, seq_len: int, vocab_size: int) -> Classifier:
+    bb = backbone
+    encoder = Encoder(
+        name, model_config_options(name), vocab_size=vocab_size, seq_len=seq_len, n_layers=bb.n_layers,
+        d_model=bb.d_model, n_heads=bb.n_heads, d_qkv=bb.d_qkv, d_ff=bb.d_ff, dropout=bb.dropout,
+        attn_dropout=bb.attn_dropout, positions=bb.get("positions", "learned"),
+        cls_token=bb.get("cls_token", bb.pooling == "cls"),  # as the runner
+    )
+    return Classifier(encoder, bb.d_model, bb.d_head, task.n_classes, bb.pooling)
+
+
+def backbone_tag(bb: DictConfig) -> str:
+    """What the timings depend on, so that relative figures only pair like with like."""
+    return (f"L{bb.n_layers} d{bb.d_model} h{bb.n_heads} qkv{bb.d_qkv} ff{bb.d_ff} head{bb.d_head} {bb.pooling} "
+            f"drop{bb.dropout}/{bb.attn_dropout}")
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+_SDPA = re.compile(r"aten::_scaled_dot_product_(\w+?)(?:_backward)?$")
+_SDPA_NAMES = {"cudnn_attention": "cudnn", "flash_attention": "flash", "flash_attention_for_cpu": "flash_cpu",
+               "efficient_attention": "efficient", "attention_math": "math"}
+
+
+def sdpa_backend(event_names) -> str:
+    """Which fused SDPA kernels the profiled step ran ('' when the model calls no SDPA)."""
+    found = {_SDPA_NAMES.get(m.group(1), m.group(1)) for n in event_names if (m := _SDPA.match(n))}
+    return "+".join(sorted(found))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak_rss() -> bool:
+    try:  # Linux: writing 5 resets VmHWM to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str, warmup: int, steps: int,
+            params) -> dict:
+    """Run ``warmup`` + ``steps`` training steps. Returns the timed step durations (s), the SDPA backend seen in
+    the last warm-up step, and the peak memory of the timed steps (MB) with what kind of peak it is."""
+    device = tokens.device
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step():
+        with torch.autocast(**autocast):
+            loss = F.cross_entropy(model(tokens), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = dict(times=[], sdpa_backend="")
+    for i in range(warmup + steps):
+        if i == warmup:  # steady state from here: AdamW state exists, compilation and autotuning are done
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                out["mem_kind"] = "cuda_max_allocated"
+            else:
+                out["mem_kind"] = "peak_rss" if _reset_peak_rss() else "peak_rss_since_start"
+        if i == warmup - 1:  # the last warm-up step is profiled (the profiler's overhead stays untimed)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step()
+                _sync(device)
+            out["sdpa_backend"] = sdpa_backend({e.name for e in prof.events()})
+            continue
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= warmup:
+            out["times"].append(time.perf_counter() - t0)
+    out["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _peak_rss_mb()
+    return out
+
+
+def bench_case(cfg: DictConfig, name: str, seq_len: int, batch_size: int, device: torch.device, precision: str,
+               compile_: bool, row: dict) -> None:
+    """Fill ``row`` with one (model, length) measurement; raises on OOM or failure (``params`` set first)."""
+    b = cfg.bench
+    torch.manual_seed(cfg.get("seed", 0))
+    model = build_model(name, cfg.task, cfg.backbone, seq_len, b.vocab_size)
+    row["params"] = sum(p.numel() for p in model.parameters())
+    model = model.to(device).train()
+    tokens = torch.randint(1, b.vocab_size, (batch_size, seq_len), device=device)  # (B, N), no padding
+    labels = torch.randint(0, cfg.task.n_classes, (batch_size,), device=device)  # (B,)
+    if compile_:
+        torch._dynamo.reset()  # one graph per case; otherwise the cache limit silently drops to eager
+    fn = torch.compile(model, dynamic=False) if compile_ else model
+    m = measure(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters())
+    ms = statistics.median(m["times"]) * 1e3
+    row.update(status="ok", ms_per_step=ms, steps_per_s=1e3 / ms, examples_per_s=batch_size * 1e3 / ms,
+               peak_mem_mb=m["peak_mem_mb"], mem_kind=m["mem_kind"], sdpa_backend=m["sdpa_backend"])
+
+
+def _earlier_baselines(path: Path, match: dict) -> dict:
+    """(seq_len, batch_size) -> latest ok transformer row in ``path`` with the same ``match`` fields."""
+    if not path.exists() or path.stat().st_size == 0:
+        return {}
+    df = pd.read_csv(path)
+    df = df[(df["model"] == BASELINE) & (df["status"] == "ok")]
+    for k, v in match.items():
+        df = df[df[k].astype(str) == str(v)]
+    df = df.sort_values("timestamp")
+    return {(int(r.seq_len), int(r.batch_size)): r._asdict() for r in df.itertuples(index=False)}
+
+
+def run_bench(cfg: DictConfig) -> pd.DataFrame:
+    """Sweep models x lengths, append one row per case to ``bench.out``, return this sweep's rows."""
+    b = cfg.bench
+    if b.steps < 1 or b.warmup < 0:
+        raise ValueError(f"bench.steps must be >= 1 and bench.warmup >= 0, got {b.steps} and {b.warmup}")
+    device = resolve_device(cfg.get("device", "auto"))
+    precision = b.precision if b.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    compile_ = device.type == "cuda" if b.compile == "auto" else bool(b.compile)
+    names = list(b.models) if b.models else list_models()
+    names = sorted(names, key=lambda n: n != BASELINE)  # the baseline first: later rows divide by it
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as the runner (TF32 for any fp32 matmul left)
+    per_length = {int(k): int(v) for k, v in (b.get("batch_sizes") or {}).items()}
+    out = Path(b.out)
+    common = dict(task=cfg.task.name, precision=precision, compiled=compile_, backbone=backbone_tag(cfg.backbone),
+                  device=device_name(device), torch=torch.__version__, git_sha=git_sha(), warmup=b.warmup,
+                  timed_steps=b.steps)
+    baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device")})
+    cases = [(n, int(L)) for n in names for L in b.lengths]
+    rows = []
+    for name, seq_len in tqdm(cases, desc="bench", disable=not b.get("progress", True)):
+        batch_size = per_length.get(seq_len, int(b.batch_size))
+        row = dict(common, model=name, seq_len=seq_len, batch_size=batch_size, timestamp=now_iso())
+        try:
+            bench_case(cfg, name, seq_len, batch_size, device, precision, compile_, row)
+        except Exception as exc:  # noqa: BLE001 - a failing case is a result; the sweep goes on
+            first_line = (str(exc).splitlines() or [""])[0][:200]
+            row["status"] = "oom" if is_oom(exc) else f"error: {type(exc).__name__}: {first_line}"
+        if device.type == "cuda" or row["status"] != "ok":
+            gc.collect()  # the failed case's traceback held its tensors; the next case needs them freed
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if row["status"] == "ok" and name == BASELINE:
+            baselines[(seq_len, batch_size)] = row
+        base = baselines.get((seq_len, batch_size))
+        if row["status"] == "ok" and base is not None:
+            row["rel_speed"] = row["steps_per_s"] / float(base["steps_per_s"])
+            row["rel_mem"] = row["peak_mem_mb"] / float(base["peak_mem_mb"])
+        append_row(out, row, BENCH_COLUMNS)
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=BENCH_COLUMNS)
+    if cfg.get("logger") is not None and cfg.logger.get("name") == "wandb":
+        log_to_wandb(cfg, df)
+    return df
+
+
+def format_table(df: pd.DataFrame) -> str:
+    """The sweep laid out as LRA Table 2: models down, lengths across; a speed block and a memory block."""
+    if df.empty:
+        return "(no rows)"
+    lengths = sorted(df["seq_len"].astype(int).unique())
+    batch = {L: int(df.loc[df["seq_len"] == L, "batch_size"].iloc[0]) for L in lengths}
+    mixed = len(set(batch.values())) > 1
+    head = [plot.length_label(L) + (f" (B{batch[L]})" if mixed else "") for L in lengths]
+    first = df.iloc[0]
+    lines = [f"{first['task']} backbone {first['backbone']}, batch {df['batch_size'].iloc[0]}, {first['precision']}"
+             f"{', compiled' if str(first['compiled']) == 'True' else ''}, {first['device']}"]
+    models = list(dict.fromkeys(df["model"]))
+    width = max(12, max(map(len, models)) + 2)
+
+    def block(title, value, rel):
+        out = [title, "model".ljust(width) + "".join(h.rjust(16) for h in head)]
+        for m in models:
+            cells = []
+            for L in lengths:
+                r = df[(df["model"] == m) & (df["seq_len"] == L)]
+                if r.empty:
+                    cells.append("-")
+                    continue
+                r = r.iloc[-1]
+                status = str(r["status"])
+                if status != "ok":
+                    cells.append("OOM" if status == "oom" else "ERR")
+                    continue
+                cell = value(r)
+                if pd.notna(r[rel]) and r[rel] != "":
+                    cell += f" ({float(r[rel]):.1f}x)"
+                cells.append(cell)
+            out.append(m.ljust(width) + "".join(c.rjust(16) for c in cells))
+        return out
+
+    lines += block("Speed: training steps/s (x transformer)", lambda r: f"{float(r['steps_per_s']):.1f}", "rel_speed")
+    lines += block(f"Peak memory, GB ({first['mem_kind']}; x transformer)",
+                   lambda r: f"{float(r['peak_mem_mb']) / 1024:.2f}", "rel_mem")
+    errors = df[df["status"].astype(str).str.startswith("error")]
+    lines += [f"ERR {r.model} @ {r.seq_len}: {r.status}" for r in errors.itertuples()]
+    return "\n".join(lines)
+
+
+def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
+    """Log the sweep's rows, its Table-2 text and the speed/memory-vs-length charts to Weights & Biases."""
+    import html
+    import tempfile
+
+    import wandb  # optional: only this logger needs it
+
+    lg = cfg.logger
+    run = wandb.init(project=lg.get("project", "lra"), entity=lg.get("entity"), mode=lg.get("mode", "online"),
+                     tags=list(lg.get("tags") or []), job_type="bench", name=f"bench-{cfg.task.name}",
+                     config=OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["bench", "task", "backbone"]),
+                                                   resolve=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = df.astype(object).where(df.notna(), None)  # blanks stay blank, numbers stay numbers
+        logged = {"bench/rows": wandb.Table(dataframe=rows),
+                  "bench/table": wandb.Html(f"<pre>{html.escape(format_table(df))}</pre>")}
+        ok = df[df["status"] == "ok"]
+        if not ok.empty:
+            for metric in ("steps_per_s", "peak_mem_mb"):
+                fig = plot.length_chart(ok, metric)
+                png, _ = plot.save(fig, Path(tmp), f"bench_{metric}")
+                logged[f"bench/{metric}_vs_length"] = wandb.Image(str(png))
+        run.log(logged)
+        for r in ok.itertuples():
+            run.summary[f"{r.model}/{r.seq_len}/steps_per_s"] = float(r.steps_per_s)
+            run.summary[f"{r.model}/{r.seq_len}/peak_mem_mb"] = float(r.peak_mem_mb)
+        run.finish()
+
+
+@hydra.main(config_path="../conf", config_name="bench", version_base=None)
+def main(cfg: DictConfig) -> None:
+    df = run_bench(cfg)
+    print(format_table(df))
+    print(f"rows appended to {cfg.bench.out}")
+
+
+if __name__ == "__main__":
+    main()

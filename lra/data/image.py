@@ -1,0 +1,120 @@
+"""Image: CIFAR-10 (Krizhevsky, 2009, "Learning Multiple Layers of Features from Tiny Images") as a sequence
+of 1,024 grayscale pixels, LRA's ``image`` task on ``cifar10`` (Tay et al. 2021, arXiv 2011.04006, spec 1.2).
+
+Grayscale exactly as TF ``rgb_to_grayscale`` (what LRA used): in float32, g = (0.2989 R + 0.5870 G +
+0.1140 B) / 255, back to uint8 as truncate(g * 255.5). PIL ``convert("L")`` / torchvision rounds with
+299/587/114 per mille and differs by one level on some pixels (pure green: 150 vs 149). Row-major 32x32.
+
+Ids: pixel 0 is black, not padding, so ids are pixel + 1 (vocab 257). ``data.pixel_zero_is_pad: true``
+reproduces LRA, which fed raw pixels and so masked black pixels as padding (vocab 256).
+
+Splits: LRA took TFDS ``train[:90%]`` / ``train[90%:]`` / ``test`` in TFDS's own order, which only TFDS
+reproduces; we split the 50,000 training images 45,000 / 5,000 like ``torch.utils.data.random_split``
+with ``data.split_seed`` (42, the S4 / Mega convention). Membership depends on the source's row order
+(the hub copy keeps the original order; ``../shared/data/cifar10`` is sorted by label). Test = test.
+Sources (``data.path``): ``uoft-cs/cifar10`` on the hub, or a local folder / template of its parquet files.
+"""
+from __future__ import annotations
+
+import io
+import logging
+from functools import partial
+
+import numpy as np
+import torch
+
+from .common import (
+    DataError,
+    Split,
+    TaskData,
+    cached,
+    hf_tables,
+    limit_recipe,
+    parallel_map,
+    pixel_tokens,
+    random_split_indices,
+    split_limits,
+    subset_indices,
+)
+
+log = logging.getLogger("lra.data")
+
+SIDE = 32
+TF_GRAY = np.array([0.2989, 0.5870, 0.1140], dtype=np.float32)  # tf.image.rgb_to_grayscale weights
+HOW_TO_GET = ("set data.path to a Hugging Face id (uoft-cs/cifar10, needs the hub or its cache) or to a local "
+              "copy of its parquet files (huggingface-cli download uoft-cs/cifar10 --repo-type dataset "
+              "--local-dir DIR)")
+
+
+def tf_grayscale(rgb: np.ndarray) -> np.ndarray:
+    """(..., 3) uint8 -> (...) uint8, the float32 arithmetic of TF's rgb_to_grayscale + convert_image_dtype."""
+    scaled = rgb.astype(np.float32) * np.float32(1.0 / 255.0)  # convert_image_dtype(uint8 -> float32)
+    gray = scaled @ TF_GRAY  # (...,)
+    return (gray * np.float32(255.5)).astype(np.uint8)  # float -> uint8 scales by max + 0.5 and truncates
+
+
+def decode_gray(items: list, side: int) -> list:
+    """Image cells (``{bytes, path}`` structs as the hub stores them) -> (side * side,) uint8 gray rows."""
+    from PIL import Image
+
+    out = []
+    for item in items:
+        data = item.get("bytes") if isinstance(item, dict) else item
+        src = io.BytesIO(data) if data else item.get("path")
+        with Image.open(src) as im:
+            rgb = np.asarray(im.convert("RGB"))
+        if rgb.shape != (side, side, 3):
+            raise DataError(f"expected {side}x{side} images, got {rgb.shape[1]}x{rgb.shape[0]}")
+        out.append(tf_grayscale(rgb).reshape(-1))
+    return out
+
+
+def columns(table, split: str) -> tuple[list, torch.Tensor]:
+    img = next((c for c in ("img", "image") if c in table.column_names), None)
+    if img is None or "label" not in table.column_names:
+        raise DataError(f"the CIFAR-10 {split} split needs an 'img' (or 'image') and a 'label' column, "
+                        f"has {table.column_names}")
+    labels = torch.tensor(table.column("label").to_pylist(), dtype=torch.long)
+    if len(labels) and (labels.min() < 0 or labels.max() > 9):
+        raise DataError(f"CIFAR-10 {split} labels must be 0-9, found {labels.min().item()}..{labels.max().item()}")
+    return table.column(img), labels
+
+
+def load(cfg) -> TaskData:
+    seed, limits = int(cfg.seed), split_limits(cfg)
+    split_seed = int(cfg.data.get("split_seed", 42))
+    zero_is_pad = bool(cfg.data.get("pixel_zero_is_pad", False))
+    if int(cfg.task.seq_len) != SIDE * SIDE:
+        raise DataError(f"CIFAR-10 images are {SIDE}x{SIDE} = {SIDE * SIDE} pixels; set task.seq_len={SIDE * SIDE}")
+    tables, source_fp, desc = hf_tables(str(cfg.data.path), ("train", "test"), HOW_TO_GET)
+    (train_img, train_lab), (test_img, test_lab) = columns(tables["train"], "train"), columns(tables["test"], "test")
+    n_val = len(train_lab) // 10  # LRA: train[90%:]
+    parts = random_split_indices(len(train_lab), [len(train_lab) - n_val, n_val], split_seed)
+    rows = {"train": (train_img, train_lab, parts[0]), "val": (train_img, train_lab, parts[1]),
+            "test": (test_img, test_lab, torch.arange(len(test_lab)))}
+    spec = {"task": "image", "version": 1, "source": source_fp, "split_seed": split_seed, "limits": limits,
+            "seed": seed if any(v is not None for v in limits.values()) else None}
+
+    def build() -> dict:
+        out = {}
+        for s, (img, lab, idx) in rows.items():
+            idx = idx[subset_indices(len(idx), limits[s], seed, s)]
+            cells = img.take(idx.numpy()).to_pylist()
+            gray = parallel_map(partial(decode_gray, side=SIDE), cells, cfg.data.get("workers"))
+            empty = torch.zeros(0, SIDE * SIDE, dtype=torch.uint8)
+            out[f"{s}_pixels"] = torch.from_numpy(np.stack(gray)) if gray else empty  # (n, 1024)
+            out[f"{s}_labels"] = lab[idx].clone()
+        return out
+
+    tensors, hit = cached(cfg.data.cache_dir, "image", spec, build)
+    splits = {}
+    for s in rows:
+        tokens, vocab = pixel_tokens(tensors[f"{s}_pixels"], zero_is_pad)
+        splits[s] = Split(tokens, tensors[f"{s}_labels"])
+    recipe = (f"train/val = random_split(train, [{len(parts[0])}, {len(parts[1])}], seed {split_seed}), "
+              f"test = test" + limit_recipe(limits, seed))
+    data = TaskData(**splits, vocab_size=vocab, n_classes=10, seq_len=SIDE * SIDE,
+                    info={"task": cfg.task.name, "source": desc, "cache": "hit" if hit else "miss", "skipped": 0,
+                          "split": recipe, "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
+    log.info("image: %s, %s, cache %s", desc, recipe, data.info["cache"])
+    return data

@@ -1,0 +1,178 @@
+"""ListOps (Nangia & Bowman 2018) as LRA generated it (``lra_benchmarks/data/listops.py``), seeded.
+
+Generator: spec section 2.1, with the same RNG call order as the original (children are drawn before the
+operator), so ``random.Random(0)`` reproduces the spec's reference statistics. Unlike the original, which
+dumped a Python ``set`` (hash order), rows keep first-seen order and the process is seeded, so the same
+seed gives byte-identical files. Generation runs in fixed chunks, each with its own seed, so the output
+does not depend on the number of worker processes.
+
+Loader: ``basic_{train,val,test}.tsv`` (header ``Source<TAB>Target``) from an LRA release folder or from
+the generator's cache; LRA's rewrite (``]`` -> its own token, parentheses dropped), a fixed vocabulary
+(0 = pad), truncate/pad to ``task.seq_len``.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import random
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .common import DataError, Split, TaskData, cached, fingerprint, resolve_root, smallest_int_dtype
+
+log = logging.getLogger("lra.data")
+
+OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
+VALUE_P = 0.25  # a node branches when uniform > VALUE_P fails, i.e. is a leaf with probability 0.75
+MAX_DEPTH, MAX_ARGS, MIN_LENGTH, MAX_LENGTH = 10, 10, 500, 2000
+# pad = 0, then the 15 symbols; the close bracket is its own token as in LRA's rewrite
+VOCAB = ["<pad>", *OPERATORS, "]", *map(str, range(10))]
+TOKEN_ID = {t: i for i, t in enumerate(VOCAB)}
+SPLITS = ("train", "val", "test")
+CHUNK = 2_000  # accepted trees per generator chunk; chunk j is seeded with (seed, j)
+
+
+def apply_op(op: str, values: list[int]) -> int:
+    if op == "[MIN":
+        return min(values)
+    if op == "[MAX":
+        return max(values)
+    if op == "[MED":  # numpy.median then int(): mean of the two middle values, truncated
+        s = sorted(values)
+        mid = len(s) // 2
+        return s[mid] if len(s) % 2 else int((s[mid - 1] + s[mid]) / 2)
+    return sum(values) % 10  # [SM
+
+
+def tree(rng: random.Random, depth: int = 1) -> tuple[str, int, int]:
+    """One random expression: (source string, value, length without parentheses)."""
+    r = rng.random() if depth < MAX_DEPTH else 1.0
+    if r > VALUE_P:
+        d = rng.randint(0, 9)
+        return str(d), d, 1
+    n = rng.randint(2, MAX_ARGS)
+    kids = [tree(rng, depth + 1) for _ in range(n)]
+    op = rng.choice(OPERATORS)
+    # Left-nested pairs ((((op, k1), k2) ... kn), ']') printed as "( " a " " b " )"
+    source = "( " * (n + 1) + op + " " + " ) ".join(k[0] for k in kids) + " ) ] )"
+    return source, apply_op(op, [k[1] for k in kids]), 2 + sum(k[2] for k in kids)
+
+
+def generate_trees(rng: random.Random, n_accepted: int, min_length=MIN_LENGTH, max_length=MAX_LENGTH):
+    """Draw trees until ``n_accepted`` have min_length < length < max_length. Returns (rows, n_drawn)."""
+    rows, drawn = [], 0
+    while len(rows) < n_accepted:
+        source, value, length = tree(rng)
+        drawn += 1
+        if min_length < length < max_length:
+            rows.append((source, value))
+    return rows, drawn
+
+
+def _chunk(args: tuple[int, int, int]) -> list[tuple[str, int]]:
+    """The first ``count`` trees of chunk ``j``: a smaller request gets a prefix of a larger one."""
+    seed, j, count = args
+    return generate_trees(random.Random(f"listops-{seed}-{j}"), count)[0]
+
+
+def generate(out_dir: str | Path, seed: int = 0, train: int = 96_000, val: int = 2_000, test: int = 2_000,
+             workers: int | None = None, progress: bool = True) -> Path:
+    """Write ``out_dir/listops-1000/basic_{train,val,test}.tsv`` with unique trees; returns that folder."""
+    total = train + val + test
+    folder = Path(out_dir) / "listops-1000"
+    workers = workers or min(os.cpu_count() or 1, 16)
+    unique: dict[str, int] = {}
+    j = 0
+    with tqdm(total=total, desc="generating ListOps", unit="tree", disable=not progress) as bar:
+        with ProcessPoolExecutor(workers) as pool:
+            while len(unique) < total:
+                missing = total - len(unique)
+                batch = range(j, j + max(-(-missing // CHUNK), 1))
+                j += len(batch)
+                for rows in pool.map(_chunk, [(seed, k, min(CHUNK, missing)) for k in batch]):
+                    for source, value in rows:
+                        if len(unique) < total and source not in unique:
+                            unique[source] = value
+                            bar.update(1)
+    rows = list(unique.items())
+    folder.mkdir(parents=True, exist_ok=True)
+    bounds = {"train": (0, train), "val": (train, train + val), "test": (train + val, total)}
+    for split, (a, b) in bounds.items():
+        path = folder / f"basic_{split}.tsv"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:  # csv's default '\r\n' line ends, as the original
+            w = csv.writer(f, delimiter="\t")
+            w.writerow(["Source", "Target"])
+            w.writerows(rows[a:b])
+        os.replace(tmp, path)  # a killed generation never leaves a half file that looks complete
+    return folder
+
+
+def tokenize(source: str) -> list[int]:
+    """LRA's rewrite: parentheses dropped, ']' kept as its own token; KeyError on an unknown symbol."""
+    return [TOKEN_ID[t] for t in source.split() if t not in ("(", ")")]
+
+
+def read_tsv(path: Path, seq_len: int) -> Split:
+    with open(path, newline="") as f:
+        reader = csv.reader(f, delimiter="\t")
+        header = next(reader, None)
+        if header != ["Source", "Target"]:
+            raise DataError(f"{path}:1: expected the header 'Source<TAB>Target', got {header!r}")
+        rows = list(reader)
+    tokens = torch.zeros(len(rows), seq_len, dtype=smallest_int_dtype(len(VOCAB)))
+    labels = torch.empty(len(rows), dtype=torch.long)
+    for i, row in enumerate(rows):
+        line = i + 2
+        if len(row) != 2:
+            raise DataError(f"{path}:{line}: expected 2 tab-separated fields (Source, Target), got {len(row)}")
+        try:
+            ids = tokenize(row[0])
+        except KeyError as e:
+            raise DataError(f"{path}:{line}: unknown ListOps symbol {e.args[0]!r}; expected one of {VOCAB[1:]}") from None
+        if not row[1].strip().isdigit() or not 0 <= int(row[1]) <= 9:
+            raise DataError(f"{path}:{line}: the target must be an integer 0-9, got {row[1]!r}")
+        ids = ids[:seq_len]
+        tokens[i, : len(ids)] = torch.tensor(ids, dtype=tokens.dtype)
+        labels[i] = int(row[1])
+    return Split(tokens, labels)
+
+
+def source_folder(cfg) -> Path:
+    """The folder holding basic_*.tsv: ``data.root`` if given, else the generator's cache (generated now
+    when missing, only as many trees as ``data.limit`` asks for)."""
+    if cfg.data.get("root"):
+        folder = resolve_root(cfg.data.root, "listops-1000")
+        missing = [s for s in SPLITS if not (folder / f"basic_{s}.tsv").exists()]
+        if missing:
+            raise DataError(f"{folder} lacks basic_{{{','.join(missing)}}}.tsv; unpack the full LRA release or "
+                            f"generate the data: python -m lra.generate listops --out DIR")
+        return folder
+    gen, limit = cfg.data.generate, cfg.data.limit
+    sizes = {s: min(gen[s], limit[s]) if limit[s] is not None else gen[s] for s in SPLITS}
+    out = Path(cfg.data.cache_dir).expanduser() / "listops" / f"seed{gen.seed}-{sizes['train']}-{sizes['val']}-{sizes['test']}"
+    folder = out / "listops-1000"
+    if not all((folder / f"basic_{s}.tsv").exists() for s in SPLITS):
+        log.info("no ListOps data in %s: generating %s trees (seed %d)", folder, sizes, gen.seed)
+        generate(out, seed=gen.seed, **sizes, progress=cfg.get("trainer", {}).get("progress", True))
+    return folder
+
+
+def load(cfg) -> TaskData:
+    folder = source_folder(cfg)
+    paths = [folder / f"basic_{s}.tsv" for s in SPLITS]
+    seq_len = cfg.task.seq_len
+    spec = {"task": "listops", "files": fingerprint(paths), "seq_len": seq_len, "vocab": VOCAB}
+    tensors, hit = cached(cfg.data.cache_dir, "listops", spec, lambda: {
+        f"{s}_{k}": getattr(read_tsv(p, seq_len), k) for s, p in zip(SPLITS, paths) for k in ("tokens", "labels")
+    })
+    splits = {}
+    for s in SPLITS:
+        n = cfg.data.limit[s]
+        splits[s] = Split(tensors[f"{s}_tokens"], tensors[f"{s}_labels"]).head(n)
+    return TaskData(**splits, vocab_size=len(VOCAB), n_classes=10, seq_len=seq_len,
+                    info={"task": "listops", "source": str(folder), "split": "LRA files", "cache": "hit" if hit else "miss"})

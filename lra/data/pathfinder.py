@@ -1,0 +1,203 @@
+"""Pathfinder and Path-X (Linsley et al., 2018, "Learning long-range spatial dependencies with horizontal
+gated recurrent units", arXiv 1805.08315): are the two dots joined by one dashed contour? LRA's ``image``
+task on ``pathfinder32_hard`` / ``pathfinder128_hard`` (Tay et al. 2021, arXiv 2011.04006, spec 1.2-1.3).
+
+Reads the ``lra_release`` layout: ``pathfinder{res}/{folder}/metadata/<k>.npy`` (plain text, one line per
+image: ``imgs/<k> sample_<i>.png <i> <label> ...``) and ``imgs/<k>/sample_<i>.png`` (8-bit gray), with
+``folder`` = ``curv_baseline`` (easy), ``curv_contour_length_9`` (intermediate) or
+``curv_contour_length_14`` (hard). When ``data.root`` is null the images are generated into the cache
+by ``lra.data.pathfinder_gen`` (only as many as ``data.limit`` needs).
+
+Order and split (S4 / S5 / Mega convention): metadata files sorted by integer stem, lines in file order,
+empty or missing images dropped (LRA drops zero-length files; S4 blacklists the one known empty file),
+then val = int(0.1 n), test = int(0.1 n), train = the rest, as ``torch.utils.data.random_split`` with
+``data.split_seed`` (42). LRA sliced TFDS's order 80/10/10 instead. A non-empty image PIL cannot read is
+dropped from its split and counted. Pixels are decoded once (in processes) into one uint8 cache file.
+
+Ids: pixel + 1 (vocab 257) because 0 is the black background, not padding; ``data.pixel_zero_is_pad:
+true`` feeds raw pixels as LRA did, which masks the whole background as padding (vocab 256).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .common import (
+    SPLITS,
+    DataError,
+    Split,
+    TaskData,
+    cached,
+    digest_files,
+    fingerprint,
+    limit_recipe,
+    parallel_map,
+    pixel_tokens,
+    random_split_indices,
+    resolve_root,
+    split_limits,
+    subset_indices,
+)
+
+log = logging.getLogger("lra.data")
+
+FOLDERS = {"easy": "curv_baseline", "intermediate": "curv_contour_length_9", "hard": "curv_contour_length_14"}
+RESOLUTIONS = (32, 64, 128, 256)
+
+
+def how_to_get(res: int, difficulty: str) -> str:
+    return (f"unpack the LRA release (https://storage.googleapis.com/long-range-arena/lra_release.gz) and set "
+            f"data.root to it, or generate the images: python -m lra.generate pathfinder --resolution {res} "
+            f"--difficulty {difficulty} --n 200000 --out DIR, then data.root=DIR (data.root=null generates "
+            f"into the cache)")
+
+
+def read_metadata(folder: Path) -> tuple[list[str], list[int], list[Path]]:
+    """Image paths relative to ``folder`` and labels in the conventional order (files by integer stem,
+    lines in file order), and the metadata files themselves."""
+    meta = folder / "metadata"
+    files = [p for p in meta.glob("*.npy") if p.stem.isdigit()] if meta.is_dir() else []
+    if not files:
+        raise DataError(f"no metadata/<k>.npy files in {folder}")
+    files.sort(key=lambda p: int(p.stem))
+    paths, labels = [], []
+    for f in files:
+        for lineno, line in enumerate(f.read_text().splitlines(), start=1):
+            fields = line.split()
+            if not fields:
+                continue
+            if len(fields) < 4 or not fields[3].lstrip("-").isdigit() or int(fields[3]) not in (0, 1):
+                raise DataError(f"{f}:{lineno}: expected 'imgs/<k> sample_<i>.png <i> <label 0|1> ...', "
+                                f"got {line[:80]!r}")
+            paths.append(f"{fields[0]}/{fields[1]}")
+            labels.append(int(fields[3]))
+    return paths, labels, files
+
+
+def decode_pngs(paths: list[str], side: int) -> list:
+    """PNG paths -> (side * side,) uint8 rows; None for a file PIL cannot read."""
+    from PIL import Image
+
+    out = []
+    for p in paths:
+        try:
+            with Image.open(p) as im:
+                px = np.asarray(im if im.mode == "L" else im.convert("L"))
+        except (OSError, SyntaxError, ValueError):  # PIL's errors for truncated / corrupt files
+            out.append(None)
+            continue
+        if px.shape != (side, side):
+            raise DataError(f"{p} is {px.shape[1]}x{px.shape[0]}, expected {side}x{side} (task.resolution)")
+        out.append(px.reshape(-1))
+    return out
+
+
+def images_needed(limits: dict, full: int) -> int:
+    """The smallest n whose 80/10/10 split covers every limit (all of ``full`` when any split is unlimited)."""
+    if any(v is None for v in limits.values()):
+        return full
+    n = max(math.ceil(limits["train"] / 0.8), 10 * limits["val"], 10 * limits["test"], 10)
+    while n - 2 * int(0.1 * n) < limits["train"] or int(0.1 * n) < max(limits["val"], limits["test"]):
+        n += 1
+    return min(n, full)
+
+
+def generated_folder(cfg, res: int, difficulty: str, limits: dict) -> Path:
+    """Generate (once) into the cache and return the difficulty folder."""
+    from . import pathfinder_gen
+
+    gen = cfg.data.get("generate") or {}
+    n, seed = images_needed(limits, int(gen.get("n", 200_000))), int(gen.get("seed", 0))
+    out = Path(cfg.data.cache_dir).expanduser() / "pathfinder_gen" / f"{res}px-{difficulty}-n{n}-seed{seed}"
+    done = out / "complete.json"
+    folder = out / f"pathfinder{res}" / FOLDERS[difficulty]
+    if not done.exists():  # the generator resumes an interrupted run: finished batches are kept
+        log.info("generating %d Pathfinder images (%dpx, %s, seed %d) into %s", n, res, difficulty, seed, out)
+        folder = pathfinder_gen.generate(out, resolution=res, difficulty=difficulty, n=n, seed=seed,
+                                         workers=cfg.data.get("workers"),
+                                         progress=bool(cfg.get("trainer", {}).get("progress", True)))
+        done.write_text(json.dumps({"n": n, "seed": seed, "resolution": res, "difficulty": difficulty}))
+    return folder
+
+
+def source_folder(cfg, res: int, difficulty: str, limits: dict) -> Path:
+    if not cfg.data.get("root"):
+        return generated_folder(cfg, res, difficulty, limits)
+    try:
+        base = resolve_root(cfg.data.root, f"pathfinder{res}")
+    except DataError as e:
+        raise DataError(f"{e}, or generate the images: python -m lra.generate pathfinder --resolution {res} "
+                        f"--difficulty {difficulty} --n 200000 --out DIR") from None
+    folder = base / FOLDERS[difficulty]
+    if not folder.is_dir():
+        raise DataError(f"no {FOLDERS[difficulty]} ({difficulty}) folder in {base}; {how_to_get(res, difficulty)}")
+    return folder
+
+
+def load(cfg) -> TaskData:
+    res, difficulty = int(cfg.task.get("resolution", 32)), str(cfg.task.get("difficulty", "hard"))
+    if res not in RESOLUTIONS or difficulty not in FOLDERS:
+        raise DataError(f"task.resolution must be one of {RESOLUTIONS} and task.difficulty one of {list(FOLDERS)}, "
+                        f"got {res} and {difficulty!r}")
+    if int(cfg.task.seq_len) != res * res:
+        raise DataError(f"{res}x{res} images are {res * res} pixels; set task.seq_len={res * res}")
+    seed, limits = int(cfg.seed), split_limits(cfg)
+    split_seed = int(cfg.data.get("split_seed", 42))
+    zero_is_pad = bool(cfg.data.get("pixel_zero_is_pad", False))
+    folder = source_folder(cfg, res, difficulty, limits)
+    try:
+        paths, labels, meta = read_metadata(folder)
+    except DataError as e:
+        raise DataError(f"{e}; {how_to_get(res, difficulty)}") from None
+    digest, sizes = digest_files(paths, folder)
+    empty = sum(s == 0 for s in sizes)
+    missing = sum(s < 0 for s in sizes)
+    keep = [i for i, s in enumerate(sizes) if s > 0]
+    if missing:
+        log.warning("pathfinder: %d of %d images listed in %s/metadata are missing", missing, len(paths), folder)
+    n = len(keep)
+    n_eval = int(0.1 * n)
+    parts = dict(zip(SPLITS, random_split_indices(n, [n - 2 * n_eval, n_eval, n_eval], split_seed)))
+    spec = {"task": "pathfinder", "version": 1, "metadata": fingerprint(meta), "images": digest,
+            "resolution": res, "difficulty": difficulty, "split_seed": split_seed, "limits": limits,
+            "seed": seed if any(v is not None for v in limits.values()) else None}
+
+    def build() -> dict:
+        picks = {s: [keep[i] for i in parts[s][subset_indices(len(parts[s]), limits[s], seed, s)].tolist()]
+                 for s in SPLITS}
+        files = [f"{folder}/{paths[i]}" for s in SPLITS for i in picks[s]]
+        pixels = iter(parallel_map(partial(decode_pngs, side=res), files, cfg.data.get("workers"),
+                                   chunk=1024, min_parallel=2048))
+        out, unreadable = {}, 0
+        for s in SPLITS:
+            got = [(px, labels[i]) for i, px in zip(picks[s], pixels) if px is not None]
+            unreadable += len(picks[s]) - len(got)
+            out[f"{s}_pixels"] = (torch.from_numpy(np.stack([g[0] for g in got])) if got
+                                  else torch.zeros(0, res * res, dtype=torch.uint8))  # (n, res * res)
+            out[f"{s}_labels"] = torch.tensor([g[1] for g in got], dtype=torch.long)
+        out["unreadable"] = torch.tensor(unreadable)
+        return out
+
+    tensors, hit = cached(cfg.data.cache_dir, f"pathfinder{res}_{difficulty}", spec, build)
+    unreadable = int(tensors["unreadable"])
+    splits = {}
+    for s in SPLITS:
+        if not len(tensors[f"{s}_labels"]):
+            raise DataError(f"the {s} split of {folder} is empty ({n} usable images); {how_to_get(res, difficulty)}")
+        tokens, vocab = pixel_tokens(tensors[f"{s}_pixels"], zero_is_pad)
+        splits[s] = Split(tokens, tensors[f"{s}_labels"])
+    recipe = (f"{FOLDERS[difficulty]} {res}px, {n} usable images, random_split 80/10/10 seed {split_seed}"
+              + limit_recipe(limits, seed))
+    data = TaskData(**splits, vocab_size=vocab, n_classes=2, seq_len=res * res,
+                    info={"task": cfg.task.name, "source": str(folder), "cache": "hit" if hit else "miss",
+                          "skipped": empty + missing + unreadable, "split": recipe,
+                          "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
+    log.info("%s: %s, %s, cache %s, skipped %d empty, %d missing, %d unreadable images", cfg.task.name, folder,
+             recipe, data.info["cache"], empty, missing, unreadable)
+    return data

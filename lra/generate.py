@@ -1,0 +1,41 @@
+"""Generate the synthetic LRA tasks in the ``lra_release`` layout, so generated and downloaded data go
+through the same loaders.
+
+    python -m lra.generate listops --out DIR [--seed S --train N --val N --test N --workers W]
+    python -m lra.generate pathfinder --resolution 32 --difficulty hard --n 200000 --out DIR [--seed S --workers W]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lra.generate", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="task", required=True)
+
+    p = sub.add_parser("listops", help="ListOps expressions (LRA: 96,000 / 2,000 / 2,000)")
+    p.add_argument("--out", required=True, help="folder; writes OUT/listops-1000/basic_{train,val,test}.tsv")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train", type=int, default=96_000)
+    p.add_argument("--val", type=int, default=2_000)
+    p.add_argument("--test", type=int, default=2_000)
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores, at most 16)")
+
+    from .data import pathfinder_gen
+
+    p = sub.add_parser("pathfinder", help="Pathfinder / Path-X images (Linsley et al. 2018, LRA parameters)")
+    pathfinder_gen.add_arguments(p)
+
+    args = parser.parse_args(argv)
+    if args.task == "listops":
+        from .data.listops import generate
+
+        folder = generate(args.out, seed=args.seed, train=args.train, val=args.val, test=args.test, workers=args.workers)
+        print(f"wrote {folder}")
+    else:
+        pathfinder_gen.run_from_args(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,48 @@
+"""The skeleton most mixers share: per-head projections in, ``attend`` in the middle, one projection out.
+
+A subclass implements ``attend(q, k, v, mask) -> (B, H, N, Dh)`` and, if it needs them, its own options
+after the five backbone arguments. Mixers that do not fit this shape (e.g. shared-QK Reformer, dense
+Synthesizer) subclass it anyway and override ``project`` or ``forward``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MultiHeadMixer(nn.Module):
+    """Backbone arguments, fixed by the task: ``d_model`` (residual width), ``n_heads``, ``d_qkv`` (total
+    width of queries/keys/values over all heads, as LRA's ``qkv_dim``), ``dropout`` (attention dropout,
+    applied in training only) and ``max_len`` (the longest sequence the task feeds, CLS slot included)."""
+
+    def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
+        super().__init__()
+        if d_qkv % n_heads:
+            raise ValueError(f"d_qkv={d_qkv} is not divisible by n_heads={n_heads}")
+        self.n_heads, self.d_head, self.max_len = n_heads, d_qkv // n_heads, max_len
+        self.attn_dropout = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_qkv, bias=False)
+        self.out = nn.Linear(d_qkv, d_model, bias=False)
+
+    @property
+    def dropout_p(self) -> float:
+        return self.attn_dropout if self.training else 0.0
+
+    def check_length(self, n: int) -> None:
+        if n > self.max_len:
+            raise ValueError(f"{type(self).__name__} was built for at most {self.max_len} positions, got {n}")
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, N, _ = x.shape
+        qkv = self.qkv(x).view(B, N, 3, self.n_heads, self.d_head)  # (B, N, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, H, N, Dh)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self.project(x)
+        o = self.attend(q, k, v, mask)  # (B, H, N, Dh)
+        return self.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)

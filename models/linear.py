@@ -1,0 +1,155 @@
+"""Linear Transformer: kernelised attention with phi(x) = elu(x) + 1 (Katharopoulos, Vyas, Pappas, Fleuret,
+2020, "Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention",
+https://arxiv.org/abs/2006.16236).
+
+softmax(q . k) is replaced by the positive kernel phi(q) . phi(k), so the sum over keys factorises:
+
+    out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps),   eps = 1e-6 (as LRA).
+
+Non-causal: the (Dh x Dh) key-value summary and the Dh-vector key sum come out of ONE matmul, by appending a
+column of ones to V, and one more matmul applies them to every query.
+Causal (``causal: true``, paper Sec. 3.2): out_i uses only the prefix j <= i. ``attend`` computes it in
+parallel (chunked prefix sums: exact C x C causal products inside each chunk of ``chunk_size`` tokens plus an
+exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x Dh) prefix tensor is stored;
+``chunk_size: 1`` is the plain per-token cumsum); ``recurrent_step`` / ``step`` are the paper's RNN form for
+token-by-token inference with an O(Dh^2) state.
+
+Complexity: O(N Dh^2) time and O(N Dh) memory per head (causal: O(N (C + Dh) Dh) time, O(N Dh + N C) memory).
+Precision: the feature map, the summaries, the prefix sums and the normaliser run in fp32 even under bf16
+autocast (a bf16 key sum over thousands of tokens loses the normaliser's precision).
+Padding: phi(k) is zeroed at padded keys, so padding never contributes to any output; padded queries get an
+output, which the encoder ignores. The mask is honoured exactly in both forms.
+Deviations from LRA's code (``linear_attention``): LRA applies no padding mask (pads leak into the key sums),
+and offers only the non-causal form. Attention dropout is not applied (there is no attention matrix; LRA
+ignores its dropout rate here too).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .base import MultiHeadMixer
+from .registry import register_model
+
+EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
+
+
+def feature_map(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(upcast(x)) + 1.0  # positive, and ~x for large x, so no exponent to overflow
+
+
+def with_ones(v: torch.Tensor) -> torch.Tensor:
+    # [v, 1]: one matmul against phi(K) then yields both sum phi(k) v^T and the normaliser sum phi(k)
+    return F.pad(upcast(v), (0, 1), value=1.0)  # (..., Dh + 1)
+
+
+def normalise(o1: torch.Tensor) -> torch.Tensor:
+    return o1[..., :-1] / (o1[..., -1:] + EPS)  # (..., Dh): numerator over denominator column
+
+
+def causal_prefix_attention(fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, chunk: int) -> torch.Tensor:
+    """sum_{j <= i} (fq_i . fk_j) v1_j for every i, vectorised over chunks of ``chunk`` tokens.
+
+    fq, fk: (B, H, N, Dh); v1: (B, H, N, E). Returns (B, H, N, E)."""
+    B, H, N, D = fq.shape
+    E = v1.shape[-1]
+    pad = -N % chunk
+    if pad:  # zero fk / v1 rows add nothing to any prefix; the padded queries are cut below
+        fq, fk, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, v1))
+    n = (N + pad) // chunk
+    fq = fq.view(B, H, n, chunk, D)  # (B, H, n, C, Dh)
+    fk = fk.view(B, H, n, chunk, D)  # (B, H, n, C, Dh)
+    v1 = v1.view(B, H, n, chunk, E)  # (B, H, n, C, E)
+    # inside a chunk: exact causal products (C x C, never N x N)
+    scores = torch.matmul(fq, fk.transpose(-1, -2)).tril_()  # (B, H, n, C, C)
+    out = torch.matmul(scores, v1)  # (B, H, n, C, E)
+    # across chunks: every query sees the summaries of all earlier chunks (exclusive prefix sum)
+    summary = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, n, Dh, E)
+    before = F.pad(summary.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, n, Dh, E): chunk c sees < c
+    out = out + torch.matmul(fq, before)  # (B, H, n, C, E)
+    return out.view(B, H, n * chunk, E)[:, :, :N]  # (B, H, N, E)
+
+
+def linear_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, causal: bool, chunk: int
+) -> torch.Tensor:
+    """q, k, v (B, H, N, Dh), mask (B, N) -> (B, H, N, Dh) in q's dtype; all arithmetic in fp32 (or fp64)."""
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        fq = feature_map(q)  # (B, H, N, Dh)
+        fk = feature_map(k) * mask[:, None, :, None]  # (B, H, N, Dh): padded keys contribute nothing
+        v1 = with_ones(v)  # (B, H, N, Dh + 1)
+        if causal:
+            o1 = causal_prefix_attention(fq, fk, v1, chunk)  # (B, H, N, Dh + 1)
+        else:
+            summary = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, Dh, Dh + 1): [sum fk v^T | sum fk]
+            o1 = torch.matmul(fq, summary)  # (B, H, N, Dh + 1)
+        return normalise(o1).to(q.dtype)  # (B, H, N, Dh)
+
+
+@functools.cache
+def compiled(fn):
+    """``fn`` through torch.compile, built on first use (CUDA only): the elementwise passes (casts, elu, mask,
+    ones column, division) fuse around the fp32 matmuls, about halving time and activation memory (H200: 6.2 ->
+    3.0 ms for fwd+bwd of one layer at N 4096, batch 32)."""
+    return torch.compile(fn)
+
+
+@register_model
+class LinearAttention(MultiHeadMixer):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_qkv: int,
+        dropout: float,
+        max_len: int,
+        *,
+        causal: bool = False,
+        chunk_size: int = 64,
+        compile_core: bool = True,
+    ):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.causal, self.chunk_size, self.compile_core = bool(causal), int(chunk_size), bool(compile_core)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        core = compiled(linear_attention) if (self.compile_core and q.is_cuda) else linear_attention
+        return core(q, k, v, mask, self.causal, self.chunk_size)  # (B, H, N, Dh)
+
+    def recurrent_step(
+        self,
+        state: torch.Tensor | None,
+        q_t: torch.Tensor,
+        k_t: torch.Tensor,
+        v_t: torch.Tensor,
+        mask_t: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of causal attention as an RNN (paper eq. 16-20). q_t, k_t, v_t: (B, H, Dh); mask_t:
+        optional (B,) bool, False = padded token (it updates nothing). ``state`` is None at the start, then
+        the (B, H, Dh, Dh + 1) fp32 running [sum phi(k) v^T | sum phi(k)]. Returns (out_t (B, H, Dh), state)."""
+        if not self.causal:
+            raise ValueError("recurrent_step is the causal form; build the model with causal=True")
+        with torch.autocast(device_type=q_t.device.type, enabled=False):
+            fk = feature_map(k_t)  # (B, H, Dh)
+            if mask_t is not None:
+                fk = fk * mask_t[:, None, None]
+            update = fk.unsqueeze(-1) * with_ones(v_t).unsqueeze(-2)  # (B, H, Dh, Dh + 1)
+            state = update if state is None else state + update
+            o1 = torch.matmul(feature_map(q_t).unsqueeze(-2), state).squeeze(-2)  # (B, H, Dh + 1)
+            return normalise(o1).to(q_t.dtype), state
+
+    def step(
+        self, x_t: torch.Tensor, state: torch.Tensor | None = None, mask_t: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole mixer for one token, for autoregressive inference: x_t (B, D) -> ((B, D), state)."""
+        B = x_t.shape[0]
+        q, k, v = self.qkv(x_t).view(B, 3, self.n_heads, self.d_head).unbind(1)  # each (B, H, Dh)
+        o, state = self.recurrent_step(state, q, k, v, mask_t)  # (B, H, Dh)
+        return self.out(o.reshape(B, -1)), state  # (B, D)

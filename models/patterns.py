@@ -1,0 +1,213 @@
+"""Block-sparse attention patterns, run as FlexAttention on CUDA or as a dense boolean mask elsewhere.
+
+Shared by ``local``, ``sparse``, ``longformer`` and ``bigbird``. A model subclasses ``BlockSparseMixer`` and
+defines its pattern once, in ``pattern(q, k, n_blocks)``: a vectorised function of query-block and key-block
+indices (and, for patterns that need it, each sample's number of real blocks) saying which block pairs
+attend. On top of it a model may declare ``global_tokens``: that many leading positions attend to and are
+attended by everything, at token granularity (Longformer's global CLS). The per-sample key padding mask is
+applied in both paths, so padded keys never contribute.
+
+Two executions of the same pattern:
+
+- **FlexAttention** (CUDA by default; ``backend="flex"`` forces it, e.g. in tests, where it runs eagerly):
+  the block layout is pooled to FlexAttention's 128 x 128 tiles and turned into a ``BlockMask`` directly
+  (kv- and q-major tile lists): a tile is *full* (no masking inside) when every pair in it is allowed and
+  all its keys are real, *partial* (``mask_mod`` evaluated) when some pair may be allowed, and skipped
+  otherwise, so the cost grows with the number of allowed tiles, not with N^2. Building the mask costs
+  O(B (N/128)^2) block-level operations per call; ``create_block_mask`` would instead evaluate ``mask_mod`` at
+  every one of the B N^2 positions, and since the padding mask changes every batch its result could not be
+  cached. ``tests/test_model_patterns.py`` checks that both constructions give the same tiles.
+  The call goes through ``torch.compile`` (the fused kernel exists only compiled).
+- **Dense mask** (CPU, or ``backend="dense"``): the layout is expanded to a (B, 1, N, N) boolean mask for
+  ``F.scaled_dot_product_attention``. O(N^2) time and memory: it exists for correctness and CPU tests, and
+  speed claims for these models must come from the flex path.
+
+Granularity: a model's ``block`` must divide 128 or be a multiple of it, so that pattern blocks and
+FlexAttention tiles nest (LRA's block 50 straddles tiles and would make every tile partial). Sequences are
+padded internally to a multiple of max(block, 128) with masked positions and cut back, so any N up to
+``max_len`` works.
+
+Rows with no allowed key (padded queries whose whole neighbourhood is padding) return 0 in both paths:
+SDPA and FlexAttention define a fully masked row as 0, in output and gradient; the tests check both paths.
+
+Attention dropout is not applied: FlexAttention has no dropout on attention probabilities, and the dense
+path skips it too so that CPU and GPU train the same model (the encoder's residual and MLP dropout still
+apply).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .base import MultiHeadMixer
+
+FLEX_BLOCK = 128  # FlexAttention's tile: sparsity is counted in whole 128 x 128 tiles
+MIN_FLEX_HEAD_DIM = 16  # the Triton kernel rejects smaller head dims; zero-padding q, k, v is exact
+
+
+def check_block(block: int) -> None:
+    if block < 1 or (FLEX_BLOCK % block and block % FLEX_BLOCK):
+        raise ValueError(
+            f"block={block}: pattern blocks must divide {FLEX_BLOCK} or be a multiple of it, so that they nest "
+            f"in FlexAttention's {FLEX_BLOCK}-wide tiles (LRA's block 50 maps to 64 or 128)"
+        )
+
+
+def padded_length(n: int, block: int) -> int:
+    """The internal length: a multiple of both the pattern block and the FlexAttention tile."""
+    unit = max(block, FLEX_BLOCK)
+    return -(-n // unit) * unit
+
+
+def dense_mask(layout, keep, block: int, global_tokens: int) -> torch.Tensor:
+    """(B or 1, N/block, N/block) layout, (B, N) key mask -> (B, 1, N, N) bool: True = query may see key."""
+    N, nb = keep.shape[1], layout.shape[-1]
+    allowed = layout[:, :, None, :, None].expand(-1, nb, block, nb, block)  # (B or 1, nb, block, nb, block)
+    allowed = allowed.reshape(-1, N, N)  # (B or 1, N, N)
+    if global_tokens:
+        pos = torch.arange(N, device=keep.device)
+        allowed = allowed | (pos[:, None] < global_tokens) | (pos[None, :] < global_tokens)
+    return (allowed & keep[:, None, :])[:, None]  # (B, 1, N, N): padded keys never contribute
+
+
+def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch.Tensor:
+    """softmax attention through SDPA with the pattern expanded to a dense boolean mask."""
+    mask = dense_mask(layout, keep, block, global_tokens)  # (B, 1, N, N)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, R, C) bool tiles -> FlexAttention's (count per row, column indices with the active ones first).
+
+    A stable partition built from cumulative sums rather than torch's argsort: inductor's sort lowering
+    produced out-of-range indices for tile counts like 9 (torch 2.11, H200: illegal memory access), and
+    this function runs inside the compiled graph."""
+    C = dense.shape[-1]
+    active = dense.to(torch.int32)
+    count = active.sum(-1, dtype=torch.int32)  # (B, H, R)
+    rank_active = active.cumsum(-1) - 1  # (B, H, R, C): slot of each active column
+    rank_inactive = count[..., None] + (1 - active).cumsum(-1) - 1  # inactive columns go after them
+    slot = torch.where(dense, rank_active, rank_inactive).long()  # (B, H, R, C): a permutation of 0..C-1
+    columns = torch.arange(C, dtype=torch.int32, device=dense.device).expand_as(active)
+    return count, torch.empty_like(active).scatter_(-1, slot, columns)  # (B, H, R), (B, H, R, C)
+
+
+def flex_block_mask(layout, keep, block: int, global_tokens: int) -> BlockMask:
+    """The pattern (block layout plus global prefix) and the key padding mask as a FlexAttention BlockMask."""
+    B, N = keep.shape
+    nt = N // FLEX_BLOCK
+    layout = layout.expand(B, -1, -1).contiguous()  # (B, N/block, N/block); mask_mod indexes it by b
+    # Pool the pattern to tiles: `some` = the tile holds an allowed block pair, `every` = all its pairs are.
+    if block <= FLEX_BLOCK:
+        r = FLEX_BLOCK // block
+        tiles = layout.reshape(B, nt, r, nt, r)  # (B, tile_q, block in tile, tile_k, block in tile)
+        some, every = tiles.any(4).any(2), tiles.all(4).all(2)  # each (B, nt, nt)
+    else:
+        s = block // FLEX_BLOCK
+        some = every = layout.repeat_interleave(s, 1).repeat_interleave(s, 2)  # (B, nt, nt)
+    if global_tokens:
+        start = torch.arange(nt, device=keep.device) * FLEX_BLOCK
+        g_some, g_every = start < global_tokens, start + FLEX_BLOCK <= global_tokens  # (nt,)
+        some = some | g_some[:, None] | g_some[None, :]
+        every = every | g_every[:, None] | g_every[None, :]
+    real = keep.view(B, nt, FLEX_BLOCK)  # (B, nt, 128)
+    full = every & real.all(-1)[:, None, :]  # (B, nt, nt): computed without mask_mod
+    partial = some & real.any(-1)[:, None, :] & ~full  # (B, nt, nt): mask_mod decides inside
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = layout[b, q_idx // block, kv_idx // block]
+        if global_tokens:
+            allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
+        return allowed & keep[b, kv_idx]
+
+    # The q-major lists (for the backward pass) are the transposed tiles, ordered the same way.
+    partial, full = partial[:, None], full[:, None]  # (B, 1, nt, nt)
+    kv_num, kv_index = _ordered(partial)
+    full_kv_num, full_kv_index = _ordered(full)
+    q_num, q_index = _ordered(partial.transpose(-1, -2))
+    full_q_num, full_q_index = _ordered(full.transpose(-1, -2))
+    return BlockMask(
+        seq_lengths=(N, N), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_index, q_num_blocks=q_num, q_indices=q_index, full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_index, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
+    )
+
+
+def _flex_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch.Tensor:
+    Dh = q.shape[-1]
+    if Dh < MIN_FLEX_HEAD_DIM:
+        # Zero columns add nothing to q.k and produce zero output columns, which are cut off below.
+        q, k, v = (F.pad(t, (0, MIN_FLEX_HEAD_DIM - Dh)) for t in (q, k, v))  # (B, H, N, 16)
+    block_mask = flex_block_mask(layout, keep, block, global_tokens)
+    out = flex_attention(q, k, v, block_mask=block_mask, scale=Dh**-0.5)  # (B, H, N, max(Dh, 16))
+    return out[..., :Dh]
+
+
+_compiled_flex_attend = None
+
+
+def flex_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch.Tensor:
+    """FlexAttention over the pattern. On CUDA the whole function (mask construction included) is compiled,
+    so the per-batch ``mask_mod`` closure is traced rather than guarded on; elsewhere it runs eagerly."""
+    global _compiled_flex_attend
+    fn = _flex_attend
+    if q.is_cuda and not torch.compiler.is_compiling():
+        if _compiled_flex_attend is None:
+            _compiled_flex_attend = torch.compile(_flex_attend, dynamic=False)
+        fn = _compiled_flex_attend
+    return fn(q, k, v, layout, keep, block, global_tokens)
+
+
+class BlockSparseMixer(MultiHeadMixer):
+    """Multi-head attention restricted to a block pattern; subclasses define ``pattern``.
+
+    ``backend``: "auto" (FlexAttention on CUDA, dense mask elsewhere), "flex" or "dense". It is an attribute,
+    not a constructor option, because it changes how the model runs, never what it computes.
+    ``static_pattern``: True when ``pattern`` ignores ``n_blocks``, so the layout can be cached per length.
+    """
+
+    static_pattern = True
+
+    def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block: int,
+                 global_tokens: int = 0):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        check_block(block)
+        if global_tokens < 0:
+            raise ValueError(f"global_tokens={global_tokens} must be >= 0")
+        self.block, self.global_tokens = block, global_tokens
+        self.backend = "auto"
+        self._layouts: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def pattern(self, q: torch.Tensor, k: torch.Tensor, n_blocks: torch.Tensor) -> torch.Tensor:
+        """q (1, nb, 1) and k (1, 1, nb): block indices; n_blocks (B, 1, 1): blocks holding real tokens
+        (one past the last real token, divided by the block, rounded up). Returns bool broadcastable to
+        (B, nb, nb): True where query block q may attend to key block k."""
+        raise NotImplementedError
+
+    def block_layout(self, keep: torch.Tensor) -> torch.Tensor:
+        """(B, N) key mask, N a multiple of the block -> (B or 1, N/block, N/block) allowed block pairs."""
+        nb, device = keep.shape[1] // self.block, keep.device
+        key = (nb, device)
+        cache = self.static_pattern and not torch.compiler.is_compiling()
+        if cache and key in self._layouts:
+            return self._layouts[key]
+        blocks = torch.arange(nb, device=device)
+        extent = (keep.long() * torch.arange(1, keep.shape[1] + 1, device=device)).amax(-1)  # (B,) last real + 1
+        n_blocks = (extent + self.block - 1) // self.block  # (B,)
+        layout = self.pattern(blocks[None, :, None], blocks[None, None, :], n_blocks[:, None, None])
+        layout = layout.expand(layout.shape[0], nb, nb)  # (B or 1, nb, nb)
+        if cache:
+            self._layouts[key] = layout
+        return layout
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        N = q.shape[2]
+        self.check_length(N)
+        pad = padded_length(N, self.block) - N
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, Np, Dh)
+        keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
+        layout = self.block_layout(keep)
+        use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
+        attend = flex_attend if use_flex else dense_attend
+        return attend(q, k, v, layout, keep, self.block, self.global_tokens)[:, :, :N]  # (B, H, N, Dh)

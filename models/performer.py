@@ -1,0 +1,215 @@
+"""Performer: FAVOR+ attention (Choromanski, Likhosherstov, Dohan, Song, Gane, Sarlos, Hawkins, Davis,
+Mohiuddin, Kaiser, Belanger, Colwell, Weller, 2021, "Rethinking Attention with Performers", ICLR 2021,
+https://arxiv.org/abs/2009.14794).
+
+softmax attention exp(q . k / sqrt(Dh)) is estimated without bias by positive orthogonal random features:
+with q' = q Dh^-1/4, k' = k Dh^-1/4 and m rows w_r (blocks of orthonormal directions, chi(Dh) lengths, so each
+row is marginally N(0, I)),
+
+    phi(x) = exp(W x - |x|^2 / 2) / sqrt(m),   exp(q' . k') = E[phi(q')^T phi(k')],
+    out_i  = phi(q_i)^T (sum_j phi(k_j) [v_j, 1]^T)  ->  numerator / (denominator + 1e-6).
+
+Stabilisers (exact, they cancel in the ratio): key features are divided by their per-feature maximum over
+the real keys, and the query features multiplied back by it before each query's features are divided by
+their row maximum (which also absorbs exp(-|q'|^2/2) / sqrt(m)). Every feature's key sum is then >= 1 and
+every query's largest feature is 1, so the normaliser is >= 1: no overflow, no 0/0. The maxima are constants
+for the gradient. Features, stabilisers, summaries and normaliser run in fp32 even under bf16 autocast
+(fp16/bf16 exponentials overflow: facebookresearch/xformers#96).
+The backward is written by hand and recomputes the two (N x m) feature maps instead of keeping them (two
+extra matmuls; saves 2 x B H N m fp32 per layer). On CUDA forward and backward bodies run through
+torch.compile (``compile_core``), which fuses the elementwise passes over the feature maps around the fp32
+matmuls. One layer fwd+bwd, H200, N 4096, batch 32, 4 x 64 heads, m 256: see the README numbers.
+
+Features come from a torch.Generator seeded with ``seed`` (draw j uses a seed derived from (seed, j)), so a
+layer's features are reproducible and survive a checkpoint (the matrix is a buffer; seed and counters are
+extra state). ``seed: null`` takes each layer's seed from torch's RNG at construction, so layers differ but
+follow the run seed. In training the features are redrawn every ``redraw_every`` training forward calls
+(0 = never); in eval they are frozen, so evaluation is deterministic. The heads of a layer share the matrix
+(as in the paper's code).
+
+``kernel: relu`` is LRA's default Performer ("generalized" attention with deterministic features):
+phi(x) = relu(x) + 1e-3 on the raw q, k, no random features, no stabiliser; ``n_features``/``redraw_every``
+are then unused (LRA ignored ``nb_features`` as well).
+
+Complexity: softmax kernel O(N m Dh) time, O(N m) transient memory per head (O(N Dh) kept for backward);
+relu kernel O(N Dh^2) time, O(N Dh) memory. Nothing N x N is ever formed.
+Padding: padded keys get features exactly 0 (their exponent is -inf) and are excluded from the key
+stabiliser, so padding never contributes; padded queries get an output the encoder ignores.
+Deviations from LRA: LRA's Performer used no padding mask; its ListOps run used FAVOR+ with 2 features
+redrawn every call from a seed of ceil(1e7 * sum q) (here: a declared seed and schedule); the key stabiliser
+there was a max over the whole batch and the gradient flowed through both maxima; attention dropout is not
+applied (LRA ignored it too).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .base import MultiHeadMixer
+from .registry import register_model
+
+EPS = 1e-6  # normaliser floor (LRA's numerical_stabilizer)
+RELU_EPS = 1e-3  # LRA's kernel_epsilon for the deterministic relu features
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
+
+
+def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> torch.Tensor:
+    """(m, d) rows: blocks of d orthonormal directions with chi(d) lengths (paper's ORF, 'scaling 0')."""
+    blocks = torch.randn(-(-m // d), d, d, generator=generator)  # (n_blocks, d, d)
+    q, r = torch.linalg.qr(blocks)  # q (n_blocks, d, d), orthonormal columns
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # sign fix: Haar-distributed
+    rows = q.transpose(-1, -2).reshape(-1, d)[:m]  # (m, d)
+    lengths = torch.randn(m, d, generator=generator).norm(dim=-1)  # (m,): chi(d), as |N(0, I)|
+    return rows * lengths[:, None]  # (m, d)
+
+
+def favor_features(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, w: torch.Tensor):
+    """q, k (B, H, N, Dh), keep (B, 1, N, 1), w (m, Dh) pre-scaled by Dh^-1/4 -> fq, fk (B, H, N, m) fp32.
+
+    Key features are exp(w . k' - |k'|^2/2 - c) with c the per-feature maximum over real keys, compensated by
+    exp(+c) in the query features: exact, every feature's key sum is >= 1 and every query's largest feature
+    is 1, so the normaliser is >= 1. Query terms exp(-|q'|^2/2) / sqrt(m) are per-row constants: they cancel.
+    """
+    kf = upcast(k)
+    dash = torch.matmul(kf, w.t()) - kf.square().sum(-1, keepdim=True) * (0.5 / math.sqrt(k.shape[-1]))  # (B, H, N, m)
+    dash = dash.masked_fill(~keep, -math.inf)  # padded keys: exp(-inf) = 0
+    c = dash.detach().amax(2, keepdim=True).clamp_min(-1e30)  # (B, H, 1, m); finite even with no real key
+    fk = torch.exp(dash - c)  # (B, H, N, m), max 1 per feature
+    qdash = torch.matmul(upcast(q), w.t()) + c  # (B, H, N, m)
+    fq = torch.exp(qdash - qdash.detach().amax(-1, keepdim=True))  # (B, H, N, m), max 1 per query
+    return fq, fk
+
+
+def favor_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor):
+    """Normalised FAVOR+ attention, (B, H, N, Dh) x 3 -> out (B, H, N, Dh) fp32 (or fp64), plus what the
+    backward needs: the (B, H, m, Dh+1) summary [sum fk v^T | sum fk] and the (B, H, N, 1) normaliser."""
+    fq, fk = favor_features(q, k, keep, w)  # (B, H, N, m) each
+    summary = torch.matmul(fk.transpose(-1, -2), F.pad(upcast(v), (0, 1), value=1.0))  # (B, H, m, Dh + 1)
+    o1 = torch.matmul(fq, summary)  # (B, H, N, Dh + 1): [numerator | normaliser]
+    den = o1[..., -1:] + EPS  # (B, H, N, 1)
+    return o1[..., :-1] / den, summary, den
+
+
+def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor):
+    """favor_forward differentiated by autograd: the reference the hand-written backward is tested against."""
+    return favor_forward(q, k, v, keep, w)[0]
+
+
+def favor_backward(grad, q, k, v, keep, w, summary, out, den):
+    """Gradients of favor_forward's out w.r.t. q, k, v, recomputing the two (N x m) feature maps."""
+    g = upcast(grad) / den  # (B, H, N, Dh): d loss / d numerator
+    g1 = torch.cat([g, -(g * out).sum(-1, keepdim=True)], -1)  # (B, H, N, Dh + 1): [d num | d den]
+    fq, fk = favor_features(q, k, keep, w)  # (B, H, N, m) each
+    d_summary = torch.matmul(fq.transpose(-1, -2), g1)  # (B, H, m, Dh + 1)
+    d_qdash = torch.matmul(g1, summary.transpose(-1, -2)) * fq  # (B, H, N, m): through the exp
+    dq = torch.matmul(d_qdash, w)  # (B, H, N, Dh)
+    dv = torch.matmul(fk, d_summary[..., :-1])  # (B, H, N, Dh)
+    d_kdash = torch.matmul(F.pad(upcast(v), (0, 1), value=1.0), d_summary.transpose(-1, -2)) * fk  # (B, H, N, m)
+    # the key exponent is w . k' - |k'|^2 / 2, so d/dk adds -(sum_r d_kdash_r) k / sqrt(Dh)
+    dk = torch.matmul(d_kdash, w) - d_kdash.sum(-1, keepdim=True) * upcast(k) / math.sqrt(k.shape[-1])
+    return dq, dk, dv
+
+
+@functools.cache
+def compiled(fn):
+    """``fn`` through torch.compile, built on first use (CUDA only): fuses the fp32 elementwise passes over
+    the (N x m) feature maps around the cuBLAS matmuls."""
+    return torch.compile(fn)
+
+
+class FavorAttention(torch.autograd.Function):
+    """favor_forward with a hand-written backward that recomputes the features: saves q, k, v, out and the
+    small summary instead of two (B, H, N, m) fp32 feature maps (at N 4096, batch 32, 4 heads, m 256: 0.5
+    instead of 1.6 GB per layer). ``fused``: forward and backward bodies run compiled, each separately, so
+    the compiler cannot move the feature maps back into the saved set."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, w, fused: bool):
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            out, summary, den = (compiled(favor_forward) if fused else favor_forward)(q, k, v, keep, w)
+        ctx.fused = fused
+        ctx.save_for_backward(q, k, v, keep, w, summary, out, den)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, keep, w, summary, out, den = ctx.saved_tensors
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            dq, dk, dv = (compiled(favor_backward) if ctx.fused else favor_backward)(
+                grad, q, k, v, keep, w, summary, out, den
+            )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+@register_model
+class Performer(MultiHeadMixer):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_qkv: int,
+        dropout: float,
+        max_len: int,
+        *,
+        n_features: int = 256,
+        kernel: str = "softmax",
+        redraw_every: int = 1000,
+        seed: int | None = None,
+        compile_core: bool = True,
+    ):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        if kernel not in ("softmax", "relu"):
+            raise ValueError(f"kernel must be 'softmax' (FAVOR+) or 'relu' (LRA's generalized), got {kernel!r}")
+        if n_features < 1:
+            raise ValueError(f"n_features must be >= 1, got {n_features}")
+        if redraw_every < 0:
+            raise ValueError(f"redraw_every must be >= 0 (0 = never), got {redraw_every}")
+        self.kernel, self.n_features = kernel, int(n_features)
+        # null: a per-layer seed from torch's RNG (so layers differ, reproducibly under the run seed)
+        self.redraw_every = int(redraw_every)
+        self.seed = int(torch.randint(2**31, ())) if seed is None else int(seed)
+        self.compile_core = bool(compile_core)
+        self.train_calls = 0  # training forward calls seen; drives the redraw schedule
+        self.draws = 0  # index of the current feature draw
+        self.register_buffer("features", self.draw(0) if kernel == "softmax" else None)  # (m, Dh) fp32
+
+    def draw(self, index: int) -> torch.Tensor:
+        # the CPU generator keeps 32 seed bits: mix (seed, index) into them with two odd multipliers
+        generator = torch.Generator().manual_seed((self.seed * 0x9E3779B1 + index * 0x85EBCA77) & 0xFFFFFFFF)
+        return orthogonal_gaussian(self.n_features, self.d_head, generator)  # (m, Dh), drawn on the CPU
+
+    @torch.compiler.disable  # host-side bookkeeping; keeps a compiled graph free of Python-int guards
+    def advance_schedule(self) -> None:
+        if not (self.training and self.features is not None and self.redraw_every):
+            return
+        if self.train_calls and self.train_calls % self.redraw_every == 0:
+            self.draws += 1
+            # a new tensor, not copy_(): graphs still awaiting backward keep the features they used
+            self.features = self.draw(self.draws).to(self.features)
+        self.train_calls += 1
+
+    def get_extra_state(self) -> dict:
+        return {"seed": self.seed, "train_calls": self.train_calls, "draws": self.draws}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.seed, self.train_calls, self.draws = (int(state[k]) for k in ("seed", "train_calls", "draws"))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = mask[:, None, :, None]  # (B, 1, N, 1)
+        if self.kernel == "relu":
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                fq = F.relu(upcast(q)) + RELU_EPS  # (B, H, N, Dh)
+                fk = (F.relu(upcast(k)) + RELU_EPS).mul_(keep)  # (B, H, N, Dh): padded keys give nothing
+                summary = torch.matmul(fk.transpose(-1, -2), F.pad(upcast(v), (0, 1), value=1.0))  # (B, H, Dh, Dh+1)
+                o1 = torch.matmul(fq, summary)  # (B, H, N, Dh + 1)
+                return (o1[..., :-1] / (o1[..., -1:] + EPS)).to(q.dtype)  # (B, H, N, Dh)
+        self.advance_schedule()
+        w = upcast(self.features).to(upcast(q).dtype) * self.d_head**-0.25  # (m, Dh): folds in q' = q Dh^-1/4
+        fused = self.compile_core and q.is_cuda
+        return FavorAttention.apply(q, k, v, keep, w, fused).to(q.dtype)  # (B, H, N, Dh)

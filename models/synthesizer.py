@@ -1,0 +1,96 @@
+"""Synthesizer: attention weights that are learned (synthesized) rather than computed from token pairs.
+
+Paper: Yi Tay, Dara Bahri, Donald Metzler, Da-Cheng Juan, Zhe Zhao, Che Zheng, "Synthesizer: Rethinking
+Self-Attention in Transformer Models", ICML 2021, https://arxiv.org/abs/2005.00743.
+
+Per head, synthesized logits S (N x N) replace or join the dot product:
+  ``variant: random``             S = R[:N, :N], a learned max_len x max_len matrix per head;
+  ``variant: factorized_random``  S = R1[:N] R2[:N]^T with R1, R2 of shape (max_len, ``factor_rank``);
+  ``variant: dense``              S[i, :] = W2 relu(W1 x_i + b1) + b2, W1: d_model -> d_qkv (split per
+                                  head), W2: d_head -> max_len shared by the heads (as LRA), sliced to N.
+With ``keep_dot_product`` (LRA's default: random + dot product) the logits are QK^T/sqrt(d) + S and go
+through fused ``scaled_dot_product_attention`` as an additive float mask (softmax in fp32 inside the
+kernel); without it softmax(S) V is computed explicitly with an fp32 softmax and the query/key
+projections do not exist (only values are projected). The value path always uses V.
+
+Complexity: O(N^2 d) time and O(B H N^2) memory (the logit bias is materialised per batch, since the
+padding mask differs per example); parameters H max_len^2 for ``random`` (LRA's choice: 64M per layer
+at max_len 4000 with 4 heads), 2 H max_len r for ``factorized_random``, O(d^2 + d max_len) for
+``dense``. It is a quadratic model: it shows what learned, input-independent attention can do.
+
+Deviations from LRA's code: LRA's dense mode reshapes (B, N, H, max_len) straight to (B, H, N, max_len)
+without a transpose (scrambling heads and positions); we transpose. Init: R ~ N(0, 1/max_len), and R1,
+R2 scaled so R1 R2^T has the same variance (LRA: lecun-normal). Text configs that asked for
+factorized_random were silently run as random in LRA (LRA.md 4.1); both are available here.
+
+Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
+appending padding leaves outputs at real positions exactly unchanged, and padded token content never
+reaches them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import MultiHeadMixer
+from .registry import register_model
+
+VARIANTS = ("dense", "random", "factorized_random")
+
+
+@register_model
+class Synthesizer(MultiHeadMixer):
+    def __init__(
+        self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, variant: str = "random",
+        keep_dot_product: bool = True, factor_rank: int = 32,
+    ):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        if variant not in VARIANTS:
+            raise ValueError(f"synthesizer: variant must be one of {VARIANTS}, got {variant!r}")
+        if variant == "factorized_random" and factor_rank < 1:
+            raise ValueError(f"synthesizer: factor_rank must be >= 1, got {factor_rank}")
+        self.variant, self.keep_dot_product = variant, keep_dot_product
+        if not keep_dot_product:
+            self.qkv = nn.Linear(d_model, d_qkv, bias=False)  # values only: Q and K would get no gradient
+        H, L = n_heads, max_len
+        if variant == "random":
+            self.R = nn.Parameter(torch.randn(H, L, L) * L**-0.5)
+        elif variant == "factorized_random":
+            scale = (factor_rank * L) ** -0.25  # so that R1 R2^T ~ N(0, 1/max_len), like ``random``
+            self.R1 = nn.Parameter(torch.randn(H, L, factor_rank) * scale)
+            self.R2 = nn.Parameter(torch.randn(H, L, factor_rank) * scale)
+        else:
+            self.syn_hidden = nn.Linear(d_model, d_qkv)
+            self.syn_logits = nn.Linear(self.d_head, L)  # rows = key positions, sliced to N
+
+    def synthesized(self, x: torch.Tensor) -> torch.Tensor:
+        """The synthesized logits S: (1, H, N, N) for the random variants, (B, H, N, N) for dense."""
+        B, N, _ = x.shape
+        if self.variant == "random":
+            return self.R[None, :, :N, :N]  # (1, H, N, N)
+        if self.variant == "factorized_random":
+            return (self.R1[:, :N] @ self.R2[:, :N].transpose(1, 2))[None]  # (1, H, N, N)
+        h = F.relu(self.syn_hidden(x)).view(B, N, self.n_heads, self.d_head)  # (B, N, H, Dh)
+        s = F.linear(h, self.syn_logits.weight[:N], self.syn_logits.bias[:N])  # (B, N, H, N)
+        return s.transpose(1, 2)  # (B, H, N, N)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        self.check_length(N)
+        H, Dh = self.n_heads, self.d_head
+        pad_keys = ~mask[:, None, None, :]  # (B, 1, 1, N)
+        if self.keep_dot_product:
+            q, k, v = self.project(x)  # each (B, H, N, Dh)
+            bias = self.synthesized(x).to(q.dtype).masked_fill(pad_keys, float("-inf"))  # (B, H, N, N)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.dropout_p)  # (B, H, N, Dh)
+        else:
+            v = self.qkv(x).view(B, N, H, Dh).transpose(1, 2)  # (B, H, N, Dh)
+            s = self.synthesized(x)
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                # finfo.min, not -inf: an example with no real token gets uniform weights, not NaN
+                s = s.float().masked_fill(pad_keys, torch.finfo(torch.float32).min)  # (B, H, N, N)
+                p = torch.softmax(s, dim=-1)
+            p = F.dropout(p, self.dropout_p, training=self.training)  # (B, H, N, N)
+            o = torch.matmul(p.to(v.dtype), v)  # (B, H, N, Dh)
+        return self.out(o.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, D)

@@ -1,0 +1,29 @@
+"""Shared fixtures: Hydra composition from conf/, and isolated cache/result folders per test."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def compose_cfg(overrides: list[str], config_name: str = "config"):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name, overrides=overrides)
+
+
+@pytest.fixture
+def smoke_cfg(tmp_path):
+    """Compose a smoke config writing only under tmp_path; pass extra overrides."""
+
+    def make(*overrides: str):
+        return compose_cfg([
+            "trainer=smoke", f"run_dir={tmp_path / 'run'}", f"results.dir={tmp_path / 'results'}",
+            f"data.cache_dir={tmp_path / 'cache'}", *overrides,
+        ])
+
+    return make

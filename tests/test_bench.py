@@ -1,0 +1,181 @@
+"""The speed/memory bench: rows, relative figures, OOM and error rows, the printed table, the Hydra app, W&B."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from lra import bench
+from lra.results import BENCH_COLUMNS
+from models import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_TEXT = (ROOT / "conf" / "task" / "text.yaml").exists()
+TINY = dict(n_layers=1, d_model=32, n_heads=2, d_qkv=32, d_ff=64, d_head=32, dropout=0.1, attn_dropout=0.1,
+            positions="learned", pooling="mean")
+
+
+class MeanMixer(nn.Module):
+    """A cheap non-attention mixer (every token gets the masked mean), registered only inside these tests."""
+
+    def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
+        super().__init__()
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask):
+        m = mask.unsqueeze(-1).to(x.dtype)  # (B, N, 1)
+        mean = (x * m).sum(1, keepdim=True) / m.sum(1, keepdim=True)  # (B, 1, D)
+        return self.proj(mean).expand_as(x)  # (B, N, D)
+
+
+@pytest.fixture
+def mean_mixer(monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, "bench_mean", MeanMixer)
+    return "bench_mean"
+
+
+def make_cfg(tmp_path, models, lengths, **bench_overrides):
+    b = dict(models=models, lengths=lengths, batch_size=2, batch_sizes={}, warmup=1, steps=2, compile="auto",
+             precision="auto", vocab_size=257, out=str(tmp_path / "bench.csv"), progress=False)
+    b.update(bench_overrides)
+    return OmegaConf.create(dict(seed=0, device="cpu", task=dict(name="text", n_classes=2, seq_len=1000),
+                                 backbone=dict(TINY), bench=b, logger=dict(name="none")))
+
+
+def test_bench_rows_and_relative_figures(tmp_path, mean_mixer):
+    cfg = make_cfg(tmp_path, [mean_mixer, "transformer"], [64, 128])
+    df = bench.run_bench(cfg)
+    assert list(df["model"]) == ["transformer", "transformer", mean_mixer, mean_mixer]  # baseline first
+    assert (df["status"] == "ok").all()
+    csv = pd.read_csv(tmp_path / "bench.csv")
+    assert list(csv.columns) == BENCH_COLUMNS and len(csv) == 4
+    for r in csv.itertuples():
+        assert r.steps_per_s > 0 and r.examples_per_s == pytest.approx(2 * r.steps_per_s, rel=1e-4)
+        assert r.ms_per_step == pytest.approx(1000 / r.steps_per_s, rel=1e-4)
+        assert r.peak_mem_mb > 0 and r.params > 0 and r.precision == "fp32" and not r.compiled
+        base = csv[(csv.model == "transformer") & (csv.seq_len == r.seq_len)].iloc[0]
+        assert r.rel_speed == pytest.approx(r.steps_per_s / base.steps_per_s, rel=1e-3)
+        assert r.rel_mem == pytest.approx(r.peak_mem_mb / base.peak_mem_mb, rel=1e-3)
+    t = csv[csv.model == "transformer"]
+    assert (t.rel_speed == 1).all() and t.sdpa_backend.notna().all()  # the transformer runs a fused SDPA kernel
+    assert csv[csv.model == mean_mixer].sdpa_backend.isna().all()  # ... and the mean mixer none
+    # learned positions grow with N: the parameter count shows the model was built at the bench length
+    assert t.params.iloc[1] - t.params.iloc[0] == 64 * 32
+
+    table = bench.format_table(df)
+    assert "transformer" in table and mean_mixer in table and "64" in table and "128" in table
+    assert "(1.0x)" in table and "Peak memory" in table
+
+    # a later sweep without the transformer takes its baseline from the earlier rows of bench.csv
+    df2 = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [128]))
+    base = csv[(csv.model == "transformer") & (csv.seq_len == 128)].iloc[0]
+    assert df2["rel_speed"].iloc[0] == pytest.approx(df2["steps_per_s"].iloc[0] / base.steps_per_s, rel=1e-3)
+    # ... but not from rows of another backbone
+    other = make_cfg(tmp_path, [mean_mixer], [128])
+    other.backbone.d_ff = 96
+    assert pd.isna(bench.run_bench(other)["rel_speed"].iloc[0])
+    assert len(pd.read_csv(tmp_path / "bench.csv")) == 6  # append-only
+
+
+def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, mean_mixer):
+    real = bench.measure
+
+    def flaky(model, tokens, labels, **kw):
+        if tokens.shape[-1] == 128:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if tokens.shape[-1] == 96:
+            raise RuntimeError("CUDA error: out of memory")
+        if tokens.shape[-1] == 80:
+            raise ValueError("no kernel for this shape\nsecond line")
+        return real(model, tokens, labels, **kw)
+
+    monkeypatch.setattr(bench, "measure", flaky)
+    df = bench.run_bench(make_cfg(tmp_path, ["transformer", mean_mixer], [64, 80, 96, 128]))
+    status = {(r.model, r.seq_len): r.status for r in df.itertuples()}
+    for m in ("transformer", mean_mixer):
+        assert status[(m, 64)] == "ok"
+        assert status[(m, 96)] == status[(m, 128)] == "oom"
+        assert status[(m, 80)] == "error: ValueError: no kernel for this shape"
+    csv = pd.read_csv(tmp_path / "bench.csv")
+    failed = csv[csv.status != "ok"]
+    assert len(csv) == 8 and failed.steps_per_s.isna().all() and failed.rel_speed.isna().all()
+    assert (failed.params > 0).all()  # the model was built before it ran out of memory
+    table = bench.format_table(df)
+    assert "OOM" in table and "ERR" in table and "no kernel for this shape" in table
+
+
+def test_oom_detection():
+    assert bench.is_oom(torch.cuda.OutOfMemoryError("x"))
+    assert bench.is_oom(RuntimeError("CUDA out of memory. Tried to allocate"))
+    assert bench.is_oom(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory"))
+    assert not bench.is_oom(RuntimeError("shape mismatch"))
+    assert not bench.is_oom(ValueError("out of memory"))
+
+
+def test_sdpa_backend_names():
+    names = ["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_cudnn_attention",
+             "aten::_scaled_dot_product_cudnn_attention_backward", "aten::mm"]
+    assert bench.sdpa_backend(names) == "cudnn"
+    assert bench.sdpa_backend(["aten::_scaled_dot_product_flash_attention_for_cpu",
+                               "aten::_scaled_dot_product_attention_math"]) == "flash_cpu+math"
+    assert bench.sdpa_backend(["aten::mm"]) == ""
+
+
+def test_per_length_batch_sizes(tmp_path):
+    df = bench.run_bench(make_cfg(tmp_path, ["transformer"], [32, 64], batch_sizes={64: 1}, steps=1))
+    assert list(df["batch_size"]) == [2, 1]
+    assert df["examples_per_s"].iloc[1] == pytest.approx(df["steps_per_s"].iloc[1])
+    assert "(B1)" in bench.format_table(df)
+
+
+def test_model_config_options_drop_the_name(tmp_path):
+    assert bench.model_config_options("transformer") == {}
+    assert bench.model_config_options("no_such_model_config") == {}
+
+
+@pytest.mark.skipif(not HAS_TEXT, reason="conf/task/text.yaml not written yet")
+def test_bench_config_is_the_lra_table2_protocol():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="bench")
+    assert cfg.task.name == "text" and cfg.bench.lengths == [1024, 2048, 3072, 4096]
+    assert cfg.bench.batch_size == 32 and cfg.bench.models is None and cfg.bench.out == "results/bench.csv"
+    assert {"n_layers", "d_model", "n_heads", "d_qkv", "d_ff", "d_head", "pooling"} <= set(cfg.backbone)
+
+
+@pytest.mark.skipif(not HAS_TEXT, reason="conf/task/text.yaml not written yet")
+def test_cli(tmp_path):
+    out = tmp_path / "b.csv"
+    args = ["bench.models=[transformer]", "bench.lengths=[32]", "bench.batch_size=2", "bench.warmup=1",
+            "bench.steps=1", "bench.progress=false", "device=cpu", f"bench.out={out}", f"hydra.run.dir={tmp_path}/h"]
+    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Speed: training steps/s" in p.stdout and "transformer" in p.stdout
+    row = pd.read_csv(out).iloc[0]
+    assert row.status == "ok" and row.seq_len == 32 and row.task == "text"
+
+
+def test_wandb_logging_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = make_cfg(tmp_path, ["transformer"], [32, 64], steps=1)
+    cfg.logger = OmegaConf.create(dict(name="wandb", project="lra-test", entity=None, mode="offline", tags=["test"]))
+    bench.run_bench(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    media = list(runs[0].rglob("*.png"))
+    names = sorted(p.name for p in media)  # both charts went up as images, named by their keys
+    assert len(names) == 2 and names[0].startswith("peak_mem_mb_vs_length") and names[1].startswith("steps_per_s")
+    assert list(runs[0].rglob("*.table.json"))

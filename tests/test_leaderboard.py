@@ -1,0 +1,157 @@
+"""Leaderboard aggregation (best-by-validation, seed averaging, both LRA averages, published diffs), the
+published numbers file, and the comparison of two result sets."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lra import compare, leaderboard
+from lra.results import RUN_COLUMNS
+
+ROOT = Path(__file__).resolve().parent.parent
+PUBLISHED = ROOT / "results" / "published.csv"
+
+
+def run(task, model, seed, val, test, trainer="lra", ts="2026-01-01T00:00:00Z", final=None):
+    return dict(task=task, model=model, seed=seed, trainer=trainer, val_acc=val, test_acc=test,
+                final_test_acc=test if final is None else final, timestamp=ts)
+
+
+def hand_made_runs() -> pd.DataFrame:
+    rows = [
+        # transformer, ListOps: seed 0 ran twice (the better validation wins), 3 seeds -> 34, 38, 36
+        run("listops", "transformer", 0, 30.0, 31.0, ts="2026-01-01T00:00:00Z"),
+        run("listops", "transformer", 0, 35.0, 34.0, ts="2026-01-02T00:00:00Z", final=33.0),
+        run("listops", "transformer", 1, 36.0, 38.0),
+        run("listops", "transformer", 2, 33.0, 36.0),
+        run("listops", "transformer", 3, 99.0, 99.0, trainer="smoke"),  # smoke runs never count
+        run("listops", "transformer", 4, 99.0, None),  # no test accuracy: not a finished run
+        run("text", "transformer", 0, 64.0, 65.0),
+        run("retrieval", "transformer", 0, 59.0, 60.0),
+        run("image", "transformer", 0, 41.0, 40.0),
+        run("pathfinder", "transformer", 0, 70.5, 70.0),
+        run("pathx", "transformer", 0, 50.2, 50.3),  # chance: FAIL
+        # local: four tasks only -> no averages
+        *[run(t, "local", 0, 50.0, 50.0 + i) for i, t in enumerate(["listops", "text", "retrieval", "image"])],
+        # a model LRA never had, with a real Path-X
+        *[run(t, "mymodel", 0, 80.0, 80.0) for t in ["listops", "text", "retrieval", "image", "pathfinder"]],
+        run("pathx", "mymodel", 0, 70.0, 68.0),
+    ]
+    return pd.DataFrame(rows).reindex(columns=RUN_COLUMNS)
+
+
+def cell(lb, model, task, col="test_acc"):
+    r = lb[(lb.model == model) & (lb.task == task)]
+    assert len(r) == 1, (model, task)
+    return r.iloc[0][col]
+
+
+@pytest.fixture
+def published():
+    return pd.read_csv(PUBLISHED)
+
+
+def test_leaderboard_aggregation(published):
+    lb = leaderboard.build_leaderboard(hand_made_runs(), published)
+    assert list(lb.columns) == leaderboard.LEADERBOARD_COLUMNS
+    assert cell(lb, "transformer", "listops") == pytest.approx(36.0)  # mean of 34 (best-val re-run), 38, 36
+    assert cell(lb, "transformer", "listops", "test_std") == pytest.approx(2.0)
+    assert cell(lb, "transformer", "listops", "n_seeds") == 3
+    assert cell(lb, "transformer", "listops", "final_test_acc") == pytest.approx((33 + 38 + 36) / 3)
+    assert pd.isna(cell(lb, "transformer", "text", "test_std")) and cell(lb, "transformer", "text", "n_seeds") == 1
+    # the two averages, each labelled
+    assert cell(lb, "transformer", "avg5") == pytest.approx((36 + 65 + 60 + 40 + 70) / 5)
+    assert cell(lb, "transformer", "avg6") == pytest.approx((36 + 65 + 60 + 40 + 70 + 50) / 6)  # failed Path-X = 50
+    assert "FAIL" in cell(lb, "transformer", "pathx", "note")
+    assert "Path-X failed = 50" in cell(lb, "transformer", "avg6", "note")
+    assert cell(lb, "mymodel", "avg6") == pytest.approx((5 * 80 + 68) / 6)  # a real Path-X counts as run
+    assert cell(lb, "transformer", "avg5", "n_seeds") == 1
+    assert not ((lb.model == "local") & lb.task.isin(["avg5", "avg6"])).any()  # incomplete: no average
+    # LRA Table 1 beside ours
+    assert cell(lb, "transformer", "listops", "published") == pytest.approx(36.37)
+    assert cell(lb, "transformer", "listops", "diff") == pytest.approx(36.0 - 36.37)
+    assert cell(lb, "transformer", "avg5", "diff") == pytest.approx(54.2 - 54.39)
+    assert cell(lb, "transformer", "avg6", "published") == pytest.approx(53.66)
+    assert pd.isna(cell(lb, "transformer", "pathx", "published"))  # LRA: FAIL
+    assert "LRA Table 1: FAIL" in cell(lb, "transformer", "pathx", "note")
+    assert pd.isna(cell(lb, "mymodel", "avg5", "published"))
+    # ordering: best 5-task average first, models without one last; tasks in LRA order
+    assert list(dict.fromkeys(lb.model)) == ["mymodel", "transformer", "local"]
+    assert list(lb[lb.model == "transformer"].task) == leaderboard.TASKS6 + ["avg5", "avg6"]
+
+    text = leaderboard.format_leaderboard(lb)
+    assert "36.00+-2.00[3] (-0.37)" in text and "FAIL" in text and "avg6" in text
+
+
+def test_fractions_are_read_as_percent_and_trainer_filter():
+    runs = hand_made_runs()
+    frac = runs.copy()
+    for c in ["val_acc", "test_acc", "final_test_acc"]:
+        frac[c] = frac[c] / 100
+    frac.loc[frac.trainer == "smoke", ["val_acc", "test_acc"]] = 0.99
+    a = leaderboard.build_leaderboard(runs)
+    b = leaderboard.build_leaderboard(frac)
+    pd.testing.assert_series_equal(a.test_acc, b.test_acc)
+    smoke = leaderboard.build_leaderboard(runs, trainer="smoke")
+    assert set(smoke.model) == {"transformer"} and cell(smoke, "transformer", "listops") == pytest.approx(99.0)
+    both = leaderboard.build_leaderboard(runs, trainer="all")
+    assert cell(both, "transformer", "listops", "n_seeds") == 4
+
+
+def test_cli_writes_csv(tmp_path, capsys):
+    hand_made_runs().to_csv(tmp_path / "runs.csv", index=False)
+    out = tmp_path / "lb.csv"
+    leaderboard.main(["--runs", str(tmp_path / "runs.csv"), "--out", str(out), "--published", str(PUBLISHED)])
+    lb = pd.read_csv(out)
+    assert cell(lb, "transformer", "avg5", "published") == pytest.approx(54.39)
+    assert "mymodel" in capsys.readouterr().out
+
+
+def test_published_numbers(published):
+    t1 = published[published.source == "lra_table1"]
+    models = {"transformer", "local", "sparse", "longformer", "linformer", "reformer", "sinkhorn", "synthesizer",
+              "bigbird", "linear", "performer"}
+    assert set(t1.model) == models
+    acc = t1[t1.metric == "test_acc"]
+    assert len(acc) == 66 and set(acc.task) == set(leaderboard.TASKS6)
+    assert acc[acc.task == "pathx"].value.isna().all() and acc[acc.task == "pathx"].note.str.startswith("FAIL").all()
+    wide = acc[acc.task != "pathx"].pivot(index="model", columns="task", values="value")
+    avg5 = t1[t1.metric == "avg5"].set_index("model").value
+    avg6 = t1[t1.metric == "avg6"].set_index("model").value
+    for m in models:  # the paper's averages agree with its cells (Sinkhorn's printed average is the known slip)
+        tol = 0.1 if m == "sinkhorn" else 0.006
+        assert wide.loc[m].mean() == pytest.approx(avg5[m], abs=tol)
+        assert (wide.loc[m].sum() + 50) / 6 == pytest.approx(avg6[m], abs=0.006)
+    t2 = published[published.source == "lra_table2"]
+    speed = t2[t2.metric == "steps_per_s"].dropna(subset=["value"])
+    assert len(speed) == 36 and set(speed.seq_len) == {1024, 2048, 3072, 4096}
+    assert speed.set_index(["model", "seq_len"]).value[("transformer", 4096)] == pytest.approx(1.4)
+    mem = t2[t2.metric == "peak_mem_gb"]
+    assert mem.set_index(["model", "seq_len"]).value[("performer", 4096)] == pytest.approx(1.06)
+    assert {"s4", "s5", "mega", "lru", "nystromformer", "skyformer", "flash_attention"} <= set(published.model)
+
+
+def test_compare_leaderboards_and_run_files(tmp_path, capsys):
+    runs_a = hand_made_runs()
+    runs_b = runs_a.copy()
+    runs_b.loc[(runs_b.model == "transformer") & (runs_b.task == "text"), "test_acc"] = 67.5
+    runs_b = runs_b[runs_b.model != "local"]
+    table = compare.compare(runs_a, runs_b)
+    assert list(table.columns) == compare.COMPARE_COLUMNS
+    t = table.set_index(["model", "task"])
+    assert t.loc[("transformer", "text"), "diff"] == pytest.approx(2.5)
+    assert t.loc[("transformer", "listops"), "diff"] == pytest.approx(0.0)
+    assert t.loc[("transformer", "avg5"), "diff"] == pytest.approx(0.5)
+    assert pd.isna(t.loc[("local", "text"), "b"]) and t.loc[("local", "text"), "a"] == pytest.approx(51.0)
+    assert t.loc[("transformer", "listops"), "n_seeds_a"] == 3
+
+    runs_a.to_csv(tmp_path / "a_runs.csv", index=False)
+    leaderboard.build_leaderboard(runs_b).to_csv(tmp_path / "b_lb.csv", index=False)  # a leaderboard file
+    out = compare.main([str(tmp_path / "a_runs.csv"), str(tmp_path / "b_lb.csv"), "--out", str(tmp_path / "d.csv")])
+    printed = capsys.readouterr().out
+    assert "(runs)" in printed and "(leaderboard)" in printed and "2.50" in printed
+    assert pd.read_csv(tmp_path / "d.csv").shape == out.shape
+    with pytest.raises(ValueError, match="neither"):
+        compare.kind_of(pd.DataFrame({"x": [1]}))

@@ -1,0 +1,254 @@
+"""The block-sparse pattern models (local, sparse, longformer, bigbird) and models/patterns.py.
+
+CPU only: the FlexAttention path runs eagerly here (forward only; torch has no flex backward on CPU), which
+evaluates its mask_mod densely, so the tile structure that the compiled CUDA kernel relies on is checked
+separately against ``create_block_mask``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+from models import create_model
+from models.patterns import FLEX_BLOCK, dense_mask, flex_block_mask, padded_length
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+D, H = 32, 2
+
+# Defaults plus settings that exercise blocks below, at and above the 128 tile, and token-level globals.
+CONFIGS = [
+    ("local", {}), ("local", {"block": 64}), ("local", {"block": 256}),
+    ("sparse", {}), ("sparse", {"pattern": "strided", "stride": 2}),
+    ("sparse", {"block": 64, "stride": 3, "summary": 2}),
+    ("longformer", {}), ("longformer", {"block": 64, "window": 1, "global_tokens": 130}),
+    ("longformer", {"global_tokens": 0, "window": 0}),
+    ("bigbird", {}), ("bigbird", {"block": 128, "n_random": 1}),
+    ("bigbird", {"block": 32, "window": 2, "global_blocks": 2}),
+]
+IDS = [f"{name}-{'-'.join(f'{k}{v}' for k, v in opts.items()) or 'default'}" for name, opts in CONFIGS]
+
+
+def make(name: str, max_len: int = 1024, d_model: int = D, n_heads: int = H, **options):
+    return create_model(name, d_model=d_model, n_heads=n_heads, d_qkv=d_model, dropout=0.0, max_len=max_len,
+                        **options).eval()
+
+
+def batch(n: int, d_model: int = D, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four samples: no padding, right padding, holes plus right padding, all padding."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, n, d_model, generator=g)
+    mask = torch.ones(4, n, dtype=torch.bool)
+    mask[1, int(0.55 * n):] = False
+    mask[2, int(0.8 * n):] = False
+    mask[2, torch.randperm(n, generator=g)[: n // 4]] = False
+    mask[3] = False
+    return x, mask
+
+
+def layout_and_keep(model, mask):
+    n = padded_length(mask.shape[1], model.block)
+    keep = torch.nn.functional.pad(mask, (0, n - mask.shape[1]), value=False)
+    return model.block_layout(keep), keep
+
+
+# Alternate between a length that needs internal padding and head dim 16, and one that does not with head
+# dim 4 (below FlexAttention's minimum of 16, so the flex path pads it).
+SIZES = [(300, 32, 2), (512, 16, 4)]
+
+
+@pytest.mark.parametrize("name,options,n,d_model,n_heads",
+                         [(*c, *SIZES[i % 2]) for i, c in enumerate(CONFIGS)], ids=IDS)
+def test_flex_path_matches_dense_path(name, options, n, d_model, n_heads):
+    torch.manual_seed(0)
+    model = make(name, d_model=d_model, n_heads=n_heads, **options)
+    x, mask = batch(n, d_model)
+    with torch.no_grad():
+        model.backend = "dense"
+        dense = model(x, mask)
+        model.backend = "flex"
+        flex = model(x, mask)
+    assert dense.isfinite().all()
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_flex_tiles_match_create_block_mask(name, options):
+    """What the compiled kernel computes: full tiles entirely, partial tiles through mask_mod, nothing else.
+    That must equal the dense mask, and the tiles must agree with create_block_mask's."""
+    torch.manual_seed(0)
+    model = make(name, **options)
+    _, mask = batch(700)
+    layout, keep = layout_and_keep(model, mask)
+    B, N = keep.shape
+    ours = flex_block_mask(layout, keep, model.block, model.global_tokens)
+    ref = create_block_mask(ours.mask_mod, B, 1, N, N, device="cpu", BLOCK_SIZE=FLEX_BLOCK)
+
+    def tiles(count, index):  # (B, 1, nt) + (B, 1, nt, nt) -> (B, nt, nt) bool
+        nt = index.shape[-1]
+        listed = torch.arange(nt) < count[..., None]  # (B, 1, nt, nt): the first `count` entries are real
+        return torch.zeros(B, 1, nt, nt, dtype=torch.bool).scatter_(-1, index.long(), listed)[:, 0]
+
+    full, partial = tiles(ours.full_kv_num_blocks, ours.full_kv_indices), tiles(ours.kv_num_blocks, ours.kv_indices)
+    ref_full, ref_partial = tiles(ref.full_kv_num_blocks, ref.full_kv_indices), tiles(ref.kv_num_blocks, ref.kv_indices)
+    assert torch.equal(full, ref_full)
+    assert not (ref_partial & ~partial).any()  # ours may list extra partial tiles, never miss one
+    assert not (full & partial).any()
+    # The q-major lists that the backward kernel walks are the same tiles, transposed.
+    assert torch.equal(tiles(ours.q_num_blocks, ours.q_indices), partial.transpose(1, 2))
+    assert torch.equal(tiles(ours.full_q_num_blocks, ours.full_q_indices), full.transpose(1, 2))
+    for ordered in (ours.kv_indices, ours.q_indices):  # every row lists a permutation of the tiles
+        assert torch.equal(ordered.sort(-1).values, torch.arange(ordered.shape[-1]).expand_as(ordered).int())
+
+    def expand(t):  # (B, nt, nt) tiles -> (B, N, N) positions
+        return t.repeat_interleave(FLEX_BLOCK, 1).repeat_interleave(FLEX_BLOCK, 2)
+
+    by_mask_mod = create_mask(ours.mask_mod, B, 1, N, N, device="cpu")[:, 0]  # (B, N, N)
+    kernel_view = expand(full) | (expand(partial) & by_mask_mod)
+    assert torch.equal(kernel_view, dense_mask(layout, keep, model.block, model.global_tokens)[:, 0])
+
+
+def test_flex_tiles_are_sparse():
+    """Block granularity is what makes FlexAttention skip work: at N = 2048 each default pattern computes
+    only a fraction of the 16 x 16 tiles."""
+    mask = torch.ones(1, 2048, dtype=torch.bool)
+    expected = {"local": 16, "sparse": 16 * 7, "longformer": 16 * 5 - 6 + 13 + 13}  # band + global row and column
+    for name, computed in expected.items():
+        model = make(name, max_len=2048)
+        layout, keep = layout_and_keep(model, mask)
+        bm = flex_block_mask(layout, keep, model.block, model.global_tokens)
+        assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) == computed, name
+    bigbird = make("bigbird", max_len=2048)
+    layout, keep = layout_and_keep(bigbird, mask)
+    bm = flex_block_mask(layout, keep, bigbird.block, 0)
+    assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) < 0.8 * 16 * 16
+
+
+# Settings under which each pattern covers a 300-token input (padded to 384 or 512) entirely.
+FULL = [
+    ("local", {"block": 512}), ("sparse", {"stride": 8}), ("sparse", {"pattern": "strided", "stride": 8}),
+    ("longformer", {"window": 8}), ("longformer", {"window": 8, "global_tokens": 3}),
+    ("bigbird", {"window": 16}), ("bigbird", {"block": 128, "window": 8, "n_random": 0}),
+]
+
+
+@pytest.mark.parametrize("name,options", FULL, ids=[f"{n}-{o}" for n, o in FULL])
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_full_pattern_equals_transformer(name, options, backend):
+    torch.manual_seed(0)
+    model, reference = make(name, **options), make("transformer")
+    reference.qkv.load_state_dict(model.qkv.state_dict())
+    reference.out.load_state_dict(model.out.state_dict())
+    model.backend = backend
+    x, mask = batch(300)
+    x_model, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = backend == "dense"  # FlexAttention has no backward on CPU
+    with torch.set_grad_enabled(grad):
+        out, expected = model(x_model, mask), reference(x_ref, mask)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if grad:
+        (out * mask[..., None]).square().sum().backward()
+        (expected * mask[..., None]).square().sum().backward()
+        torch.testing.assert_close(x_model.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    """Padded queries in blocks made only of padding see no key: output 0 and finite gradients."""
+    model = make("local", block=64)
+    x, mask = batch(300)
+    x.requires_grad_()
+    out = model(x, mask)
+    out.sum().backward()
+    assert out.isfinite().all() and x.grad.isfinite().all()
+    assert all(p.grad.isfinite().all() for p in model.parameters())
+    with torch.no_grad():
+        attended = model.attend(*model.project(x), mask)  # (B, H, N, Dh), before the output projection
+    assert (attended[3] == 0).all()  # the all-padding sample
+    assert (attended[1, :, 192:] == 0).all()  # blocks 3 and 4 of sample 1 are all padding
+    assert (attended[1, :, :165] != 0).any(-1).all()  # real queries always see their own block
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_appending_padding_leaves_real_positions_unchanged(name, options):
+    torch.manual_seed(0)
+    model = make(name, **options)
+    x, mask = batch(300)
+    longer_x = torch.cat([x, torch.randn(4, 333, D)], dim=1)
+    longer_mask = torch.cat([mask, torch.zeros(4, 333, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        short, long = model(x, mask), model(longer_x, longer_mask)[:, :300]
+    torch.testing.assert_close(long[mask], short[mask], atol=1e-5, rtol=1e-5)
+
+
+def _changed_positions(model, n: int, position: int) -> torch.Tensor:
+    x = torch.randn(1, n, D)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    y = x.clone()
+    y[0, position] += 3.0
+    with torch.no_grad():
+        return (model(x, mask) - model(y, mask)).abs().amax(-1)[0] > 1e-6  # (N,)
+
+
+def test_local_sees_only_its_block():
+    torch.manual_seed(0)
+    changed = _changed_positions(make("local", block=64), 300, 150)
+    assert changed[128:192].all() and not changed[:128].any() and not changed[192:].any()
+
+
+def test_longformer_window_and_global_tokens():
+    torch.manual_seed(0)
+    model = make("longformer", block=64, window=1, global_tokens=1)
+    changed = _changed_positions(model, 600, 300)  # block 4: seen by blocks 3..5 and by the global token
+    expected = torch.zeros(600, dtype=torch.bool)
+    expected[0] = expected[192:384] = True
+    assert torch.equal(changed, expected)
+    assert _changed_positions(model, 600, 0).all()  # everyone attends to the global token
+
+
+def test_sparse_fixed_and_strided_layouts():
+    blocks = torch.arange(6)
+    fixed = make("sparse", stride=2, summary=1).pattern(blocks[None, :, None], blocks[None, None, :], None)[0]
+    # segments {0,1} {2,3} {4,5}; the summary block of each segment is its last one: 1, 3, 5
+    assert fixed[0].nonzero().flatten().tolist() == [0, 1, 3, 5]
+    assert fixed[2].nonzero().flatten().tolist() == [1, 2, 3, 5]
+    strided = make("sparse", pattern="strided", stride=3).pattern(blocks[None, :, None], blocks[None, None, :], None)[0]
+    assert strided[0].nonzero().flatten().tolist() == [0, 1, 2, 3]  # |q - k| < 3 or (q - k) % 3 == 0
+    assert strided[4].nonzero().flatten().tolist() == [1, 2, 3, 4, 5]
+
+
+def test_bigbird_random_plan_reproducible_and_per_layer():
+    a, b = make("bigbird", seed=7), make("bigbird", seed=7)
+    assert torch.equal(a.plan, b.plan)
+    torch.manual_seed(3)
+    first = [make("bigbird") for _ in range(2)]
+    torch.manual_seed(3)
+    second = [make("bigbird") for _ in range(2)]
+    assert all(torch.equal(p.plan, q.plan) for p, q in zip(first, second, strict=True))
+    assert not torch.equal(first[0].plan, first[1].plan)  # layers of one model get different plans
+    # The layout: window, global first/last real block and exactly n_random distinct extra blocks.
+    model = make("bigbird", block=64, seed=7)
+    mask = torch.ones(2, 1024, dtype=torch.bool)
+    mask[1, 700:] = False  # 11 real blocks of 64
+    layout, _ = layout_and_keep(model, mask)
+    for s, n_real in enumerate([16, 11]):
+        assert layout[s, 0, :n_real].all() and layout[s, n_real - 1, :n_real].all()  # global rows
+        for i in range(1, n_real - 1):
+            row = layout[s, i]
+            assert row[0] and row[n_real - 1] and row[i - 1: i + 2].all()
+            extra = row.clone()
+            extra[[0, n_real - 1, i - 1, i, i + 1]] = False
+            assert int(extra.sum()) == 3 and not extra[n_real:].any()
+
+
+def test_bad_settings_fail_in_init():
+    with pytest.raises(ValueError, match="block=50"):
+        make("local", block=50)
+    with pytest.raises(ValueError, match="pattern"):
+        make("sparse", pattern="diagonal")
+    with pytest.raises(ValueError, match="summary"):
+        make("sparse", stride=2, summary=3)
+    with pytest.raises(ValueError, match="window"):
+        make("longformer", window=-1)
+    with pytest.raises(ValueError, match="at most 256"):
+        make("bigbird", max_len=256)(*batch(300))

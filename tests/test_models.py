@@ -1,0 +1,114 @@
+"""Tests over the whole registry: a model is covered the moment it registers."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import lra.run as runner
+from lra.encoder import Classifier, Encoder
+from models import create_model, get_model_class, list_models
+
+MODELS = list_models()
+LRA_TABLE_1 = {"transformer", "local", "sparse", "longformer", "linformer", "reformer", "sinkhorn", "synthesizer",
+               "bigbird", "linear", "performer"}
+
+
+def make(name: str, d_model=32, n_heads=2, max_len=300, dropout=0.0):
+    torch.manual_seed(0)
+    return create_model(name, d_model=d_model, n_heads=n_heads, d_qkv=d_model, dropout=dropout, max_len=max_len)
+
+
+def test_registry_holds_the_lra_zoo():
+    assert LRA_TABLE_1 <= set(MODELS)
+
+
+def test_unknown_model_lists_the_known_ones():
+    with pytest.raises(ValueError, match="known models: .*transformer"):
+        create_model("transfomer")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_unknown_option_fails(name):
+    with pytest.raises(TypeError, match="has no option"):
+        create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64, no_such_option=1)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_docstring_cites_paper_and_complexity(name):
+    doc = (get_model_class(name).__doc__ or "") + (__import__(f"models.{name}").__dict__[name].__doc__ or "")
+    assert "arxiv.org" in doc.lower() and "complexity" in doc.lower(), name
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_shape_and_gradients_reach_every_parameter(name):
+    model = make(name).train()
+    x = torch.randn(2, 257, 32, requires_grad=True)
+    mask = torch.ones(2, 257, dtype=torch.bool)
+    mask[1, 200:] = False
+    out = model(x, mask)
+    assert out.shape == (2, 257, 32) and torch.isfinite(out).all()
+    (out * torch.randn_like(out)).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, f"{name}: no gradient reaches {pname}"
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, f"{name}: zero gradient at {pname}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_padding_does_not_change_real_positions(name):
+    """Append padding (with junk in it): outputs at the real positions stay the same."""
+    model = make(name).eval()
+    if not getattr(model, "padding_invariant", True):
+        pytest.skip(f"{name} documents why it cannot be padding-invariant")
+    n_real, n_padded = 150, 256
+    x = torch.randn(1, n_padded, 32)
+    mask = torch.zeros(1, n_padded, dtype=torch.bool)
+    mask[:, :n_real] = True
+    with torch.no_grad():
+        short = model(x[:, :n_real], mask[:, :n_real])
+        long = model(x, mask)
+        x2 = x.clone()
+        x2[:, n_real:] = torch.randn(1, n_padded - n_real, 32) * 10
+        junk = model(x2, mask)
+    torch.testing.assert_close(long[:, :n_real], short, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(junk[:, :n_real], short, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_encoder_logits_ignore_appended_padding(name):
+    torch.manual_seed(0)
+    enc = Encoder(name, {}, vocab_size=20, seq_len=300, n_layers=2, d_model=32, n_heads=2, d_qkv=32, d_ff=64,
+                  dropout=0.0, attn_dropout=0.0, positions="learned", cls_token=True)
+    model = Classifier(enc, 32, 64, 10, "cls").eval()
+    if not all(getattr(b.mixer, "padding_invariant", True) for b in enc.blocks):
+        pytest.skip(f"{name} documents why it cannot be padding-invariant")
+    tokens = torch.randint(1, 20, (2, 120))
+    padded = torch.cat([tokens, torch.zeros(2, 130, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded), model(tokens), atol=2e-5, rtol=1e-4)
+    mean = Classifier(enc, 32, 64, 10, "mean").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(mean(padded), mean(tokens), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cpu_forward_backward_at_1k_is_fast(name):
+    """N = 1024, d 64, 2 heads, batch 2: forward + backward within a few hundred milliseconds on CPU."""
+    model = make(name, d_model=64, max_len=1025).train()
+    x = torch.randn(2, 1024, 64, requires_grad=True)
+    mask = torch.ones(2, 1024, dtype=torch.bool)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        model(x, mask).sum().backward()
+        best = min(best, time.perf_counter() - t)
+    assert best < 0.4, f"{name}: {best * 1e3:.0f} ms"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_smoke_listops_run(name, smoke_cfg):
+    row = runner.run(smoke_cfg(f"model={name}", "train.steps=6", "train.eval_every=3",
+                               "data.limit.train=48", "data.limit.val=16", "data.limit.test=16"))
+    assert row["model"] == name and row["steps"] == 6 and 0 <= row["test_acc"] <= 1
