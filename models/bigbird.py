@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .patterns import BlockSparseMixer, padded_length
+from .patterns import BlockSparseMixer, padded_length, real_blocks
 from .registry import register_model
 
 
@@ -50,16 +50,26 @@ class BigBird(BlockSparseMixer):
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.register_buffer("plan", torch.rand(nb, nb, generator=generator))  # (nb, nb) scores in [0, 1)
 
-    def pattern(self, q: torch.Tensor, k: torch.Tensor, n_blocks: torch.Tensor) -> torch.Tensor:
-        g, nb = self.global_blocks, q.shape[1]
-        window = (q - k).abs() <= self.window  # (1, nb, nb)
-        k_global = (k < g) | ((k >= n_blocks - g) & (k < n_blocks))  # (B, 1, nb)
-        q_global = (q < g) | ((q >= n_blocks - g) & (q < n_blocks))  # (B, nb, 1)
-        allowed = window | k_global | q_global  # (B, nb, nb)
-        if self.n_random == 0:
-            return allowed
-        candidate = ~window & ~k_global & (k < n_blocks)  # (B, nb, nb)
+    def is_global(self, i: torch.Tensor, n_blocks: torch.Tensor) -> torch.Tensor:
+        g = self.global_blocks
+        return (i < g) | ((i >= n_blocks - g) & (i < n_blocks))  # the first and last g real blocks
+
+    def context(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sample's real block count (B,) and random key blocks (B, nb, n_random), -1 where a row has
+        fewer candidates than n_random: the best-scored real blocks outside the window and global blocks."""
+        n_blocks, nb = real_blocks(keep, self.block), keep.shape[1] // self.block
+        blocks = torch.arange(nb, device=keep.device)
+        q, k, n = blocks[None, :, None], blocks[None, None, :], n_blocks[:, None, None]
+        candidate = ((q - k).abs() > self.window) & ~self.is_global(k, n) & (k < n)  # (B, nb, nb)
         scores = torch.where(candidate, self.plan[:nb, :nb], -1.0)  # (B, nb, nb); -1 = not a candidate
         best = scores.topk(min(self.n_random, nb), dim=-1)  # values, indices: (B, nb, r)
-        chosen = torch.zeros_like(allowed).scatter_(-1, best.indices, best.values >= 0)  # (B, nb, nb)
-        return allowed | chosen
+        return n_blocks, torch.where(best.values >= 0, best.indices, -1)
+
+    def pattern(self, b, q, k, n_blocks: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
+        n = n_blocks[b]  # grid: (B, 1, 1)
+        allowed = ((q - k).abs() <= self.window) | self.is_global(q, n) | self.is_global(k, n)  # grid: (B, nb, nb)
+        nb, r = random.shape[1:]
+        flat = random.reshape(-1)  # 1-D lookups keep FlexAttention's partial tiles cheap
+        for slot in range(r):  # the n_random slots of the query block's row, not a loop over blocks
+            allowed = allowed | (k == flat[(b * nb + q) * r + slot])
+        return allowed

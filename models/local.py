@@ -30,5 +30,5 @@ class Local(BlockSparseMixer):
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block: int = 128):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len, block=block)
 
-    def pattern(self, q: torch.Tensor, k: torch.Tensor, n_blocks: torch.Tensor) -> torch.Tensor:
-        return q == k  # (1, nb, nb): the diagonal blocks
+    def pattern(self, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q == k  # grid: (1, nb, nb), the diagonal blocks

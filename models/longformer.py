@@ -41,5 +41,5 @@ class Longformer(BlockSparseMixer):
             raise ValueError(f"window={window} must be >= 0 blocks on each side")
         self.window = window
 
-    def pattern(self, q: torch.Tensor, k: torch.Tensor, n_blocks: torch.Tensor) -> torch.Tensor:
-        return (q - k).abs() <= self.window  # (1, nb, nb): a band of 2 * window + 1 blocks
+    def pattern(self, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q - k).abs() <= self.window  # grid: (1, nb, nb), a band of 2 * window + 1 blocks

@@ -71,7 +71,7 @@ def dense_mask(layout, keep, block: int, global_tokens: int) -> torch.Tensor:
     return (allowed & keep[:, None, :])[:, None]  # (B, 1, N, N): padded keys never contribute
 
 
-def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch.Tensor:
+def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule=None) -> torch.Tensor:
     """softmax attention through SDPA with the pattern expanded to a dense boolean mask."""
     mask = dense_mask(layout, keep, block, global_tokens)  # (B, 1, N, N)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
@@ -93,11 +93,14 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, torch.empty_like(active).scatter_(-1, slot, columns)  # (B, H, R), (B, H, R, C)
 
 
-def flex_block_mask(layout, keep, block: int, global_tokens: int) -> BlockMask:
-    """The pattern (block layout plus global prefix) and the key padding mask as a FlexAttention BlockMask."""
+def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> BlockMask:
+    """The pattern and the key padding mask as a FlexAttention BlockMask. ``layout`` (B or 1, N/block, N/block)
+    decides the tiles; ``rule(b, q_block, k_block)``, the same pattern as a function of indices, decides
+    the positions inside partial tiles. Computing it from indices (and 1-D loads) rather than looking the
+    layout up keeps partial tiles cheap: a 2-D gather per position slows the kernel several times."""
     B, N = keep.shape
     nt = N // FLEX_BLOCK
-    layout = layout.expand(B, -1, -1).contiguous()  # (B, N/block, N/block); mask_mod indexes it by b
+    layout = layout.expand(B, -1, -1)  # (B, N/block, N/block)
     # Pool the pattern to tiles: `some` = the tile holds an allowed block pair, `every` = all its pairs are.
     if block <= FLEX_BLOCK:
         r = FLEX_BLOCK // block
@@ -115,11 +118,13 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int) -> BlockMask:
     full = every & real.all(-1)[:, None, :]  # (B, nt, nt): computed without mask_mod
     partial = some & real.any(-1)[:, None, :] & ~full  # (B, nt, nt): mask_mod decides inside
 
+    keep_flat = keep.reshape(-1)  # (B * N,)
+
     def mask_mod(b, h, q_idx, kv_idx):
-        allowed = layout[b, q_idx // block, kv_idx // block]
+        allowed = rule(b, q_idx // block, kv_idx // block)
         if global_tokens:
             allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
-        return allowed & keep[b, kv_idx]
+        return allowed & keep_flat[b * N + kv_idx]
 
     # The q-major lists (for the backward pass) are the transposed tiles, ordered the same way.
     partial, full = partial[:, None], full[:, None]  # (B, 1, nt, nt)
@@ -134,37 +139,30 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int) -> BlockMask:
     )
 
 
-def _flex_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch.Tensor:
+def flex_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule) -> torch.Tensor:
+    """FlexAttention over the pattern (eager unless traced by torch.compile, see ``BlockSparseMixer``)."""
     Dh = q.shape[-1]
     if Dh < MIN_FLEX_HEAD_DIM:
         # Zero columns add nothing to q.k and produce zero output columns, which are cut off below.
         q, k, v = (F.pad(t, (0, MIN_FLEX_HEAD_DIM - Dh)) for t in (q, k, v))  # (B, H, N, 16)
-    block_mask = flex_block_mask(layout, keep, block, global_tokens)
+    block_mask = flex_block_mask(layout, keep, block, global_tokens, rule)
     out = flex_attention(q, k, v, block_mask=block_mask, scale=Dh**-0.5)  # (B, H, N, max(Dh, 16))
     return out[..., :Dh]
 
 
-_compiled_flex_attend = None
-
-
-def flex_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch.Tensor:
-    """FlexAttention over the pattern. On CUDA the whole function (mask construction included) is compiled,
-    so the per-batch ``mask_mod`` closure is traced rather than guarded on; elsewhere it runs eagerly."""
-    global _compiled_flex_attend
-    fn = _flex_attend
-    if q.is_cuda and not torch.compiler.is_compiling():
-        if _compiled_flex_attend is None:
-            _compiled_flex_attend = torch.compile(_flex_attend, dynamic=False)
-        fn = _compiled_flex_attend
-    return fn(q, k, v, layout, keep, block, global_tokens)
+def real_blocks(keep: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, N) key mask -> (B,) blocks up to the last real token: unchanged by padding appended after it."""
+    extent = (keep.long() * torch.arange(1, keep.shape[1] + 1, device=keep.device)).amax(-1)  # (B,)
+    return (extent + block - 1) // block
 
 
 class BlockSparseMixer(MultiHeadMixer):
-    """Multi-head attention restricted to a block pattern; subclasses define ``pattern``.
+    """Multi-head attention restricted to a block pattern; subclasses define ``pattern`` (and, when the
+    pattern depends on the sample, ``context``).
 
     ``backend``: "auto" (FlexAttention on CUDA, dense mask elsewhere), "flex" or "dense". It is an attribute,
     not a constructor option, because it changes how the model runs, never what it computes.
-    ``static_pattern``: True when ``pattern`` ignores ``n_blocks``, so the layout can be cached per length.
+    ``static_pattern``: True when the pattern needs no ``context``, so its layout can be cached per length.
     """
 
     static_pattern = True
@@ -179,35 +177,58 @@ class BlockSparseMixer(MultiHeadMixer):
         self.backend = "auto"
         self._layouts: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def pattern(self, q: torch.Tensor, k: torch.Tensor, n_blocks: torch.Tensor) -> torch.Tensor:
-        """q (1, nb, 1) and k (1, 1, nb): block indices; n_blocks (B, 1, 1): blocks holding real tokens
-        (one past the last real token, divided by the block, rounded up). Returns bool broadcastable to
-        (B, nb, nb): True where query block q may attend to key block k."""
+    def pattern(self, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
+        """True where query block ``q`` of sample ``b`` may attend to key block ``k``. Called twice with the
+        same code: on broadcast index grids, b (B, 1, 1), q (1, nb, 1), k (1, 1, nb), to lay out the tiles
+        and the dense mask; and on scalars inside FlexAttention's ``mask_mod``. So: elementwise tensor ops
+        only, and per-sample tensors from ``context`` read with 1-D indexing."""
         raise NotImplementedError
 
-    def block_layout(self, keep: torch.Tensor) -> torch.Tensor:
-        """(B, N) key mask, N a multiple of the block -> (B or 1, N/block, N/block) allowed block pairs."""
+    def context(self, keep: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-batch tensors the pattern reads, from the (B, N) key mask. None by default."""
+        return ()
+
+    def block_layout(self, keep: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(B, N) key mask, N a multiple of the block -> (B or 1, nb, nb) allowed block pairs, context."""
         nb, device = keep.shape[1] // self.block, keep.device
-        key = (nb, device)
         cache = self.static_pattern and not torch.compiler.is_compiling()
-        if cache and key in self._layouts:
-            return self._layouts[key]
+        if cache and (nb, device) in self._layouts:
+            return self._layouts[(nb, device)], ()
+        context = self.context(keep)
         blocks = torch.arange(nb, device=device)
-        extent = (keep.long() * torch.arange(1, keep.shape[1] + 1, device=device)).amax(-1)  # (B,) last real + 1
-        n_blocks = (extent + self.block - 1) // self.block  # (B,)
-        layout = self.pattern(blocks[None, :, None], blocks[None, None, :], n_blocks[:, None, None])
+        b = torch.arange(keep.shape[0], device=device)[:, None, None]
+        layout = self.pattern(b, blocks[None, :, None], blocks[None, None, :], *context)
         layout = layout.expand(layout.shape[0], nb, nb)  # (B or 1, nb, nb)
         if cache:
-            self._layouts[key] = layout
-        return layout
+            self._layouts[(nb, device)] = layout
+        return layout, context
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        N = q.shape[2]
-        self.check_length(N)
-        pad = padded_length(N, self.block) - N
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, Np, Dh)
-        keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
-        layout = self.block_layout(keep)
+        self.check_length(q.shape[2])
         use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
-        attend = flex_attend if use_flex else dense_attend
-        return attend(q, k, v, layout, keep, self.block, self.global_tokens)[:, :, :N]  # (B, H, N, Dh)
+        if use_flex and q.is_cuda and not torch.compiler.is_compiling():
+            # FlexAttention is fast only compiled. Compiling from here, with the mixer as an argument, lets
+            # the per-batch mask_mod closure be traced instead of guarded on; a model compiled as a whole
+            # (lra's default on CUDA) traces straight through and never takes this branch.
+            global _compiled_attend
+            if _compiled_attend is None:
+                _compiled_attend = torch.compile(_block_sparse_attend, dynamic=False)
+            return _compiled_attend(self, q, k, v, mask, True)
+        return _block_sparse_attend(self, q, k, v, mask, use_flex)
+
+
+_compiled_attend = None
+
+
+def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:
+    N = q.shape[2]
+    pad = padded_length(N, mixer.block) - N
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, Np, Dh)
+    keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
+    layout, context = mixer.block_layout(keep)
+
+    def rule(b, q_block, k_block):
+        return mixer.pattern(b, q_block, k_block, *context)
+
+    attend = flex_attend if use_flex else dense_attend
+    return attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens, rule)[:, :, :N]  # (B, H, N, Dh)

@@ -44,12 +44,11 @@ class Sparse(BlockSparseMixer):
             raise ValueError(f"summary={summary} must be between 0 and stride={stride} blocks")
         self.kind, self.stride, self.summary = pattern, stride, summary
 
-    def pattern(self, q: torch.Tensor, k: torch.Tensor, n_blocks: torch.Tensor) -> torch.Tensor:
+    def pattern(self, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         s = self.stride
         if self.kind == "fixed":
             same_segment = q // s == k // s
             summary = k % s >= s - self.summary  # the last `summary` blocks of every segment
-            return same_segment | summary  # (1, nb, nb)
-        near = (q - k).abs() < s
-        on_stride = (q - k) % s == 0
-        return near | on_stride  # (1, nb, nb)
+            return same_segment | summary  # grid: (1, nb, nb)
+        distance = (q - k).abs()
+        return (distance < s) | (distance % s == 0)  # grid: (1, nb, nb)

@@ -50,7 +50,8 @@ def batch(n: int, d_model: int = D, seed: int = 1) -> tuple[torch.Tensor, torch.
 def layout_and_keep(model, mask):
     n = padded_length(mask.shape[1], model.block)
     keep = torch.nn.functional.pad(mask, (0, n - mask.shape[1]), value=False)
-    return model.block_layout(keep), keep
+    layout, context = model.block_layout(keep)
+    return layout, keep, lambda b, q, k: model.pattern(b, q, k, *context)
 
 
 # Alternate between a length that needs internal padding and head dim 16, and one that does not with head
@@ -80,9 +81,9 @@ def test_flex_tiles_match_create_block_mask(name, options):
     torch.manual_seed(0)
     model = make(name, **options)
     _, mask = batch(700)
-    layout, keep = layout_and_keep(model, mask)
+    layout, keep, rule = layout_and_keep(model, mask)
     B, N = keep.shape
-    ours = flex_block_mask(layout, keep, model.block, model.global_tokens)
+    ours = flex_block_mask(layout, keep, model.block, model.global_tokens, rule)
     ref = create_block_mask(ours.mask_mod, B, 1, N, N, device="cpu", BLOCK_SIZE=FLEX_BLOCK)
 
     def tiles(count, index):  # (B, 1, nt) + (B, 1, nt, nt) -> (B, nt, nt) bool
@@ -116,12 +117,12 @@ def test_flex_tiles_are_sparse():
     expected = {"local": 16, "sparse": 16 * 7, "longformer": 16 * 5 - 6 + 13 + 13}  # band + global row and column
     for name, computed in expected.items():
         model = make(name, max_len=2048)
-        layout, keep = layout_and_keep(model, mask)
-        bm = flex_block_mask(layout, keep, model.block, model.global_tokens)
+        layout, keep, rule = layout_and_keep(model, mask)
+        bm = flex_block_mask(layout, keep, model.block, model.global_tokens, rule)
         assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) == computed, name
     bigbird = make("bigbird", max_len=2048)
-    layout, keep = layout_and_keep(bigbird, mask)
-    bm = flex_block_mask(layout, keep, bigbird.block, 0)
+    layout, keep, rule = layout_and_keep(bigbird, mask)
+    bm = flex_block_mask(layout, keep, bigbird.block, 0, rule)
     assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) < 0.8 * 16 * 16
 
 
@@ -208,11 +209,11 @@ def test_longformer_window_and_global_tokens():
 
 def test_sparse_fixed_and_strided_layouts():
     blocks = torch.arange(6)
-    fixed = make("sparse", stride=2, summary=1).pattern(blocks[None, :, None], blocks[None, None, :], None)[0]
+    fixed = make("sparse", stride=2, summary=1).pattern(None, blocks[:, None], blocks[None, :])
     # segments {0,1} {2,3} {4,5}; the summary block of each segment is its last one: 1, 3, 5
     assert fixed[0].nonzero().flatten().tolist() == [0, 1, 3, 5]
     assert fixed[2].nonzero().flatten().tolist() == [1, 2, 3, 5]
-    strided = make("sparse", pattern="strided", stride=3).pattern(blocks[None, :, None], blocks[None, None, :], None)[0]
+    strided = make("sparse", pattern="strided", stride=3).pattern(None, blocks[:, None], blocks[None, :])
     assert strided[0].nonzero().flatten().tolist() == [0, 1, 2, 3]  # |q - k| < 3 or (q - k) % 3 == 0
     assert strided[4].nonzero().flatten().tolist() == [1, 2, 3, 4, 5]
 
@@ -230,7 +231,7 @@ def test_bigbird_random_plan_reproducible_and_per_layer():
     model = make("bigbird", block=64, seed=7)
     mask = torch.ones(2, 1024, dtype=torch.bool)
     mask[1, 700:] = False  # 11 real blocks of 64
-    layout, _ = layout_and_keep(model, mask)
+    layout, _, _ = layout_and_keep(model, mask)
     for s, n_real in enumerate([16, 11]):
         assert layout[s, 0, :n_real].all() and layout[s, n_real - 1, :n_real].all()  # global rows
         for i in range(1, n_real - 1):
