@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from lra import plot
-from lra.encoder import Classifier, Encoder
+from lra.encoder import Classifier, build_classifier
 from lra.results import BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from models import list_models
 
@@ -58,14 +58,7 @@ def model_config_options(name: str) -> dict:
 
 
 def build_model(name: str, task: DictConfig, backbone: DictConfig, seq_len: int, vocab_size: int) -> Classifier:
-    bb = backbone
-    encoder = Encoder(
-        name, model_config_options(name), vocab_size=vocab_size, seq_len=seq_len, n_layers=bb.n_layers,
-        d_model=bb.d_model, n_heads=bb.n_heads, d_qkv=bb.d_qkv, d_ff=bb.d_ff, dropout=bb.dropout,
-        attn_dropout=bb.attn_dropout, positions=bb.get("positions", "learned"),
-        cls_token=bb.get("cls_token", bb.pooling == "cls"),  # as the runner
-    )
-    return Classifier(encoder, bb.d_model, bb.d_head, task.n_classes, bb.pooling)
+    return build_classifier(name, model_config_options(name), backbone, vocab_size, seq_len, task.n_classes)
 
 
 def backbone_tag(bb: DictConfig) -> str:

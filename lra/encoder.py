@@ -131,3 +131,16 @@ class Classifier(nn.Module):
         z = self.embed(tokens.reshape(B * two, N)).view(B, two, -1)  # both towers in one pass: (B, 2, D)
         u, v = z[:, 0], z[:, 1]
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))  # (B, C)
+
+
+def build_classifier(model: str, model_options: dict, backbone, vocab_size: int, seq_len: int, n_classes: int,
+                     pair: bool = False) -> Classifier:
+    """The model a run or a benchmark trains: ``backbone`` is the task's ``backbone`` config section (with
+    ``cls_token`` defaulting to ``pooling == 'cls'``), ``model_options`` the model config without ``name``."""
+    b = backbone
+    encoder = Encoder(
+        model, model_options, vocab_size=vocab_size, seq_len=seq_len, n_layers=b.n_layers, d_model=b.d_model,
+        n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
+        positions=b.get("positions", "learned"), cls_token=b.get("cls_token", b.pooling == "cls"),
+    )
+    return Classifier(encoder, b.d_model, b.d_head, n_classes, b.pooling, pair=pair)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.data.common import atomic_save
-from lra.encoder import Classifier, Encoder
+from lra.encoder import Classifier, build_classifier
 from lra.results import RUN_COLUMNS, append_row, config_hash, device_name, git_sha, now_iso
 
 log = logging.getLogger("lra")
@@ -95,15 +95,9 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
 
 
 def build_model(cfg: DictConfig, data: TaskData) -> Classifier:
-    b = cfg.backbone
     options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    cls_token = b.get("cls_token", b.pooling == "cls")
-    encoder = Encoder(
-        cfg.model.name, options, vocab_size=data.vocab_size, seq_len=data.seq_len, n_layers=b.n_layers,
-        d_model=b.d_model, n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout,
-        attn_dropout=b.attn_dropout, positions=b.positions, cls_token=cls_token,
-    )
-    return Classifier(encoder, b.d_model, b.d_head, data.n_classes, b.pooling, pair=data.pair)
+    return build_classifier(cfg.model.name, options, cfg.backbone, data.vocab_size, data.seq_len, data.n_classes,
+                            pair=data.pair)
 
 
 def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:

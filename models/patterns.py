@@ -1,11 +1,13 @@
 """Block-sparse attention patterns, run as FlexAttention on CUDA or as a dense boolean mask elsewhere.
 
 Shared by ``local``, ``sparse``, ``longformer`` and ``bigbird``. A model subclasses ``BlockSparseMixer`` and
-defines its pattern once, in ``pattern(q, k, n_blocks)``: a vectorised function of query-block and key-block
-indices (and, for patterns that need it, each sample's number of real blocks) saying which block pairs
-attend. On top of it a model may declare ``global_tokens``: that many leading positions attend to and are
-attended by everything, at token granularity (Longformer's global CLS). The per-sample key padding mask is
-applied in both paths, so padded keys never contribute.
+defines its pattern once, in ``pattern(b, q, k, *context)``: an elementwise function of sample, query-block
+and key-block indices (plus per-batch tensors from ``context``, e.g. BigBird's random blocks) saying which
+block pairs attend. It is evaluated on index grids to lay out the tiles and the dense mask, and on scalars
+inside FlexAttention's ``mask_mod``, so the two paths cannot disagree. On top of it a model may declare
+``global_tokens``: that many leading positions attend to and are attended by everything, at token
+granularity (Longformer's global CLS). The per-sample key padding mask is applied in both paths, so padded
+keys never contribute.
 
 Two executions of the same pattern:
 
@@ -17,7 +19,8 @@ Two executions of the same pattern:
   O(B (N/128)^2) block-level operations per call; ``create_block_mask`` would instead evaluate ``mask_mod`` at
   every one of the B N^2 positions, and since the padding mask changes every batch its result could not be
   cached. ``tests/test_model_patterns.py`` checks that both constructions give the same tiles.
-  The call goes through ``torch.compile`` (the fused kernel exists only compiled).
+  The call goes through ``torch.compile`` (the fused kernel exists only compiled): traced with the model
+  when the model is compiled (lra's default on CUDA), else compiled here per call site.
 - **Dense mask** (CPU, or ``backend="dense"``): the layout is expanded to a (B, 1, N, N) boolean mask for
   ``F.scaled_dot_product_attention``. O(N^2) time and memory: it exists for correctness and CPU tests, and
   speed claims for these models must come from the flex path.
@@ -72,7 +75,8 @@ def dense_mask(layout, keep, block: int, global_tokens: int) -> torch.Tensor:
 
 
 def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule=None) -> torch.Tensor:
-    """softmax attention through SDPA with the pattern expanded to a dense boolean mask."""
+    """softmax attention through SDPA with the pattern expanded to a dense boolean mask (``rule`` is unused:
+    the signature matches ``flex_attend``)."""
     mask = dense_mask(layout, keep, block, global_tokens)  # (B, 1, N, N)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
 
@@ -80,9 +84,9 @@ def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule=Non
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, R, C) bool tiles -> FlexAttention's (count per row, column indices with the active ones first).
 
-    A stable partition built from cumulative sums rather than torch's argsort: inductor's sort lowering
-    produced out-of-range indices for tile counts like 9 (torch 2.11, H200: illegal memory access), and
-    this function runs inside the compiled graph."""
+    A stable partition built from cumulative sums rather than argsort, because it runs inside the compiled
+    graph: the argsort version crashed with an illegal memory access under torch.compile (torch 2.11, H200,
+    9 tiles), and torch's own ``_dense_to_ordered`` keeps its argsort out of inductor for the same reason."""
     C = dense.shape[-1]
     active = dense.to(torch.int32)
     count = active.sum(-1, dtype=torch.int32)  # (B, H, R)
@@ -96,8 +100,9 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> BlockMask:
     """The pattern and the key padding mask as a FlexAttention BlockMask. ``layout`` (B or 1, N/block, N/block)
     decides the tiles; ``rule(b, q_block, k_block)``, the same pattern as a function of indices, decides
-    the positions inside partial tiles. Computing it from indices (and 1-D loads) rather than looking the
-    layout up keeps partial tiles cheap: a 2-D gather per position slows the kernel several times."""
+    the positions inside partial tiles. Index arithmetic and 1-D loads are FlexAttention's fast form of a
+    mask_mod; looking the layout up with a multi-dimensional gather per position is several times slower
+    (pytorch/torchtitan#2171 measured 3.5x for a 2-D index)."""
     B, N = keep.shape
     nt = N // FLEX_BLOCK
     layout = layout.expand(B, -1, -1)  # (B, N/block, N/block)

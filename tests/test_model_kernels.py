@@ -224,6 +224,13 @@ def test_performer_bf16_autocast_is_finite_and_close():
         out = model.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert (out.float() - ref).norm() / ref.norm() < 5e-2
+    # the recompute-in-backward path (CUDA's default) under autocast: grads come back in the inputs' dtype
+    w = model.features * 16**-0.25
+    q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = FavorAttention.apply(q, k, v, mask[:, None, :, None], w, False)
+    out.sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 @pytest.mark.parametrize(
@@ -242,7 +249,7 @@ def test_bad_options_fail_at_construction(name, bad):
 @pytest.mark.parametrize(
     "name,options",
     [("linear", {}), ("linear", dict(causal=True, chunk_size=8)), ("performer", {}),
-     ("performer", dict(kernel="relu"))],
+     ("performer", dict(recompute=False)), ("performer", dict(kernel="relu"))],
 )
 def test_appending_padding_leaves_real_outputs_unchanged(name, options):
     torch.manual_seed(0)
