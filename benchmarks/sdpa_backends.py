@@ -22,5 +22,5 @@ for N in (2000, 2001, 2008):
                         with sdpa_kernel(be):
                             ms = do_bench(f, return_mode="median")
                     print(f"N={N} p={p} {m_name:6s} {str(be):35s} {ms:.3f} ms")
-                except RuntimeError as e:
+                except RuntimeError:
                     print(f"N={N} p={p} {m_name:6s} {str(be):35s} unsupported")

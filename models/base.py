@@ -6,8 +6,17 @@ Synthesizer) subclass it anyway and override ``project`` or ``forward``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+
+@functools.cache
+def compiled(fn):
+    """``fn`` through ``torch.compile``, built once on first use. Mixers call it on CUDA only, to fuse the
+    elementwise passes around their fp32 matmuls (each model's docstring gives what it measured)."""
+    return torch.compile(fn)
 
 
 class MultiHeadMixer(nn.Module):

@@ -44,13 +44,12 @@ applied (LRA ignored it too).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, compiled
 from .registry import register_model
 
 EPS = 1e-6  # normaliser floor (LRA's numerical_stabilizer)
@@ -131,13 +130,6 @@ def relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
     summary = torch.matmul(fk.transpose(-1, -2), F.pad(upcast(v), (0, 1), value=1.0))  # (B, H, Dh, Dh + 1)
     o1 = torch.matmul(fq, summary)  # (B, H, N, Dh + 1): [numerator | normaliser]
     return o1[..., :-1] / (o1[..., -1:] + EPS)  # (B, H, N, Dh)
-
-
-@functools.cache
-def compiled(fn):
-    """``fn`` through torch.compile, built on first use (CUDA only): fuses the fp32 elementwise passes over
-    the (N x m) feature maps around the cuBLAS matmuls."""
-    return torch.compile(fn)
 
 
 class FavorAttention(torch.autograd.Function):

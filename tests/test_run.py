@@ -20,7 +20,7 @@ def test_smoke_run_writes_a_valid_row(smoke_cfg, tmp_path):
         assert 0.0 <= got[col] <= 1.0
     assert got.train_steps_per_s > 0 and math.isclose(got.examples_per_s, got.train_steps_per_s * 8, rel_tol=1e-4)
     assert got.peak_mem_mb > 0 and got.params == row["params"] > 0
-    assert got.best_step in (10, 20, 30) and got.device.startswith("cpu") and got.precision == "fp32"
+    assert got.best_step in (15, 30) and got.device.startswith("cpu") and got.precision == "fp32"
     assert len(str(got.config_hash)) == 12 and (tmp_path / "run" / "result.json").exists()
 
 

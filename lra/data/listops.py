@@ -133,7 +133,9 @@ def read_tsv(path: Path, seq_len: int) -> Split:
         try:
             ids = tokenize(row[0])
         except KeyError as e:
-            raise DataError(f"{path}:{line}: unknown ListOps symbol {e.args[0]!r}; expected one of {VOCAB[1:]}") from None
+            raise DataError(
+                f"{path}:{line}: unknown ListOps symbol {e.args[0]!r}; expected one of {VOCAB[1:]}"
+            ) from None
         if not row[1].strip().isdigit() or not 0 <= int(row[1]) <= 9:
             raise DataError(f"{path}:{line}: the target must be an integer 0-9, got {row[1]!r}")
         ids = ids[:seq_len]
@@ -154,7 +156,8 @@ def source_folder(cfg) -> Path:
         return folder
     gen, limit = cfg.data.generate, cfg.data.limit
     sizes = {s: min(gen[s], limit[s]) if limit[s] is not None else gen[s] for s in SPLITS}
-    out = Path(cfg.data.cache_dir).expanduser() / "listops" / f"seed{gen.seed}-{sizes['train']}-{sizes['val']}-{sizes['test']}"
+    name = f"seed{gen.seed}-{sizes['train']}-{sizes['val']}-{sizes['test']}"
+    out = Path(cfg.data.cache_dir).expanduser() / "listops" / name
     folder = out / "listops-1000"
     if not all((folder / f"basic_{s}.tsv").exists() for s in SPLITS):
         log.info("no ListOps data in %s: generating %s trees (seed %d)", folder, sizes, gen.seed)
@@ -175,4 +178,5 @@ def load(cfg) -> TaskData:
         n = cfg.data.limit[s]
         splits[s] = Split(tensors[f"{s}_tokens"], tensors[f"{s}_labels"]).head(n)
     return TaskData(**splits, vocab_size=len(VOCAB), n_classes=10, seq_len=seq_len,
-                    info={"task": "listops", "source": str(folder), "split": "LRA files", "cache": "hit" if hit else "miss"})
+                    info={"task": "listops", "source": str(folder), "split": "LRA files",
+                          "cache": "hit" if hit else "miss"})
