@@ -35,16 +35,11 @@ from tqdm import tqdm
 from lra import plot
 from lra.encoder import Classifier, build_classifier
 from lra.results import BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
+from lra.run import resolve_device
 from models import list_models
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BASELINE = "transformer"
-
-
-def resolve_device(spec: str | None) -> torch.device:
-    if spec in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
 
 
 def model_config_options(name: str) -> dict:
