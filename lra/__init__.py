@@ -1,0 +1,2 @@
+"""lra: the Long Range Arena harness (data, runner, bench, leaderboard, plots). Models live in ``models``."""
+__version__ = "0.1.0"
