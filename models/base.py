@@ -13,10 +13,11 @@ from torch import nn
 
 
 @functools.cache
-def compiled(fn):
-    """``fn`` through ``torch.compile``, built once on first use. Mixers call it on CUDA only, to fuse the
-    elementwise passes around their fp32 matmuls (each model's docstring gives what it measured)."""
-    return torch.compile(fn)
+def compiled(fn, dynamic: bool | None = None):
+    """``fn`` through ``torch.compile(fn, dynamic=dynamic)``, built once per (fn, dynamic) on first use.
+    Mixers call it on CUDA only, to fuse the small kernels around their matmuls (each model's docstring
+    gives what it measured)."""
+    return torch.compile(fn, dynamic=dynamic)
 
 
 class MultiHeadMixer(nn.Module):

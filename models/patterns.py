@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, compiled
 
 FLEX_BLOCK = 128  # FlexAttention's tile: sparsity is counted in whole 128 x 128 tiles
 MIN_FLEX_HEAD_DIM = 16  # the Triton kernel rejects smaller head dims; zero-padding q, k, v is exact
@@ -215,14 +215,9 @@ class BlockSparseMixer(MultiHeadMixer):
             # FlexAttention is fast only compiled. Compiling from here, with the mixer as an argument, lets
             # the per-batch mask_mod closure be traced instead of guarded on; a model compiled as a whole
             # (lra's default on CUDA) traces straight through and never takes this branch.
-            global _compiled_attend
-            if _compiled_attend is None:
-                _compiled_attend = torch.compile(_block_sparse_attend, dynamic=False)
-            return _compiled_attend(self, q, k, v, mask, True)
+            return compiled(_block_sparse_attend, dynamic=False)(self, q, k, v, mask, True)
         return _block_sparse_attend(self, q, k, v, mask, use_flex)
 
-
-_compiled_attend = None
 
 
 def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:

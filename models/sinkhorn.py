@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, compiled
 from .registry import register_model
 
 MASKED_LOGIT = -1e9  # finite: each row keeps its own diagonal entry, so no row is all masked
@@ -62,16 +62,10 @@ def sinkhorn(log_alpha: torch.Tensor, n_iters: int) -> torch.Tensor:
     return x.exp()
 
 
-_compiled_sinkhorn = None
-
-
 def fused_sinkhorn(log_alpha: torch.Tensor, n_iters: int) -> torch.Tensor:
     """``sinkhorn`` through ``torch.compile`` (built on first use). In eager mode each iteration is some
     25 tiny kernels forward and backward, which dominate the layer's GPU time; compiled, a few."""
-    global _compiled_sinkhorn
-    if _compiled_sinkhorn is None:
-        _compiled_sinkhorn = torch.compile(sinkhorn, dynamic=True)
-    return _compiled_sinkhorn(log_alpha, n_iters)
+    return compiled(sinkhorn, dynamic=True)(log_alpha, n_iters)
 
 
 @register_model

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 import lra.run as runner
 from tests.test_data_tasks import aan_root, cifar_parquet, imdb_parquet, write_pathfinder  # noqa: F401 (fixtures)
 
