@@ -272,6 +272,10 @@ def run(cfg: DictConfig) -> dict:
                 state["history"].append({"step": state["step"], "train_loss": train_loss, "val_acc": val_acc,
                                          "lr": scheduler.get_last_lr()[0]})
                 bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_acc:.4f}", best=f"{state['best_val']:.4f}")
+                if not tr.progress:  # no bar: the log (console and run_dir) carries the progress instead
+                    log.info("step %d/%d: train loss %.4f, val %.4f (best %.4f at %d), lr %.3g", state["step"],
+                             t.steps, train_loss, val_acc, state["best_val"], state["best_step"],
+                             scheduler.get_last_lr()[0])
                 if wandb_run is not None:
                     wandb_run.log({"train/loss": train_loss, "val/acc": val_acc, "lr": scheduler.get_last_lr()[0]},
                                   step=state["step"])

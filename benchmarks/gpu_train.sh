@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Device calls: full-schedule `model=transformer` runs that outlast one 10-minute call.
+#
+#   DEADLINE=<unix time> bash benchmarks/gpu_train.sh TASK[:override,override...] ...   (after the wheel prefix)
+#
+# Tasks run one after another until DEADLINE; then SIGTERM makes the runner finish its step, checkpoint and
+# exit, and the next call (same command) resumes it. Run state lives in $STATE (default .devstate/runs, an
+# ignored folder a warm machine keeps between calls). Finished runs' rows go to $STATE/results/runs.csv.
+# Everything small (rows, histories, logs, configs) goes to $OUT/report.tar; `BACKUP=1` also packs the
+# checkpoints into $OUT/state.tar.NN pieces (15 MiB each), so a lost machine can resume from a carried copy:
+#   cat state.tar.* | tar -x -C .devstate
+# Data: text and image read .devdata/{imdb,cifar10} (parquet copies of ../shared/data, carried); Pathfinder
+# reads $PF_ROOT (generated on the device: python3 -m lra.generate pathfinder ... --out $PF_ROOT).
+set -u
+STATE=${STATE:-.devstate/runs}
+PF_ROOT=${PF_ROOT:-/tmp/pf32}
+export LRA_CACHE_DIR=${LRA_CACHE_DIR:-/tmp/lra_cache} PYTHONUNBUFFERED=1
+mkdir -p "$STATE/results"
+
+data_args() {
+  case $1 in
+    text) echo "data.path=.devdata/imdb" ;;
+    image) echo "data.path=.devdata/cifar10" ;;
+    pathfinder) echo "data.root=$PF_ROOT" ;;
+  esac
+}
+
+for spec in "$@"; do
+  task=${spec%%:*}
+  extra=""
+  [[ $spec == *:* ]] && extra=${spec#*:}
+  dir="$STATE/$task"
+  if [ -f "$dir/result.json" ]; then echo "== $task: finished already"; continue; fi
+  left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt 90 ]; then echo "== $task: ${left}s left, not started"; continue; fi
+  echo "== $task: running for at most ${left}s"
+  # shellcheck disable=SC2046
+  timeout -s TERM -k 120 "$left" python3 -m lra task="$task" model=transformer trainer.progress=false \
+    $(data_args "$task") ${extra//,/ } hydra.run.dir="$dir" results.dir="$STATE/results" 2>&1 \
+    | grep -vE "^\s*$|[Ww]arning" | tail -40
+done
+
+# rows, histories and logs in one file ($OUT takes 8 files at most)
+tar -c -C "$STATE" --exclude='*.pt' . > "$OUT/report.tar"
+if [ "${BACKUP:-0}" = 1 ]; then
+  tar -c -C .devstate runs | split -b 15m -d - "$OUT/state.tar."
+fi
+ls -la "$OUT"
