@@ -4,17 +4,20 @@
 #   DEADLINE=<unix time> bash benchmarks/gpu_train.sh TASK[:override,override...] ...   (after the wheel prefix)
 #
 # Tasks run one after another until DEADLINE; then SIGTERM makes the runner finish its step, checkpoint and
-# exit, and the next call (same command) resumes it. Run state lives in $STATE (default .devstate/runs, an
-# ignored folder a warm machine keeps between calls). Finished runs' rows go to $STATE/results/runs.csv.
+# exit, and the next call (same command) resumes it. Run state lives in $STATE (default /tmp/lra_runs: a warm
+# machine keeps /tmp between calls but not ignored folders of the tree, which arrive afresh with each call).
+# A carried .devstate/runs (unpacked backup) seeds $STATE when $STATE is absent (a fresh machine).
+# Finished runs' rows go to $STATE/results/runs.csv.
 # Everything small (rows, histories, logs, configs) goes to $OUT/report.tar; `BACKUP=1` also packs the
 # checkpoints into $OUT/state.tar.NN pieces (15 MiB each), so a lost machine can resume from a carried copy:
-#   cat state.tar.* | tar -x -C .devstate
+#   mkdir -p .devstate && cat state.tar.* | tar -x -C .devstate     (then carry .devstate)
 # Data: text and image read .devdata/{imdb,cifar10} (parquet copies of ../shared/data, carried); Pathfinder
 # reads $PF_ROOT (generated on the device: python3 -m lra.generate pathfinder ... --out $PF_ROOT).
 set -u
-STATE=${STATE:-.devstate/runs}
+STATE=${STATE:-/tmp/lra_runs}
 PF_ROOT=${PF_ROOT:-/tmp/pf32}
 export LRA_CACHE_DIR=${LRA_CACHE_DIR:-/tmp/lra_cache} PYTHONUNBUFFERED=1
+if [ ! -d "$STATE" ] && [ -d .devstate/runs ]; then cp -r .devstate/runs "$STATE"; echo "seeded $STATE from .devstate/runs"; fi
 mkdir -p "$STATE/results"
 
 data_args() {
@@ -43,6 +46,6 @@ done
 # rows, histories and logs in one file ($OUT takes 8 files at most)
 tar -c -C "$STATE" --exclude='*.pt' . > "$OUT/report.tar"
 if [ "${BACKUP:-0}" = 1 ]; then
-  tar -c -C .devstate runs | split -b 15m -d - "$OUT/state.tar."
+  tar -c -C "$(dirname "$STATE")" --transform "s,^$(basename "$STATE"),runs," "$(basename "$STATE")" | split -b 15m -d - "$OUT/state.tar."
 fi
 ls -la "$OUT"

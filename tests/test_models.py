@@ -1,6 +1,7 @@
 """Tests over the whole registry: a model is covered the moment it registers."""
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -112,3 +113,19 @@ def test_smoke_listops_run(name, smoke_cfg):
     row = runner.run(smoke_cfg(f"model={name}", "train.steps=6", "train.eval_every=3",
                                "data.limit.train=48", "data.limit.val=16", "data.limit.test=16"))
     assert row["model"] == name and row["steps"] == 6 and 0 <= row["test_acc"] <= 1
+
+
+@pytest.mark.parametrize("d_qkv,n_heads", [(16, 4), (24, 2), (64, 4)])  # head sizes 4, 12 (padded), 16
+def test_transformer_equals_the_softmax_formula_for_any_head_size(d_qkv, n_heads):
+    """Head sizes off the multiple of 8 are zero-padded for the fused kernels; the result must not change."""
+    torch.manual_seed(0)
+    m = create_model("transformer", d_model=32, n_heads=n_heads, d_qkv=d_qkv, dropout=0.0, max_len=64).eval()
+    x = torch.randn(2, 40, 32)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 25:] = False
+    q, k, v = m.project(x)  # (B, H, N, Dh)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(d_qkv // n_heads)  # (B, H, N, N)
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    o = scores.softmax(-1) @ v  # (B, H, N, Dh)
+    want = m.out(o.transpose(1, 2).reshape(2, 40, d_qkv))
+    torch.testing.assert_close(m(x, mask), want, atol=1e-5, rtol=1e-5)
