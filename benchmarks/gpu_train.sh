@@ -11,11 +11,11 @@
 # Everything small (rows, histories, logs, configs) goes to $OUT/report.tar; `BACKUP=1` also packs the
 # checkpoints into $OUT/state.tar.NN pieces (15 MiB each), so a lost machine can resume from a carried copy:
 #   mkdir -p .devstate && cat state.tar.* | tar -x -C .devstate     (then carry .devstate)
-# Data: text and image read .devdata/{imdb,cifar10} (parquet copies of ../shared/data, carried); Pathfinder
-# reads $PF_ROOT (generated on the device: python3 -m lra.generate pathfinder ... --out $PF_ROOT).
+# Data: text and image read .devdata/{imdb,cifar10} (zstd parquet copies of ../shared/data, 38 MB, carried);
+# Pathfinder is generated into $LRA_CACHE_DIR by its loader on first use (200K images, about 5 minutes on 16
+# cores), so a fresh machine regenerates it and the run's config (data.root=null) never changes.
 set -u
 STATE=${STATE:-/tmp/lra_runs}
-PF_ROOT=${PF_ROOT:-/tmp/pf32}
 export LRA_CACHE_DIR=${LRA_CACHE_DIR:-/tmp/lra_cache} PYTHONUNBUFFERED=1
 if [ ! -d "$STATE" ] && [ -d .devstate/runs ]; then cp -r .devstate/runs "$STATE"; echo "seeded $STATE from .devstate/runs"; fi
 mkdir -p "$STATE/results"
@@ -24,7 +24,6 @@ data_args() {
   case $1 in
     text) echo "data.path=.devdata/imdb" ;;
     image) echo "data.path=.devdata/cifar10" ;;
-    pathfinder) echo "data.root=$PF_ROOT" ;;
   esac
 }
 

@@ -95,19 +95,23 @@ def _fmt(v):
 
 
 def git_sha(short: bool = True) -> str:
-    """The commit the code ran at, with ``+dirty`` when the tree had uncommitted changes."""
+    """The commit the code ran at, with ``+dirty`` when the tree had uncommitted changes. ``LRA_GIT_SHA``,
+    when set, wins: a copy of the tree whose ``.git`` is stale or absent (a remote GPU machine, a container)
+    would otherwise report the wrong commit."""
+    if os.environ.get("LRA_GIT_SHA"):
+        return os.environ["LRA_GIT_SHA"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         if sha.returncode != 0:
-            return os.environ.get("LRA_GIT_SHA", "unknown")
+            return "unknown"
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=5
         ).stdout.strip()
         out = sha.stdout.strip()[: 12 if short else 40]
         return out + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("LRA_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def device_name(device: torch.device) -> str:

@@ -201,7 +201,7 @@ def run(cfg: DictConfig) -> dict:
     step_model = torch.compile(model) if compiled else model
 
     state = {"step": 0, "best_val": -1.0, "best_step": 0, "timed_steps": 0, "timed_s": 0.0, "wall_s": 0.0,
-             "peak_mem_mb": 0.0, "history": []}
+             "peak_mem_mb": 0.0, "history": [], "devices": [], "git_shas": []}
     if isinstance(resume_state, dict):
         model.load_state_dict(resume_state["model"])
         optimizer.load_state_dict(resume_state["optimizer"])
@@ -209,6 +209,11 @@ def run(cfg: DictConfig) -> dict:
         _set_rng_state(resume_state["rng"])
         state = resume_state["state"]
         log.info("resuming %s from step %d", run_dir, state["step"])
+    # a run resumed on other hardware or code names every device and commit it trained on (its steps/s mixes them)
+    for key, now in (("devices", device_name(device)), ("git_shas", git_sha())):
+        seen = state.setdefault(key, [])
+        if now not in seen:
+            seen.append(now)
 
     def save_checkpoint():
         atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -301,8 +306,8 @@ def run(cfg: DictConfig) -> dict:
         "seq_len": data.seq_len, "batch_size": t.batch_size, "train_steps_per_s": steps_per_s,
         "examples_per_s": steps_per_s * t.batch_size, "peak_mem_mb": state["peak_mem_mb"], "params": n_params,
         "wall_time_s": state["wall_s"] + time.time() - wall_start, "precision": precision, "compiled": compiled,
-        "split": data.info.get("split", ""), "device": device_name(device), "torch": torch.__version__,
-        "git_sha": git_sha(), "config_hash": chash, "timestamp": now_iso(), "run_dir": str(run_dir),
+        "split": data.info.get("split", ""), "device": " + ".join(state["devices"]), "torch": torch.__version__,
+        "git_sha": " + ".join(state["git_shas"]), "config_hash": chash, "timestamp": now_iso(), "run_dir": str(run_dir),
         "overrides": _overrides(),
     }
     append_row(Path(cfg.results.dir) / "runs.csv", row, RUN_COLUMNS)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from lra.results import RUN_COLUMNS, append_row
+from lra.results import RUN_COLUMNS, append_row, git_sha
 
 
 def _writer(path: str, worker: int, n: int) -> None:
@@ -40,3 +42,13 @@ def test_older_schema_is_widened(tmp_path):
     append_row(path, {"a": 2, "b": 3}, ["a", "b"])
     df = pd.read_csv(path)
     assert list(df.columns) == ["a", "b"] and df.a.tolist() == [1, 2] and pd.isna(df.b[0]) and df.b[1] == 3
+
+
+def test_git_sha_names_this_checkout_and_the_override_wins(monkeypatch):
+    monkeypatch.delenv("LRA_GIT_SHA", raising=False)
+    sha = git_sha()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert sha.removesuffix("+dirty") == head.stdout.strip()[:12]
+    monkeypatch.setenv("LRA_GIT_SHA", "0123456789ab")
+    assert git_sha() == "0123456789ab"

@@ -95,3 +95,22 @@ def test_wandb_offline_logging(smoke_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     runner.run(smoke_cfg("logger=wandb", "logger.mode=offline", "train.steps=4", "train.eval_every=2"))
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cfg, tmp_path, monkeypatch):
+    real_step = runner._train_step
+
+    def stop_now(*args, **kwargs):
+        runner.STOP.requested = True
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_train_step", stop_now)
+    with pytest.raises(runner.RunInterrupted):
+        runner.run(smoke_cfg("train.steps=6", "train.eval_every=3"))
+    monkeypatch.setattr(runner, "_train_step", real_step)
+    monkeypatch.setattr(runner, "device_name", lambda device: "Other GPU")
+    monkeypatch.setenv("LRA_GIT_SHA", "0123456789ab")
+    row = runner.run(smoke_cfg("train.steps=6", "train.eval_every=3", "resume=true"))
+    first, second = row["device"].split(" + ")
+    assert first.startswith("cpu") and second == "Other GPU"
+    assert row["git_sha"].endswith(" + 0123456789ab") and not row["git_sha"].startswith("0123456789ab")
