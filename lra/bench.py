@@ -19,6 +19,7 @@ for each bench length (position table and mixer ``max_len`` = N); an OOM or a fa
 from __future__ import annotations
 
 import gc
+import logging
 import re
 import resource
 import statistics
@@ -37,6 +38,8 @@ from lra.encoder import Classifier, build_classifier
 from lra.results import BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from lra.run import resolve_device
 from models import list_models
+
+log = logging.getLogger("lra.bench")
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BASELINE = "transformer"
@@ -201,6 +204,8 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
         except Exception as exc:  # noqa: BLE001 - a failing case is a result; the sweep goes on
             first_line = (str(exc).splitlines() or [""])[0][:200]
             row["status"] = "oom" if is_oom(exc) else f"error: {type(exc).__name__}: {first_line}"
+            if not is_oom(exc):  # the row keeps one line; the log keeps the whole traceback
+                log.error("%s at N=%d failed", name, seq_len, exc_info=exc)
         if device.type == "cuda" or row["status"] != "ok":
             gc.collect()  # the failed case's traceback held its tensors; the next case needs them freed
         if device.type == "cuda":

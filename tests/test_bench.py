@@ -84,7 +84,7 @@ def test_bench_rows_and_relative_figures(tmp_path, mean_mixer):
     assert len(pd.read_csv(tmp_path / "bench.csv")) == 6  # append-only
 
 
-def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, mean_mixer):
+def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, mean_mixer, caplog):
     real = bench.measure
 
     def flaky(model, tokens, labels, **kw):
@@ -109,6 +109,8 @@ def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, me
     assert (failed.params > 0).all()  # the model was built before it ran out of memory
     table = bench.format_table(df)
     assert "OOM" in table and "ERR" in table and "no kernel for this shape" in table
+    logged = [r for r in caplog.records if r.name == "lra.bench" and r.levelname == "ERROR"]
+    assert len(logged) == 2 and all(r.exc_info and "second line" in str(r.exc_info[1]) for r in logged)
 
 
 def test_oom_detection():
