@@ -56,7 +56,10 @@ def model_config_options(name: str) -> dict:
 
 
 def build_model(name: str, task: DictConfig, backbone: DictConfig, seq_len: int, vocab_size: int) -> Classifier:
-    return build_classifier(name, model_config_options(name), backbone, vocab_size, seq_len, task.n_classes)
+    """The inputs are full-length random bytes with no pad token, so the model is built mask-free, by the
+    runner's rule: the transformer baseline gets SDPA's unmasked kernels, the strongest exact baseline."""
+    return build_classifier(name, model_config_options(name), backbone, vocab_size, seq_len, task.n_classes,
+                            padded=False)
 
 
 def backbone_tag(bb: DictConfig) -> str:
