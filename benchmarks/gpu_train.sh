@@ -11,7 +11,8 @@
 # Everything small (rows, histories, logs, configs) goes to $OUT/report.tar; `BACKUP=1` also packs the
 # checkpoints into $OUT/state.tar.NN pieces (15 MiB each), so a lost machine can resume from a carried copy:
 #   mkdir -p .devstate && cat state.tar.* | tar -x -C .devstate     (then carry .devstate)
-# Data: text and image read .devdata/{imdb,cifar10} (zstd parquet copies of ../shared/data, 38 MB, carried);
+# Data: text and image read .devdata/{imdb,cifar10} (zstd parquet copies of ../shared/data, 38 MB, carried;
+# made with pyarrow: pq.write_table(pq.read_table(src), dst, compression="zstd", compression_level=19));
 # Pathfinder is generated into $LRA_CACHE_DIR by its loader on first use (200K images, about 5 minutes on 16
 # cores), so the run's config (data.root=null) never changes. `PACK=1` packs the generated images into
 # $OUT/pf32.tar.xz.NN (about 34 MB); carried back as .devdata/pf32.tar.xz.NN, they are unpacked into the cache
