@@ -22,14 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-
-def listed_images(folder: Path) -> tuple[list[Path], list[str]]:
-    """The metadata files (by integer stem) and the image paths they list, in order."""
-    meta = sorted((p for p in (folder / "metadata").glob("*.npy") if p.stem.isdigit()), key=lambda p: int(p.stem))
-    if not meta:
-        raise SystemExit(f"no metadata/<k>.npy files under {folder}")
-    paths = [f"{f[0]}/{f[1]}" for m in meta for f in (line.split() for line in m.read_text().splitlines()) if f]
-    return meta, paths
+from lra.data.pathfinder import read_metadata
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -39,7 +32,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def pack(folder: Path, out: Path) -> None:
-    meta, paths = listed_images(folder)
+    paths, _, meta = read_metadata(folder)  # the loader's parser: same order, same format checks
     pixels = np.stack([np.asarray(Image.open(folder / p).convert("L")) for p in paths])  # (n, res, res)
     buf = io.BytesIO()
     np.save(buf, pixels)
