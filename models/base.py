@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -29,6 +30,14 @@ def compiled(fn, dynamic: bool | None = None):
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(fn, dynamic=dynamic)
+
+
+def pad_head_dim(size: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(B, H, N, Dh) tensors zero-padded to head size ``size`` when ``Dh`` is smaller, for fused kernels that
+    need a minimum or a multiple. Exact for attention: zero columns add nothing to q.k and give zero output
+    columns, which the caller cuts off; the caller keeps the softmax scale of the true ``Dh``."""
+    pad = size - tensors[0].shape[-1]
+    return tuple(F.pad(t, (0, pad)) for t in tensors) if pad > 0 else tensors  # each (B, H, N, max(Dh, size))
 
 
 class MultiHeadMixer(nn.Module):

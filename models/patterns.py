@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .base import MultiHeadMixer, compiled
+from .base import MultiHeadMixer, compiled, pad_head_dim
 
 FLEX_BLOCK = 128  # FlexAttention's tile: sparsity is counted in whole 128 x 128 tiles
 MIN_FLEX_HEAD_DIM = 16  # the Triton kernel rejects smaller head dims; zero-padding q, k, v is exact
@@ -147,9 +147,7 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> Block
 def flex_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule) -> torch.Tensor:
     """FlexAttention over the pattern (eager unless traced by torch.compile, see ``BlockSparseMixer``)."""
     Dh = q.shape[-1]
-    if Dh < MIN_FLEX_HEAD_DIM:
-        # Zero columns add nothing to q.k and produce zero output columns, which are cut off below.
-        q, k, v = (F.pad(t, (0, MIN_FLEX_HEAD_DIM - Dh)) for t in (q, k, v))  # (B, H, N, 16)
+    q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16))
     block_mask = flex_block_mask(layout, keep, block, global_tokens, rule)
     out = flex_attention(q, k, v, block_mask=block_mask, scale=Dh**-0.5)  # (B, H, N, max(Dh, 16))
     return out[..., :Dh]
@@ -217,7 +215,6 @@ class BlockSparseMixer(MultiHeadMixer):
             # (lra's default on CUDA) traces straight through and never takes this branch.
             return compiled(_block_sparse_attend, dynamic=False)(self, q, k, v, mask, True)
         return _block_sparse_attend(self, q, k, v, mask, use_flex)
-
 
 
 def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, pad_head_dim
 from .registry import register_model
 
 
@@ -28,12 +28,9 @@ class Transformer(MultiHeadMixer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         key_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, N): every query sees the real keys
         d_head = q.shape[-1]
-        pad = -d_head % 8
-        if pad:
-            # The fused CUDA kernels take head sizes in multiples of 8; below that SDPA falls back to the math
-            # kernel, which stores the N x N scores (Pathfinder's head size 4: 10x slower, 30 GB at batch 512).
-            # Zero columns change no dot product; the scale stays the true head size's.
-            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))  # (B, H, N, d_head + pad)
+        # The fused CUDA kernels take head sizes in multiples of 8; off that SDPA falls back to the math kernel,
+        # which stores the N x N scores (Pathfinder's head size 4: 10x slower, 30 GB at batch 512).
+        q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=self.dropout_p,
                                            scale=d_head ** -0.5)
-        return o[..., :d_head] if pad else o  # (B, H, N, d_head)
+        return o[..., :d_head]  # (B, H, N, d_head)
