@@ -37,16 +37,15 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        if mask is None and not getattr(self.mixer, "accepts_no_mask", False):
-            mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, N)
         x = x + self.drop(self.mixer(self.norm1(x), mask))
         return x + self.mlp(self.norm2(x))
 
 
 class Encoder(nn.Module):
     """(B, N) token ids with 0 = pad -> (B, N', D) hidden states and the (B, N') mask they go with
-    (N' = N + 1 with a CLS slot). ``mask=None`` means no padding: mixers that declare ``accepts_no_mask``
-    get None (the transformer then runs SDPA's unmasked kernels), the others an all-true mask."""
+    (N' = N + 1 with a CLS slot). ``mask=None`` means no padding: when every mixer declares
+    ``accepts_no_mask`` they get None (the transformer then runs SDPA's unmasked kernels); otherwise an
+    all-true mask is built once here."""
 
     def __init__(
         self,
@@ -83,9 +82,13 @@ class Encoder(nn.Module):
             Block(create_model(model, **backbone, **model_options), d_model, d_ff, dropout) for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
+        # a registered mixer need not subclass MultiHeadMixer: without the attribute it gets a mask
+        self.mixers_accept_no_mask = all(getattr(block.mixer, "accepts_no_mask", False) for block in self.blocks)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, N = tokens.shape
+        if mask is None and not self.mixers_accept_no_mask:
+            mask = torch.ones_like(tokens, dtype=torch.bool)  # (B, N)
         x = self.embed(tokens)  # (B, N, D)
         if self.cls_token:
             x = torch.cat([self.cls.expand(B, -1, -1), x], dim=1)  # (B, N + 1, D)

@@ -20,10 +20,10 @@ from .registry import register_model
 
 @register_model
 class Transformer(MultiHeadMixer):
+    accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, 30% faster
+
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
-
-    accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, 30% faster
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         key_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, N): every query sees the real keys
