@@ -17,9 +17,12 @@ import argparse
 import math
 from pathlib import Path
 
+import matplotlib
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 
 NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
 METRIC_LABELS = {"steps_per_s": "training steps/s", "examples_per_s": "training examples/s",
@@ -147,16 +150,24 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
 
 
 def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str | None = None) -> Figure:
-    """``metric`` against sequence length, one line per model (and per batch size when a sweep mixed them)."""
+    """``metric`` against sequence length, one colour and marker per model; a sweep that changed the batch size
+    (32 to 4K, 8 beyond in LRA's protocol) draws one segment per batch size in the model's colour."""
     ok = latest_ok(bench, device)
     device = pick_device(_numeric(bench), device)
-    mixed = ok["batch_size"].nunique() > 1
-    fig = _new_figure(7.5, 5)
+    fig = _new_figure(8.5, 5)
     ax = fig.add_subplot()
+    models = sorted(ok["model"].unique())
+    pairs = matplotlib.colormaps["tab20"].colors  # (dark, light) pairs: all the dark ones first
+    colours = pairs[0::2] + pairs[1::2]
+    others = [m for m in models if m != "transformer"]
+    style = {m: (colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i, m in enumerate(others)}
+    style["transformer"] = ("black", "o")  # the baseline: black and dashed
     for (model, batch), g in ok.groupby(["model", "batch_size"], sort=True):
         g = g.sort_values("seq_len")
-        label = f"{model} (B{int(batch)})" if mixed else model
-        ax.plot(g["seq_len"], g[metric], marker="o", label=label, linestyle="--" if model == "transformer" else "-")
+        colour, marker = style[model]
+        label = model if model not in [line.get_label() for line in ax.get_lines()] else "_nolegend_"
+        ax.plot(g["seq_len"], g[metric], marker=marker, color=colour, label=label,
+                linestyle="--" if model == "transformer" else "-")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     lengths = sorted(ok["seq_len"].dropna().astype(int).unique())
@@ -165,11 +176,16 @@ def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str |
     ax.set_xlabel("sequence length N")
     ax.set_ylabel(METRIC_LABELS.get(metric, metric))
     precision = ", ".join(sorted(ok["precision"].astype(str).unique())) if "precision" in ok else ""
-    batch = "" if mixed or ok.empty else f", batch {int(ok['batch_size'].iloc[0])}"
+    batches = []
+    for batch, g in ok.groupby("batch_size", sort=False):
+        lo, hi = int(g["seq_len"].min()), int(g["seq_len"].max())
+        span = length_label(lo) if lo == hi else f"{length_label(lo)}-{length_label(hi)}"
+        batches.append((lo, f"{int(batch)} at {span}"))
+    batch = ", batch " + ", ".join(text for _, text in sorted(batches)) if batches else ""
     ax.set_title(f"{METRIC_LABELS.get(metric, metric)} vs length ({precision}{batch})\n{device}", fontsize=11)
     ax.grid(alpha=0.3, which="both")
     if not ok.empty:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     return fig
 
 

@@ -81,12 +81,16 @@ def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule=Non
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
 
 
-def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("lra_models::ordered_tiles", mutates_args=())
+def ordered_tiles(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, R, C) bool tiles -> FlexAttention's (count per row, column indices with the active ones first).
 
-    A stable partition built from cumulative sums rather than argsort, because it runs inside the compiled
-    graph: the argsort version crashed with an illegal memory access under torch.compile (torch 2.11, H200,
-    9 tiles), and torch's own ``_dense_to_ordered`` keeps its argsort out of inductor for the same reason."""
+    A custom op, so that ``torch.compile`` calls it as one opaque kernel instead of lowering it: Inductor
+    miscompiled both constructions tried inside the graph on an H200 (torch 2.11), an argsort one with an
+    illegal memory access and the scatter below with ``InductorError: TypeError: list indices must be
+    integers or slices`` at 129 x 129 tiles (longformer and bigbird at N = 16K + CLS). torch's own
+    ``_dense_to_ordered`` keeps its argsort out of Inductor the same way. Run eagerly it costs
+    O(B H R C) on a few thousand elements."""
     C = dense.shape[-1]
     active = dense.to(torch.int32)
     count = active.sum(-1, dtype=torch.int32)  # (B, H, R)
@@ -95,6 +99,11 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     slot = torch.where(dense, rank_active, rank_inactive).long()  # (B, H, R, C): a permutation of 0..C-1
     columns = torch.arange(C, dtype=torch.int32, device=dense.device).expand_as(active)
     return count, torch.empty_like(active).scatter_(-1, slot, columns)  # (B, H, R), (B, H, R, C)
+
+
+@ordered_tiles.register_fake
+def _ordered_tiles_shapes(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return dense.new_empty(dense.shape[:-1], dtype=torch.int32), dense.new_empty(dense.shape, dtype=torch.int32)
 
 
 def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> BlockMask:
@@ -133,10 +142,10 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> Block
 
     # The q-major lists (for the backward pass) are the transposed tiles, ordered the same way.
     partial, full = partial[:, None], full[:, None]  # (B, 1, nt, nt)
-    kv_num, kv_index = _ordered(partial)
-    full_kv_num, full_kv_index = _ordered(full)
-    q_num, q_index = _ordered(partial.transpose(-1, -2))
-    full_q_num, full_q_index = _ordered(full.transpose(-1, -2))
+    kv_num, kv_index = ordered_tiles(partial)
+    full_kv_num, full_kv_index = ordered_tiles(full)
+    q_num, q_index = ordered_tiles(partial.transpose(-1, -2).contiguous())
+    full_q_num, full_q_index = ordered_tiles(full.transpose(-1, -2).contiguous())
     return BlockMask(
         seq_lengths=(N, N), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_kv_num,
         full_kv_indices=full_kv_index, q_num_blocks=q_num, q_indices=q_index, full_q_num_blocks=full_q_num,

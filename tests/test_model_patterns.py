@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from models import create_model
-from models.patterns import FLEX_BLOCK, dense_mask, flex_block_mask, padded_length
+from models.patterns import FLEX_BLOCK, dense_mask, flex_block_mask, ordered_tiles, padded_length
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -108,6 +108,28 @@ def test_flex_tiles_match_create_block_mask(name, options):
     by_mask_mod = create_mask(ours.mask_mod, B, 1, N, N, device="cpu")[:, 0]  # (B, N, N)
     kernel_view = expand(full) | (expand(partial) & by_mask_mod)
     assert torch.equal(kernel_view, dense_mask(layout, keep, model.block, model.global_tokens)[:, 0])
+
+
+def test_ordered_tiles_is_a_stable_partition_and_an_opaque_op():
+    """The tile lists are built by a custom op that Inductor calls instead of lowering (it miscompiled the
+    same code inline at 129 x 129 tiles on an H200): its shapes, fake kernel and schema must hold up under
+    ``torch.library.opcheck``, and a compiled caller must trace it without a graph break."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(2, 1, 5, 5), (3, 1, 129, 129)]:
+        dense = torch.rand(shape, generator=g) < 0.3
+        count, index = ordered_tiles(dense)
+        assert torch.equal(count, dense.sum(-1, dtype=torch.int32))
+        expected = torch.sort((~dense).to(torch.int8), dim=-1, stable=True).indices  # active first, in order
+        assert torch.equal(index, expected.int())
+        torch.library.opcheck(ordered_tiles, (dense,))
+
+    def lists(dense):
+        return ordered_tiles(dense & dense.transpose(-1, -2))
+
+    dense = torch.rand(2, 1, 7, 7, generator=g) < 0.5
+    traced = torch.compile(lists, backend="aot_eager", fullgraph=True)(dense)
+    for got, want in zip(traced, lists(dense)):
+        assert torch.equal(got, want)
 
 
 def test_flex_tiles_are_sparse():

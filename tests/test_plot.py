@@ -102,6 +102,23 @@ def test_length_charts(tmp_path):
     assert lines["transformer"].get_ydata()[-1] == pytest.approx(5326)
 
 
+def test_length_chart_with_two_batch_sizes():
+    """LRA's protocol changes the batch beyond 4K: one colour, marker and legend entry per model, one segment per
+    batch size, and the title says which batch ran where."""
+    rows = bench_rows()
+    long = rows[(rows.seq_len == 4096) & rows.model.isin(["transformer", "local"]) & (rows.device == GPU)]
+    long = long.drop_duplicates("model", keep="last").assign(seq_len=16384, batch_size=8, timestamp="2026-02-01T00:00:00Z")
+    fig = plot.length_chart(pd.concat([rows, long]), "steps_per_s")
+    ax = fig.axes[0]
+    (local,) = [line for line in ax.get_lines() if line.get_label() == "local"]
+    segments = [line for line in ax.get_lines() if line.get_color() == local.get_color()]
+    assert len(ax.get_lines()) == 7 and len(segments) == 2  # local: B32 at 1K-4K and B8 at 16K
+    assert segments[0].get_marker() == segments[1].get_marker()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["linear", "local", "performer", "reformer",
+                                                                   "transformer"]
+    assert "batch 32 at 1K-4K, 8 at 16K" in ax.get_title()
+
+
 def test_cli(tmp_path, capsys):
     bench_rows().to_csv(tmp_path / "bench.csv", index=False)
     leaderboard_rows().to_csv(tmp_path / "lb.csv", index=False)

@@ -1,0 +1,133 @@
+"""Where a block-sparse mixer's attention time goes on CUDA: one layer's attention, forward + backward, bf16.
+
+    python benchmarks/flex_pattern_probe.py [model[:option=value,...] ...]     (default: the four patterns)
+
+For each pattern at the bench's shapes (text backbone: 4 heads of 64; N = 4K and 16K plus the CLS slot,
+batch 32 and 8) it prints, in ms (and peak MB for the whole call):
+
+- ``attend``: the mixer's own ``attend`` (pad, lay out the tiles, build the BlockMask, FlexAttention), as
+  the bench runs it;
+- ``kernel``: compiled ``flex_attention`` alone with that BlockMask built beforehand;
+- ``no mask_mod``: the same tiles with a mask_mod that allows everything (wrong numbers, right work): what
+  evaluating the pattern inside partial tiles costs;
+- ``all full``: the same tiles, every one marked full (no mask_mod at all);
+- tile counts per query row (partial + full of all tiles);
+
+and, per shape, SDPA (cuDNN) and FlexAttention without a mask as the dense references. Written to find
+why ``bigbird`` (block 64: nearly every tile partial) ran at 0.2x the transformer on the H200 at b621894.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from models import create_model
+from models.patterns import flex_block_mask, ordered_tiles, padded_length
+
+SHAPES = [(4097, 32), (16385, 8)]  # (N with the CLS slot, batch): the bench's 4K and 16K rows
+H, DH = 4, 64
+DEFAULT = ["local", "sparse", "longformer", "bigbird", "bigbird:block=128", "bigbird:n_random=0"]
+
+
+def parse(spec: str) -> tuple[str, dict]:
+    name, _, opts = spec.partition(":")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        key, value = item.split("=")
+        options[key] = int(value)
+    return name, options
+
+
+def time_ms(fn, reps: int = 10) -> tuple[float, float]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps, torch.cuda.max_memory_allocated() / 2**20
+
+
+def fwd_bwd(attend, q, k, v):
+    def step():
+        out = attend(q, k, v)
+        out.float().square().mean().backward()
+    return step
+
+
+def variants(bm: BlockMask, N: int) -> dict[str, BlockMask]:
+    """The same tiles with an allow-all mask_mod, and with every tile full."""
+    def allow_all(b, h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    tiles = torch.zeros_like(bm.kv_indices, dtype=torch.bool)  # (B, 1, nt, nt)
+    nt = tiles.shape[-1]
+    for count, index in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        listed = torch.arange(nt, device=tiles.device) < count[..., None]  # (B, 1, nt, nt)
+        tiles |= torch.zeros_like(tiles).scatter_(-1, index.long(), listed)
+    empty = torch.zeros_like(tiles)
+    kv_num, kv_index = ordered_tiles(empty)
+    full_num, full_index = ordered_tiles(tiles)
+    q_num, q_index = ordered_tiles(empty.transpose(-1, -2).contiguous())
+    fq_num, fq_index = ordered_tiles(tiles.transpose(-1, -2).contiguous())
+    all_full = BlockMask(
+        seq_lengths=(N, N), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_num,
+        full_kv_indices=full_index, q_num_blocks=q_num, q_indices=q_index, full_q_num_blocks=fq_num,
+        full_q_indices=fq_index, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=allow_all,
+    )
+    no_mask_mod = BlockMask(
+        seq_lengths=(N, N), kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+        full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices, q_num_blocks=bm.q_num_blocks,
+        q_indices=bm.q_indices, full_q_num_blocks=bm.full_q_num_blocks, full_q_indices=bm.full_q_indices,
+        BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=allow_all,
+    )
+    return {"kernel": bm, "no mask_mod": no_mask_mod, "all full": all_full}
+
+
+def main(specs: list[str]) -> None:
+    torch.manual_seed(0)
+    flex = torch.compile(flex_attention, dynamic=False)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, H {H} x {DH}, bf16, fwd+bwd ms (peak MB)")
+    for N, B in SHAPES:
+        q, k, v = (torch.randn(B, H, N, DH, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        mask = torch.ones(B, N, dtype=torch.bool, device="cuda")
+        print(f"\nN {N}, batch {B}")
+        ms, mb = time_ms(fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v))
+        print(f"  {'SDPA (dense)':28s} {ms:8.2f} ({mb:6.0f})")
+        ms, mb = time_ms(fwd_bwd(lambda q, k, v: flex(q, k, v), q, k, v))
+        print(f"  {'FlexAttention (dense)':28s} {ms:8.2f} ({mb:6.0f})")
+        for spec in specs:
+            name, options = parse(spec)
+            mixer = create_model(name, d_model=H * DH, n_heads=H, d_qkv=H * DH, dropout=0.0, max_len=N,
+                                 **options).cuda()
+            row = {}
+            try:
+                row["attend"] = time_ms(fwd_bwd(lambda q, k, v: mixer.attend(q, k, v, mask), q, k, v))
+                Np = padded_length(N, mixer.block)
+                qp, kp, vp = (F.pad(t.detach(), (0, 0, 0, Np - N)).requires_grad_() for t in (q, k, v))
+                keep = F.pad(mask, (0, Np - N), value=False)
+                layout, context = mixer.block_layout(keep)
+                bm = flex_block_mask(layout, keep, mixer.block, mixer.global_tokens,
+                                     lambda b, qb, kb: mixer.pattern(b, qb, kb, *context))
+                for label, block_mask in variants(bm, Np).items():
+                    row[label] = time_ms(fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=block_mask), qp, kp, vp))
+                nt = bm.kv_indices.shape[-1]
+                tiles = (f"{bm.kv_num_blocks.float().mean():.1f} partial + {bm.full_kv_num_blocks.float().mean():.1f}"
+                         f" full of {nt}")
+            except Exception as error:  # report and go on: the point is the table
+                print(f"  {spec:28s} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            cells = "  ".join(f"{label} {ms:.2f} ({mb:.0f})" for label, (ms, mb) in row.items())
+            print(f"  {spec:28s} {cells}  | tiles/row {tiles}", flush=True)
+            torch._dynamo.reset()  # fresh compile caches per model, as separate bench processes would have
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or DEFAULT)
