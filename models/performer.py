@@ -12,15 +12,25 @@ row is marginally N(0, I)),
 Stabilisers (exact, they cancel in the ratio): key features are divided by their per-feature maximum over
 the real keys, the query features multiplied back by it and then normalised to sum 1 per query (which also
 absorbs exp(-|q'|^2/2) / sqrt(m)). Every feature's key sum is then >= 1, so the normaliser is >= 1: no
-overflow, no 0/0. The maxima are constants for the gradient. Features, stabilisers, summaries and the
-normaliser run in fp32 even under bf16 autocast (fp16/bf16 exponentials overflow: facebookresearch/xformers#96).
+overflow, no 0/0. The maxima are constants for the gradient.
+
+Precision under bf16 autocast: the feature maps (their exponents come from fp32 matmuls with the random
+matrix), stabilisers, key sums and the normaliser are fp32 (fp16/bf16 exponentials overflow:
+facebookresearch/xformers#96). The products of the [0, 1] feature maps with values and gradients
+(sum_n fk_n v_n^T, fq (that), and their backward) take bf16 operands with fp32 accumulation, as SDPA
+multiplies its probabilities by V: these are 8 of the 12 N x m x Dh matmuls of a training step, and fp32
+matmuls run at half of bf16's rate at best (TF32, which the runner and bench allow with matmul precision
+"high", so the exponents' matmuls are TF32 on the GPU) and move twice the bytes. Tested against fp64: 0.5% relative error, most of it from rounding
+q, k, v themselves to bf16.
 
 On CUDA the backward is written by hand and recomputes the two (N x m) feature maps instead of keeping them
 (``recompute``): two extra matmuls, but 2 x B H N m fp32 fewer saved per layer (the CPU path keeps them,
 3x faster there). Forward and backward bodies run through torch.compile (``compile_core``), fusing the
-elementwise passes over the feature maps around the fp32 cuBLAS matmuls. One layer, fwd+bwd, bf16
-autocast, H200, d 256, 4 x 64 heads, m 256, B 32, N 4096: 11.0 ms with 0.52 GB saved for backward
-(``recompute: false``: 7.0 ms, 1.6 GB; eager: 18 ms); performer-pytorch 1.1.4: 15.2 ms; SDPA: 5.8 ms.
+elementwise passes over the feature maps around the cuBLAS matmuls. One layer, fwd+bwd, bf16 autocast, H200,
+d 256, 4 x 64 heads, m 256, B 32, N 4096, all products still fp32 (commit 6f95d0c): 11.0 ms with 0.52 GB
+saved for backward (``recompute: false``: 7.0 ms, 1.6 GB; eager: 18 ms); performer-pytorch 1.1.4: 15.2 ms;
+SDPA: 5.8 ms. The whole text model at 4K ran at 1.0x the transformer (0e49651); the bf16 products are to be
+measured.
 
 Features come from a torch.Generator seeded with ``seed`` (draw j uses a seed derived from (seed, j)), so a
 layer's features are reproducible and survive a checkpoint (the matrix is a buffer; seed and counters are
@@ -92,14 +102,28 @@ def favor_features(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, w: torc
     return fq, fk
 
 
+def product_dtype(v: torch.Tensor) -> torch.dtype:
+    """The operand dtype of the products with values and gradients: bf16 when the values come in bf16 (as SDPA
+    multiplies its probabilities by V in bf16), else fp32 or wider. fp16 gets fp32: sum_n fk_n v_n can pass
+    fp16's 65504 at long N."""
+    return torch.bfloat16 if v.dtype == torch.bfloat16 else upcast(v).dtype
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with both operands in ``dtype`` (accumulated in fp32 by the matmul), returned in fp32 or wider."""
+    return upcast(torch.matmul(a.to(dtype), b.to(dtype)))
+
+
 def favor_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor):
     """Normalised FAVOR+ attention, (B, H, N, Dh) x 3 -> out (B, H, N, Dh) fp32 (or fp64), plus what the
-    backward needs: the (B, H, m, Dh+1) summary [sum fk v^T | sum fk] and the (B, H, N, 1) normaliser."""
+    backward needs: the (B, H, m, Dh) summary sum_n fk_n v_n^T, the (B, H, 1, m) key sums and the (B, H, N, 1)
+    normaliser. Features, key sums and normaliser are fp32; the two products with v take v's precision."""
     fq, fk = favor_features(q, k, keep, w)  # (B, H, N, m) each
-    summary = torch.matmul(fk.transpose(-1, -2), F.pad(upcast(v), (0, 1), value=1.0))  # (B, H, m, Dh + 1)
-    o1 = torch.matmul(fq, summary)  # (B, H, N, Dh + 1): [numerator | normaliser]
-    den = o1[..., -1:] + EPS  # (B, H, N, 1)
-    return o1[..., :-1] / den, summary, den
+    dtype = product_dtype(v)
+    kv = mm(fk.transpose(-1, -2), v, dtype)  # (B, H, m, Dh)
+    ksum = fk.sum(-2, keepdim=True)  # (B, H, 1, m)
+    den = torch.matmul(fq, ksum.transpose(-1, -2)) + EPS  # (B, H, N, 1), >= 1 + EPS (see favor_features)
+    return mm(fq, kv, dtype) / den, kv, ksum, den
 
 
 def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor):
@@ -107,19 +131,22 @@ def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     return favor_forward(q, k, v, keep, w)[0]
 
 
-def favor_backward(grad, q, k, v, keep, w, summary, out, den):
-    """Gradients of favor_forward's out w.r.t. q, k, v, recomputing the two (N x m) feature maps."""
+def favor_backward(grad, q, k, v, keep, w, kv, ksum, out, den):
+    """Gradients of favor_forward's out w.r.t. q, k, v, recomputing the two (N x m) feature maps. The products
+    with values and gradients take v's precision, as in the forward; features and sums stay fp32."""
+    dtype = product_dtype(v)
     g = upcast(grad) / den  # (B, H, N, Dh): d loss / d numerator
-    g1 = torch.cat([g, -(g * out).sum(-1, keepdim=True)], -1)  # (B, H, N, Dh + 1): [d num | d den]
+    g_den = -(g * out).sum(-1, keepdim=True)  # (B, H, N, 1): d loss / d normaliser
     fq, fk = favor_features(q, k, keep, w)  # (B, H, N, m) each
-    d_summary = torch.matmul(fq.transpose(-1, -2), g1)  # (B, H, m, Dh + 1)
-    # through the query softmax: its row term sum_j d_fq_j fq_j equals g1 . o1 = (g . out) eps / den ~ 0
-    d_qdash = torch.matmul(g1, summary.transpose(-1, -2)) * fq  # (B, H, N, m)
-    dq = torch.matmul(d_qdash, w)  # (B, H, N, Dh)
-    dv = torch.matmul(fk, d_summary[..., :-1])  # (B, H, N, Dh)
-    d_kdash = torch.matmul(F.pad(upcast(v), (0, 1), value=1.0), d_summary.transpose(-1, -2)) * fk  # (B, H, N, m)
+    d_kv = mm(fq.transpose(-1, -2), g, dtype)  # (B, H, m, Dh)
+    d_ksum = torch.matmul(g_den.transpose(-1, -2), fq)  # (B, H, 1, m)
+    d_fq = mm(g, kv.transpose(-1, -2), dtype) + g_den * ksum  # (B, H, N, m)
+    d_qdash = fq * (d_fq - (d_fq * fq).sum(-1, keepdim=True))  # (B, H, N, m): through the query softmax
+    dq = mm(d_qdash, w, dtype)  # (B, H, N, Dh)
+    dv = mm(fk, d_kv, dtype)  # (B, H, N, Dh)
+    d_kdash = (mm(v, d_kv.transpose(-1, -2), dtype) + d_ksum) * fk  # (B, H, N, m)
     # the key exponent is w . k' - |k'|^2 / 2, so d/dk adds -(sum_r d_kdash_r) k / sqrt(Dh)
-    dk = torch.matmul(d_kdash, w) - d_kdash.sum(-1, keepdim=True) * upcast(k) / math.sqrt(k.shape[-1])
+    dk = mm(d_kdash, w, dtype) - d_kdash.sum(-1, keepdim=True) * upcast(k) / math.sqrt(k.shape[-1])
     return dq, dk, dv
 
 
@@ -141,17 +168,17 @@ class FavorAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, w, fused: bool):
         with torch.autocast(device_type=q.device.type, enabled=False):
-            out, summary, den = (compiled(favor_forward) if fused else favor_forward)(q, k, v, keep, w)
+            out, kv, ksum, den = (compiled(favor_forward) if fused else favor_forward)(q, k, v, keep, w)
         ctx.fused = fused
-        ctx.save_for_backward(q, k, v, keep, w, summary, out, den)
+        ctx.save_for_backward(q, k, v, keep, w, kv, ksum, out, den)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, keep, w, summary, out, den = ctx.saved_tensors
+        q, k, v, keep, w, kv, ksum, out, den = ctx.saved_tensors
         with torch.autocast(device_type=q.device.type, enabled=False):
             dq, dk, dv = (compiled(favor_backward) if ctx.fused else favor_backward)(
-                grad, q, k, v, keep, w, summary, out, den
+                grad, q, k, v, keep, w, kv, ksum, out, den
             )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 

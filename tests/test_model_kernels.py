@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import create_model
-from models.performer import FavorAttention, favor_attention, orthogonal_gaussian
+from models.performer import FavorAttention, favor_attention, favor_forward, orthogonal_gaussian
 
 BACKBONE = dict(d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=512)
 
@@ -153,6 +153,34 @@ def test_favor_forward_and_backward_match_the_unstabilised_formula():
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
         for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_favor_bf16_products_stay_close_to_the_fp64_formula():
+    """With bf16 inputs the products with values and gradients run in bf16 (features, key sums and normaliser
+    in fp32): outputs and gradients of both paths stay within bf16 rounding of the fp64 computation, and the
+    normaliser, fp32, is exactly the fp32 computation's."""
+    q, k, v = qkv(B=2, H=2, N=200, D=16, scale=1.0, seed=7, dtype=torch.float64)
+    keep = ragged_mask(2, 200, [200, 130])[:, None, :, None]
+    w = orthogonal_gaussian(64, 16, torch.Generator().manual_seed(2)).double() * 16**-0.25
+    grad = torch.randn(2, 2, 200, 16, dtype=torch.float64)
+    ref = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
+    ref_out = favor_attention(*ref, keep, w)
+    ref_grads = torch.autograd.grad(ref_out, ref, grad)
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    assert favor_forward(*low, keep, w.float())[1].dtype == torch.float32  # the summary leaves the bf16 matmul
+    _, _, ksum, den = favor_forward(*low, keep, w.float())
+    _, _, ksum32, den32 = favor_forward(*(t.detach().float() for t in low), keep, w.float())
+    assert torch.equal(ksum, ksum32) and torch.equal(den, den32)
+    for fn in (favor_attention, lambda *a: FavorAttention.apply(*a, False)):
+        out = fn(*low, keep, w.float())
+        assert rel(out, ref_out) < 1e-2
+        grads = torch.autograd.grad(out, low, grad.float())
+        assert all(g.dtype == torch.bfloat16 for g in grads)
+        assert all(rel(g, r) < 2e-2 for g, r in zip(grads, ref_grads)), [rel(g, r) for g, r in zip(grads, ref_grads)]
 
 
 def test_performer_eval_is_deterministic_and_training_redraws_on_schedule():
