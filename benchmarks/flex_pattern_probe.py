@@ -5,12 +5,14 @@
 For each pattern at the bench's shapes (text backbone: 4 heads of 64; N = 4K and 16K plus the CLS slot,
 batch 32 and 8) it prints, in ms (and peak MB for the whole call):
 
-- ``attend``: the mixer's own ``attend`` (pad, lay out the tiles, build the BlockMask, FlexAttention), as
-  the bench runs it;
+- ``attend``: the mixer's own ``attend`` (pad, lay out the tiles, build the BlockMask, FlexAttention) with an
+  all-true (B, N) key mask, and with ``mask=None`` (one set of tiles for the batch, as the bench now runs it);
 - ``kernel``: compiled ``flex_attention`` alone with that BlockMask built beforehand;
 - ``no mask_mod``: the same tiles with a mask_mod that allows everything (wrong numbers, right work): what
   evaluating the pattern inside partial tiles costs;
 - ``all full``: the same tiles, every one marked full (no mask_mod at all);
+- ``kernel fwd only``: the forward alone, so the backward's share is the difference;
+- ``kernel, no index asserts``: the kernel compiled without Inductor's bounds asserts on data-dependent indices;
 - tile counts per query row (partial + full of all tiles);
 
 and, per shape, SDPA (cuDNN) and FlexAttention without a mask as the dense references. Written to find
@@ -110,6 +112,7 @@ def main(specs: list[str]) -> None:
             row = {}
             try:
                 row["attend"] = time_ms(fwd_bwd(lambda q, k, v: mixer.attend(q, k, v, mask), q, k, v))
+                row["attend, mask=None"] = time_ms(fwd_bwd(lambda q, k, v: mixer.attend(q, k, v, None), q, k, v))
                 Np = padded_length(N, mixer.block)
                 qp, kp, vp = (F.pad(t.detach(), (0, 0, 0, Np - N)).requires_grad_() for t in (q, k, v))
                 keep = F.pad(mask, (0, Np - N), value=False)
@@ -118,6 +121,15 @@ def main(specs: list[str]) -> None:
                                      lambda b, qb, kb: mixer.pattern(b, qb, kb, *context))
                 for label, block_mask in variants(bm, Np).items():
                     row[label] = time_ms(fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=block_mask), qp, kp, vp))
+                with torch.no_grad():
+                    row["kernel fwd only"] = time_ms(lambda: flex(qp, kp, vp, block_mask=bm))
+                # Inductor guards every data-dependent index in a mask_mod (keep[b N + kv], BigBird's random
+                # table) with a device-side bounds assert; this variant compiles the kernel without them
+                torch._dynamo.reset()
+                with torch._inductor.config.patch(assert_indirect_indexing=False):
+                    unchecked = torch.compile(flex_attention, dynamic=False)
+                    row["kernel, no index asserts"] = time_ms(
+                        fwd_bwd(lambda q, k, v: unchecked(q, k, v, block_mask=bm), qp, kp, vp))
                 nt = bm.kv_indices.shape[-1]
                 tiles = (f"{bm.kv_num_blocks.float().mean():.1f} partial + {bm.full_kv_num_blocks.float().mean():.1f}"
                          f" full of {nt}")

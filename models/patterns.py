@@ -7,7 +7,8 @@ block pairs attend. It is evaluated on index grids to lay out the tiles and the 
 inside FlexAttention's ``mask_mod``, so the two paths cannot disagree. On top of it a model may declare
 ``global_tokens``: that many leading positions attend to and are attended by everything, at token
 granularity (Longformer's global CLS). The per-sample key padding mask is applied in both paths, so padded
-keys never contribute.
+keys never contribute; ``mask=None`` (no padding in the batch) lays out one set of tiles for all samples, which
+FlexAttention and SDPA broadcast over the batch.
 
 Two executions of the same pattern:
 
@@ -135,6 +136,8 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> Block
     keep_flat = keep.reshape(-1)  # (B * N,)
 
     def mask_mod(b, h, q_idx, kv_idx):
+        if B == 1:  # one mask for the whole batch (FlexAttention broadcasts it): look everything up in sample 0
+            b = b * 0
         allowed = rule(b, q_idx // block, kv_idx // block)
         if global_tokens:
             allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
@@ -178,6 +181,9 @@ class BlockSparseMixer(MultiHeadMixer):
     """
 
     static_pattern = True
+    # mask=None (no padding in the batch): one (1, N) key mask and one layout for all samples, so the tiles
+    # and the pattern's per-sample context (BigBird's) are built once per call instead of once per sample
+    accepts_no_mask = True
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block: int,
                  global_tokens: int = 0):
@@ -215,7 +221,7 @@ class BlockSparseMixer(MultiHeadMixer):
             self._layouts[(nb, device)] = layout
         return layout, context
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.check_length(q.shape[2])
         use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
         if use_flex and q.is_cuda and not torch.compiler.is_compiling():
@@ -230,7 +236,10 @@ def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool)
     N = q.shape[2]
     pad = padded_length(N, mixer.block) - N
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, Np, Dh)
-    keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
+    if mask is None:  # no padding in the batch: one key mask, for the internal padding, serves every sample
+        keep = (torch.arange(N + pad, device=q.device) < N)[None]  # (1, Np)
+    else:
+        keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
     layout, context = mixer.block_layout(keep)
 
     def rule(b, q_block, k_block):

@@ -75,6 +75,21 @@ def test_flex_path_matches_dense_path(name, options, n, d_model, n_heads):
 
 
 @pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("n", [300, 512])  # with and without internal padding to the 128 tile
+def test_no_mask_equals_an_all_true_mask(name, options, n):
+    """mask=None (no padding in the batch) builds one (1, N) key mask and one set of tiles for all samples, which
+    FlexAttention broadcasts; both paths must give what an all-true (B, N) mask gives."""
+    torch.manual_seed(0)
+    model = make(name, **options)
+    x = torch.randn(3, n, D)
+    every = torch.ones(3, n, dtype=torch.bool)
+    with torch.no_grad():
+        for backend in ("dense", "flex"):
+            model.backend = backend
+            torch.testing.assert_close(model(x, None), model(x, every), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
 def test_flex_tiles_match_create_block_mask(name, options):
     """What the compiled kernel computes: full tiles entirely, partial tiles through mask_mod, nothing else.
     That must equal the dense mask, and the tiles must agree with create_block_mask's."""
