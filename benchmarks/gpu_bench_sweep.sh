@@ -3,10 +3,11 @@
 # launch-bound): the LRA Table 2 sweep, every registered model at 1K-4K (batch 32) and the non-quadratic ones at
 # 8K/16K (batch 8). Failing cases log their whole traceback to $OUT/bench.log.
 #   LRA_GIT_SHA=<commit> bash benchmarks/gpu_bench_sweep.sh          (after the wheel install prefix)
-#   MODELS=longformer,bigbird,performer PROBE=1 bash benchmarks/gpu_bench_sweep.sh
-# MODELS re-measures only those models (and the transformer baseline) at 1K-16K, about 3 minutes;
+#   MODELS=longformer,bigbird,performer VARIANTS='{model:bigbird,block:128}' PROBE=1 bash benchmarks/gpu_bench_sweep.sh
+# MODELS re-measures only those models (and the transformer baseline) at 1K-16K, about 3 minutes, with
+# VARIANTS='{model:bigbird,block:128},...' (bench.variants) as more rows;
 # PROBE=1 first runs benchmarks/flex_pattern_probe.py (one attention layer of each block-sparse pattern split
-# into tile construction, kernel, mask_mod and tile count) into $OUT/probe.log, about 2 minutes.
+# into tile construction, kernel, mask_mod and tile count) into $OUT/probe.log, about 3 minutes.
 set -u
 cp results/bench.csv "$OUT/bench.csv"
 : > "$OUT/bench.log"
@@ -19,10 +20,11 @@ bench() {
 }
 timeout 90 python3 benchmarks/gpu_check_patterns.py 2>&1 | grep -vi warn | tail -2
 if [ "${PROBE:-0}" = 1 ]; then
-  timeout 180 python3 benchmarks/flex_pattern_probe.py 2>&1 | grep -viE "warn|^\s*$" > "$OUT/probe.log"; cat "$OUT/probe.log"
+  timeout 240 python3 benchmarks/flex_pattern_probe.py 2>&1 | grep -viE "warn|^\s*$" > "$OUT/probe.log"; cat "$OUT/probe.log"
 fi
 if [ -n "${MODELS:-}" ]; then
-  bench 300 "bench.models=[transformer,$MODELS]" "bench.lengths=[1024,2048,3072,4096,8192,16384]"
+  bench 300 "bench.models=[transformer,$MODELS]" "bench.variants=[${VARIANTS:-}]" \
+    "bench.lengths=[1024,2048,3072,4096,8192,16384]"
   exit 0
 fi
 bench 300                                  # every registered model at 1K-4K, batch 32

@@ -37,7 +37,7 @@ from lra import plot
 from lra.encoder import Classifier, build_classifier
 from lra.results import BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from lra.run import resolve_device
-from models import list_models
+from models import list_models, model_options
 
 log = logging.getLogger("lra.bench")
 
@@ -55,11 +55,31 @@ def model_config_options(name: str) -> dict:
     return opts
 
 
-def build_model(name: str, task: DictConfig, backbone: DictConfig, seq_len: int, vocab_size: int) -> Classifier:
+def build_model(name: str, task: DictConfig, backbone: DictConfig, seq_len: int, vocab_size: int,
+                options: dict | None = None) -> Classifier:
     """The inputs are full-length random bytes with no pad token, so the model is built mask-free, by the
-    runner's rule: the transformer baseline gets SDPA's unmasked kernels, the strongest exact baseline."""
-    return build_classifier(name, model_config_options(name), backbone, vocab_size, seq_len, task.n_classes,
-                            padded=False)
+    runner's rule: the transformer baseline gets SDPA's unmasked kernels, the strongest exact baseline.
+    ``options`` override the model config's (a variant); unknown ones fail in the model's constructor."""
+    return build_classifier(name, {**model_config_options(name), **(options or {})}, backbone, vocab_size, seq_len,
+                            task.n_classes, padded=False)
+
+
+def variant_cases(variants) -> list[tuple[str, str, dict]]:
+    """``bench.variants`` ([{model: bigbird, block: 128}, ...]) -> (label, model, options), the label naming the
+    changed options as the rows' ``model``: ``bigbird(block=128)``."""
+    cases = []
+    for variant in variants or []:
+        options = dict(variant)
+        if "model" not in options:
+            raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
+        name = options.pop("model")
+        unknown = sorted(set(options) - set(model_options(name)))  # fail before the sweep, not in its rows
+        if unknown:
+            raise ValueError(f"bench.variants: model {name!r} has no option(s) {unknown}; its options are: "
+                             f"{', '.join(f'{k}={v!r}' for k, v in model_options(name).items()) or 'none'}")
+        label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
+        cases.append((label, name, options))
+    return cases
 
 
 def backbone_tag(bb: DictConfig) -> str:
@@ -149,11 +169,11 @@ def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str
 
 
 def bench_case(cfg: DictConfig, name: str, seq_len: int, batch_size: int, device: torch.device, precision: str,
-               compile_: bool, row: dict) -> None:
+               compile_: bool, row: dict, options: dict | None = None) -> None:
     """Fill ``row`` with one (model, length) measurement; raises on OOM or failure (``params`` set first)."""
     b = cfg.bench
     torch.manual_seed(cfg.get("seed", 0))
-    model = build_model(name, cfg.task, cfg.backbone, seq_len, b.vocab_size)
+    model = build_model(name, cfg.task, cfg.backbone, seq_len, b.vocab_size, options)
     row["params"] = sum(p.numel() for p in model.parameters())
     model = model.to(device).train()
     tokens = torch.randint(1, b.vocab_size, (batch_size, seq_len), device=device)  # (B, N), no padding
@@ -197,23 +217,24 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
                   device=device_name(device), torch=torch.__version__, git_sha=git_sha(), warmup=b.warmup,
                   timed_steps=b.steps)
     baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device")})
-    cases = [(n, int(L)) for n in names for L in b.lengths]
+    models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))
+    cases = [(label, n, options, int(L)) for label, n, options in models for L in b.lengths]
     rows = []
-    for name, seq_len in tqdm(cases, desc="bench", disable=not b.get("progress", True)):
+    for label, name, options, seq_len in tqdm(cases, desc="bench", disable=not b.get("progress", True)):
         batch_size = per_length.get(seq_len, int(b.batch_size))
-        row = dict(common, model=name, seq_len=seq_len, batch_size=batch_size, timestamp=now_iso())
+        row = dict(common, model=label, seq_len=seq_len, batch_size=batch_size, timestamp=now_iso())
         try:
-            bench_case(cfg, name, seq_len, batch_size, device, precision, compile_, row)
+            bench_case(cfg, name, seq_len, batch_size, device, precision, compile_, row, options)
         except Exception as exc:  # noqa: BLE001 - a failing case is a result; the sweep goes on
             first_line = (str(exc).splitlines() or [""])[0][:200]
             row["status"] = "oom" if is_oom(exc) else f"error: {type(exc).__name__}: {first_line}"
             if not is_oom(exc):  # the row keeps one line; the log keeps the whole traceback
-                log.error("%s at N=%d failed", name, seq_len, exc_info=exc)
+                log.error("%s at N=%d failed", label, seq_len, exc_info=exc)
         if device.type == "cuda" or row["status"] != "ok":
             gc.collect()  # the failed case's traceback held its tensors; the next case needs them freed
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if row["status"] == "ok" and name == BASELINE:
+        if row["status"] == "ok" and label == BASELINE:
             baselines[(seq_len, batch_size)] = row
         base = baselines.get((seq_len, batch_size))
         if row["status"] == "ok" and base is not None:

@@ -84,6 +84,29 @@ def test_bench_rows_and_relative_figures(tmp_path, mean_mixer):
     assert len(pd.read_csv(tmp_path / "bench.csv")) == 6  # append-only
 
 
+def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):
+    """bench.variants benches a model with options changed, in rows named after them; a misspelt option fails
+    before the sweep."""
+    built = []
+    real = bench.build_classifier
+
+    def spy(name, options, *args, **kwargs):
+        built.append((name, dict(options)))
+        return real(name, options, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "build_classifier", spy)
+    cfg = make_cfg(tmp_path, ["transformer", "local"], [128], variants=[{"model": "local", "block": 64}])
+    df = bench.run_bench(cfg)
+    assert list(df["model"]) == ["transformer", "local", "local(block=64)"] and (df["status"] == "ok").all()
+    assert built[1][1]["block"] != 64 and built[2] == ("local", {**built[1][1], "block": 64})
+    assert "local(block=64)" in bench.format_table(df)
+    with pytest.raises(ValueError, match="no option.*blok"):
+        bench.run_bench(make_cfg(tmp_path, ["transformer"], [128], variants=[{"model": "local", "blok": 64}]))
+    with pytest.raises(ValueError, match="names no model"):
+        bench.run_bench(make_cfg(tmp_path, ["transformer"], [128], variants=[{"block": 64}]))
+    assert len(pd.read_csv(tmp_path / "bench.csv")) == 3  # the failed configurations wrote nothing
+
+
 def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, mean_mixer, caplog):
     real = bench.measure
 
