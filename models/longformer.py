@@ -14,9 +14,10 @@ rows and columns on the FlexAttention path; with one global token, every query r
 The CPU dense-mask path is O(N^2) (see ``models/patterns.py``).
 
 Deviations: block-aligned window instead of a per-token band (FlexAttention skips work only in whole
-128 x 128 tiles, and a block-aligned window fills them exactly). LRA's configs pass no global mask, i.e. no
-global tokens; the default here makes position 0 (the encoder's CLS slot) global as in the paper, and
-``global_tokens: 0`` reproduces LRA. No dilation (the paper uses it only in autoregressive language
+128 x 128 tiles, and a block-aligned window fills them exactly). Global tokens: LRA's configs pass no global
+mask, i.e. none, and so does the default here; ``global_tokens: 1`` makes position 0 (the encoder's CLS slot)
+global as in the paper. Each global token costs more than its share on the GPU: its row and column cut
+through tiles, which then become partial (mask_mod evaluated in every one of them). No dilation (the paper uses it only in autoregressive language
 modelling), one pattern for all heads and layers, no separate projections for global attention (the paper
 has them), no attention dropout (FlexAttention has none).
 
@@ -35,7 +36,7 @@ from .registry import register_model
 @register_model
 class Longformer(BlockSparseMixer):
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *,
-                 block: int = 128, window: int = 2, global_tokens: int = 1):
+                 block: int = 128, window: int = 2, global_tokens: int = 0):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len, block=block, global_tokens=global_tokens)
         if window < 0:
             raise ValueError(f"window={window} must be >= 0 blocks on each side")

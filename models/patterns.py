@@ -75,9 +75,9 @@ def dense_mask(layout, keep, block: int, global_tokens: int) -> torch.Tensor:
     return (allowed & keep[:, None, :])[:, None]  # (B, 1, N, N): padded keys never contribute
 
 
-def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule=None) -> torch.Tensor:
-    """softmax attention through SDPA with the pattern expanded to a dense boolean mask (``rule`` is unused:
-    the signature matches ``flex_attend``)."""
+def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch.Tensor:
+    """softmax attention through SDPA with the pattern expanded to a dense boolean mask; q, k, v padded to the
+    layout's length."""
     mask = dense_mask(layout, keep, block, global_tokens)  # (B, 1, N, N)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, Dh)
 
@@ -107,20 +107,28 @@ def _ordered_tiles_shapes(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return dense.new_empty(dense.shape[:-1], dtype=torch.int32), dense.new_empty(dense.shape, dtype=torch.int32)
 
 
-def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> BlockMask:
-    """The pattern and the key padding mask as a FlexAttention BlockMask. ``layout`` (B or 1, N/block, N/block)
-    decides the tiles; ``rule(b, q_block, k_block)``, the same pattern as a function of indices, decides
-    the positions inside partial tiles. Index arithmetic and 1-D loads are FlexAttention's fast form of a
-    mask_mod; looking the layout up with a multi-dimensional gather per position is several times slower
+def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: int | None = None,
+                    key_padding: bool = True) -> BlockMask:
+    """The pattern and the key padding mask as a FlexAttention BlockMask for sequences of ``length`` (default:
+    all of ``keep``). ``layout`` (B or 1, Np/block, Np/block) decides the tiles; ``rule(b, q_block, k_block)``,
+    the same pattern as a function of indices, decides the positions inside partial tiles. Positions from
+    ``length`` to Np do not exist for the kernel (it bounds-checks the last tile), so they neither make a tile
+    partial nor need a lookup; ``key_padding=False`` (no padding before ``length``) drops the mask_mod's
+    lookup of ``keep`` altogether. Index arithmetic and 1-D loads are FlexAttention's fast form of a mask_mod;
+    looking the layout up with a multi-dimensional gather per position is several times slower
     (pytorch/torchtitan#2171 measured 3.5x for a 2-D index)."""
-    B, N = keep.shape
-    nt = N // FLEX_BLOCK
-    layout = layout.expand(B, -1, -1)  # (B, N/block, N/block)
+    B, Np = keep.shape
+    n = Np if length is None else length
+    nt, nb = Np // FLEX_BLOCK, layout.shape[-1]
+    layout = layout.expand(B, -1, -1)  # (B, Np/block, Np/block)
     # Pool the pattern to tiles: `some` = the tile holds an allowed block pair, `every` = all its pairs are.
+    # Blocks wholly past the end are out of range: allowed for `every`, absent for `some`.
+    outside = torch.arange(nb, device=keep.device) * block >= n  # (nb,)
+    beyond = outside[:, None] | outside[None, :]  # (nb, nb)
     if block <= FLEX_BLOCK:
         r = FLEX_BLOCK // block
-        tiles = layout.reshape(B, nt, r, nt, r)  # (B, tile_q, block in tile, tile_k, block in tile)
-        some, every = tiles.any(4).any(2), tiles.all(4).all(2)  # each (B, nt, nt)
+        some = (layout & ~beyond).reshape(B, nt, r, nt, r).any(4).any(2)  # (B, nt, nt)
+        every = (layout | beyond).reshape(B, nt, r, nt, r).all(4).all(2)  # (B, nt, nt)
     else:
         s = block // FLEX_BLOCK
         some = every = layout.repeat_interleave(s, 1).repeat_interleave(s, 2)  # (B, nt, nt)
@@ -129,11 +137,14 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> Block
         g_some, g_every = start < global_tokens, start + FLEX_BLOCK <= global_tokens  # (nt,)
         some = some | g_some[:, None] | g_some[None, :]
         every = every | g_every[:, None] | g_every[None, :]
-    real = keep.view(B, nt, FLEX_BLOCK)  # (B, nt, 128)
-    full = every & real.all(-1)[:, None, :]  # (B, nt, nt): computed without mask_mod
-    partial = some & real.any(-1)[:, None, :] & ~full  # (B, nt, nt): mask_mod decides inside
+    in_range = torch.arange(Np, device=keep.device) < n  # (Np,)
+    real_all = (keep | ~in_range).view(B, nt, FLEX_BLOCK).all(-1)  # (B, nt): no padded key inside the sequence
+    real_any = keep.view(B, nt, FLEX_BLOCK).any(-1)  # (B, nt)
+    ntr = -(-n // FLEX_BLOCK)  # tiles the sequence spans
+    full = (every & real_all[:, None, :])[:, :ntr, :ntr]  # (B, ntr, ntr): computed without mask_mod
+    partial = (some & real_any[:, None, :])[:, :ntr, :ntr] & ~full  # (B, ntr, ntr): mask_mod decides inside
 
-    keep_flat = keep.reshape(-1)  # (B * N,)
+    keep_flat = keep.reshape(-1)  # (B * Np,)
 
     def mask_mod(b, h, q_idx, kv_idx):
         if B == 1:  # one mask for the whole batch (FlexAttention broadcasts it): look everything up in sample 0
@@ -141,26 +152,27 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule) -> Block
         allowed = rule(b, q_idx // block, kv_idx // block)
         if global_tokens:
             allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
-        return allowed & keep_flat[b * N + kv_idx]
+        return allowed & keep_flat[b * Np + kv_idx] if key_padding else allowed
 
     # The q-major lists (for the backward pass) are the transposed tiles, ordered the same way.
-    partial, full = partial[:, None], full[:, None]  # (B, 1, nt, nt)
+    partial, full = partial[:, None], full[:, None]  # (B, 1, ntr, ntr)
     kv_num, kv_index = ordered_tiles(partial)
     full_kv_num, full_kv_index = ordered_tiles(full)
     q_num, q_index = ordered_tiles(partial.transpose(-1, -2).contiguous())
     full_q_num, full_q_index = ordered_tiles(full.transpose(-1, -2).contiguous())
     return BlockMask(
-        seq_lengths=(N, N), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_kv_num,
+        seq_lengths=(n, n), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_kv_num,
         full_kv_indices=full_kv_index, q_num_blocks=q_num, q_indices=q_index, full_q_num_blocks=full_q_num,
         full_q_indices=full_q_index, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
     )
 
 
-def flex_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule) -> torch.Tensor:
-    """FlexAttention over the pattern (eager unless traced by torch.compile, see ``BlockSparseMixer``)."""
-    Dh = q.shape[-1]
+def flex_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule, key_padding: bool = True) -> torch.Tensor:
+    """FlexAttention over the pattern (eager unless traced by torch.compile, see ``BlockSparseMixer``). q, k, v
+    (B, H, N, Dh) at their own length: the kernel bounds-checks the last tile, so they are not padded to it."""
+    N, Dh = q.shape[2], q.shape[-1]
     q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16))
-    block_mask = flex_block_mask(layout, keep, block, global_tokens, rule)
+    block_mask = flex_block_mask(layout, keep, block, global_tokens, rule, N, key_padding)
     out = flex_attention(q, k, v, block_mask=block_mask, scale=Dh**-0.5)  # (B, H, N, max(Dh, 16))
     return out[..., :Dh]
 
@@ -235,7 +247,6 @@ class BlockSparseMixer(MultiHeadMixer):
 def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:
     N = q.shape[2]
     pad = padded_length(N, mixer.block) - N
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, Np, Dh)
     if mask is None:  # no padding in the batch: one key mask, for the internal padding, serves every sample
         keep = (torch.arange(N + pad, device=q.device) < N)[None]  # (1, Np)
     else:
@@ -245,5 +256,7 @@ def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool)
     def rule(b, q_block, k_block):
         return mixer.pattern(b, q_block, k_block, *context)
 
-    attend = flex_attend if use_flex else dense_attend
-    return attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens, rule)[:, :, :N]  # (B, H, N, Dh)
+    if use_flex:
+        return flex_attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens, rule, key_padding=mask is not None)
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, Np, Dh)
+    return dense_attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens)[:, :, :N]  # (B, H, N, Dh)

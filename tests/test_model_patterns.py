@@ -125,6 +125,43 @@ def test_flex_tiles_match_create_block_mask(name, options):
     assert torch.equal(kernel_view, dense_mask(layout, keep, model.block, model.global_tokens)[:, 0])
 
 
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("padded", [True, False], ids=["key-padding", "no-mask"])
+def test_flex_tiles_at_the_true_length(name, options, padded):
+    """The kernel sees only the N real positions (it bounds-checks the last tile), so the tiles are laid out for
+    N, not for the padded length: what they compute inside [0, N) must equal the dense mask there, tiles past
+    the end are not listed, and without a key mask (no padding) the mask_mod reads no key mask."""
+    torch.manual_seed(0)
+    model = make(name, **options)
+    n = 650
+    if padded:
+        _, mask = batch(n)
+        layout, keep, rule = layout_and_keep(model, mask)
+    else:
+        keep = torch.arange(padded_length(n, model.block)) < n
+        layout, context = model.block_layout(keep[None])
+        keep = keep[None]
+        rule = lambda b, q, k: model.pattern(b, q, k, *context)  # noqa: E731
+    bm = flex_block_mask(layout, keep, model.block, model.global_tokens, rule, n, key_padding=padded)
+    B, nt = keep.shape[0], -(-n // FLEX_BLOCK)
+    assert bm.seq_lengths == (n, n) and bm.kv_indices.shape == (B, 1, nt, nt)
+
+    def tiles(count, index):  # (B, 1, nt) + (B, 1, nt, nt) -> (B, nt, nt) bool
+        listed = torch.arange(nt) < count[..., None]
+        return torch.zeros(B, 1, nt, nt, dtype=torch.bool).scatter_(-1, index.long(), listed)[:, 0]
+
+    def expand(t):  # (B, nt, nt) tiles -> (B, n, n) positions
+        return t.repeat_interleave(FLEX_BLOCK, 1).repeat_interleave(FLEX_BLOCK, 2)[:, :n, :n]
+
+    full, partial = tiles(bm.full_kv_num_blocks, bm.full_kv_indices), tiles(bm.kv_num_blocks, bm.kv_indices)
+    assert not (full & partial).any()
+    by_mask_mod = create_mask(bm.mask_mod, B, 1, n, n, device="cpu")[:, 0]  # (B, n, n)
+    kernel_view = expand(full) | (expand(partial) & by_mask_mod)
+    assert torch.equal(kernel_view, dense_mask(layout, keep, model.block, model.global_tokens)[:, 0, :n, :n])
+    if not padded and model.block >= FLEX_BLOCK and not model.global_tokens:  # whole tiles: none left partial
+        assert not partial.any() and full.any()
+
+
 def test_ordered_tiles_is_a_stable_partition_and_an_opaque_op():
     """The tile lists are built by a custom op that Inductor calls instead of lowering (it miscompiled the
     same code inline at 129 x 129 tiles on an H200): its shapes, fake kernel and schema must hold up under
@@ -149,18 +186,23 @@ def test_ordered_tiles_is_a_stable_partition_and_an_opaque_op():
 
 def test_flex_tiles_are_sparse():
     """Block granularity is what makes FlexAttention skip work: at N = 2048 each default pattern computes
-    only a fraction of the 16 x 16 tiles."""
+    only a fraction of the 16 x 16 tiles, and whole tiles (no mask_mod) unless a global token cuts through."""
     mask = torch.ones(1, 2048, dtype=torch.bool)
-    expected = {"local": 16, "sparse": 16 * 7, "longformer": 16 * 5 - 6 + 13 + 13}  # band + global row and column
-    for name, computed in expected.items():
-        model = make(name, max_len=2048)
+    expected = {  # name, options: (tiles computed, of which partial)
+        ("local", ()): (16, 0), ("sparse", ()): (16 * 7, 0), ("longformer", ()): (16 * 5 - 6, 0),
+        ("longformer", (("global_tokens", 1),)): (16 * 5 - 6 + 13 + 13, 13 + 13),  # + global row and column
+        ("bigbird", ()): (None, 0), ("bigbird", (("block", 64),)): (None, None),
+    }
+    for (name, options), (computed, partial) in expected.items():
+        model = make(name, max_len=2048, **dict(options))
         layout, keep, rule = layout_and_keep(model, mask)
         bm = flex_block_mask(layout, keep, model.block, model.global_tokens, rule)
-        assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) == computed, name
-    bigbird = make("bigbird", max_len=2048)
-    layout, keep, rule = layout_and_keep(bigbird, mask)
-    bm = flex_block_mask(layout, keep, bigbird.block, 0, rule)
-    assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) < 0.8 * 16 * 16
+        total = int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())
+        assert total == computed if computed else total < 0.8 * 16 * 16, (name, options, total)
+        if partial is not None:
+            assert int(bm.kv_num_blocks.sum()) == partial, (name, options)
+        else:  # LRA's 64-blocks split the 128-tiles: most computed tiles are partial
+            assert int(bm.kv_num_blocks.sum()) > 0.5 * total
 
 
 # Settings under which each pattern covers a 300-token input (padded to 384 or 512) entirely.
