@@ -85,14 +85,15 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
     last = at_len.drop_duplicates("model", keep="last").set_index("model")
     avg = leaderboard[leaderboard["task"] == "avg5"].set_index("model")["test_acc"].astype(float).dropna()
 
-    shown, missing = [], []
+    shown, missing = [], {}  # missing: reason -> models
     for m in sorted(set(last.index) | set(avg.index)):
         if m not in last.index:
-            missing.append(f"{m} (no bench row at {length_label(length)})")
+            missing.setdefault(f"no bench row at {length_label(length)}", []).append(m)
         elif str(last.loc[m, "status"]) != "ok":
-            missing.append(f"{m} ({'OOM' if last.loc[m, 'status'] == 'oom' else 'error'} at {length_label(length)})")
+            status = "OOM" if last.loc[m, "status"] == "oom" else "error"
+            missing.setdefault(f"{status} at {length_label(length)}", []).append(m)
         elif m not in avg.index:
-            missing.append(f"{m} (no 5-task LRA average)")
+            missing.setdefault("no 5-task LRA average", []).append(m)
         else:
             r = last.loc[m]
             shown.append((m, float(r["examples_per_s"]), float(avg[m]), float(r["peak_mem_mb"]) / 1024))
@@ -123,9 +124,18 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
                         facecolors="none", edgecolors="tab:gray", linestyles="--", linewidths=1.2,
                         label="LRA paper (TPU v3, Tables 1-2)")
         sc.set_gid("published")
-        for m, x, y, mem in paper:  # below the bubble: the paper's efficient models sit almost on one spot
-            ax.annotate(f"{m} (LRA)", (x, y), xytext=(0, -math.sqrt(mem * scale) / 2 - 1), textcoords="offset points",
-                        ha="center", va="top", fontsize=7, color="dimgray")
+        # Labels go below their bubble, or above it when a neighbour's label already sits there: the paper's
+        # efficient models cluster near one spot.
+        x_span = max(s[1] for s in paper) - min(s[1] for s in paper) or 1.0
+        y_span = max(s[2] for s in paper) - min(s[2] for s in paper) or 1.0
+        below = []
+        for m, x, y, mem in sorted(paper, key=lambda s: s[1]):
+            crowded = any(abs(x - bx) < 0.1 * x_span and abs(y - by) < 0.08 * y_span for bx, by in below)
+            radius = math.sqrt(mem * scale) / 2 + 1
+            ax.annotate(f"{m} (LRA)", (x, y), xytext=(0, radius if crowded else -radius), textcoords="offset points",
+                        ha="center", va="bottom" if crowded else "top", fontsize=7, color="dimgray")
+            if not crowded:
+                below.append((x, y))
     xs = [s[1] for s in shown + paper]
     if xs and max(xs) / max(min(xs), 1e-9) > 8:
         ax.set_xscale("log")
@@ -141,10 +151,12 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
     ax.margins(0.12, 0.15)  # room for the bubbles themselves (their size is not in data units)
     ax.set_xlabel(f"speed: training examples/s at N = {length_label(length)}")
     ax.set_ylabel("LRA score: 5-task average test accuracy (%)")
-    ax.set_title(f"LRA: accuracy vs speed at {length_label(length)}, bubble area = peak memory\n{device}", fontsize=11)
+    ax.set_title(f"LRA: accuracy vs speed at {length_label(length)}, bubble area = peak memory\nours: {device}",
+                 fontsize=11)
     ax.grid(alpha=0.3)
     if missing:
-        fig.text(0.01, 0.0, "Not shown: " + "; ".join(missing), fontsize=8, va="bottom", wrap=True)
+        note = "; ".join(f"{reason}: {', '.join(models)}" for reason, models in missing.items())
+        fig.text(0.01, 0.0, f"Ours not shown ({note})", fontsize=8, va="bottom", wrap=True)
         fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
     return fig
 
