@@ -23,10 +23,11 @@ commit 0e49651 measured 0.2x the transformer at 1K to 8K. The default is therefo
 counts (3-block window, first and last block global, 3 random blocks), so every tile is full and the kernel
 skips the mask entirely; each query sees twice LRA's 512 tokens.
 
-Deviations from the paper and LRA: (0) block 128 instead of 64 by default (above); (1) the "last" global blocks and the random candidates are taken per
-sample from its real length (one past its last real token), not from the padded length: LRA's inputs are
-padded to the task's maximum, so its last global block was usually padding; here the plan never depends on
-how much padding follows, which makes outputs at real positions invariant to appended padding. (2) Random
+Deviations from the paper and LRA: (0) block 128 instead of 64 by default (above); (1) the "last" global
+blocks and the random candidates are taken per sample from its real length (one past its last real token),
+not from the padded length: LRA's inputs are padded to the task's maximum, so its last global block was
+usually padding; here the plan never depends on how much padding follows, which makes outputs at real
+positions invariant to appended padding. (2) Random
 blocks are drawn once per layer (LRA: same; the paper's code can also redraw per step). (3) No attention
 dropout (FlexAttention has none). Short sequences with few blocks get fewer (or no) random blocks, and the
 pattern is full attention once (2*window + 1 + n_random + 2*global_blocks) blocks cover the sequence.

@@ -9,8 +9,9 @@ Complexity: O(N * block * d) time and O(N * block) memory on the FlexAttention p
 tiles are computed); the CPU dense-mask path is O(N^2) (see ``models/patterns.py``).
 
 Deviations from LRA: block 128 by default instead of 50 (Image/Pathfinder: 64), because FlexAttention skips
-work only in whole 128 x 128 tiles, so any block up to 128 costs the same as 128; ``block: 64`` is the
-closest to LRA that still nests in the tiles. Blocks are contiguous, as in the paper: LRA's reshape
+work only in whole 128 x 128 tiles, so any block below 128 costs at least as much as 128 (more: the diagonal
+tile is then partial, with its mask evaluated per position); ``block: 64`` is the closest to LRA that still
+nests in the tiles. Blocks are contiguous, as in the paper: LRA's reshape
 (code-read) groups positions congruent modulo N/block instead, a strided pattern. No attention dropout
 (FlexAttention has none; see ``models/patterns.py``).
 

@@ -17,9 +17,9 @@ Deviations: block-aligned window instead of a per-token band (FlexAttention skip
 128 x 128 tiles, and a block-aligned window fills them exactly). Global tokens: LRA's configs pass no global
 mask, i.e. none, and so does the default here; ``global_tokens: 1`` makes position 0 (the encoder's CLS slot)
 global as in the paper. Each global token costs more than its share on the GPU: its row and column cut
-through tiles, which then become partial (mask_mod evaluated in every one of them). No dilation (the paper uses it only in autoregressive language
-modelling), one pattern for all heads and layers, no separate projections for global attention (the paper
-has them), no attention dropout (FlexAttention has none).
+through tiles, which then become partial (mask_mod evaluated in every one of them). No dilation (the paper
+uses it only in autoregressive language modelling), one pattern for all heads and layers, no separate
+projections for global attention (the paper has them), no attention dropout (FlexAttention has none).
 
 Padding: padded keys are masked; the pattern depends only on absolute positions, so appending padding
 leaves real positions unchanged. For a task without a CLS slot (MEAN pooling) the first real token is the

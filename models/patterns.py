@@ -27,9 +27,14 @@ Two executions of the same pattern:
   speed claims for these models must come from the flex path.
 
 Granularity: a model's ``block`` must divide 128 or be a multiple of it, so that pattern blocks and
-FlexAttention tiles nest (LRA's block 50 straddles tiles and would make every tile partial). Sequences are
-padded internally to a multiple of max(block, 128) with masked positions and cut back, so any N up to
-``max_len`` works.
+FlexAttention tiles nest (LRA's block 50 straddles tiles and would make every tile partial). The layout is
+laid out for N rounded up to a multiple of max(block, 128), so any N up to ``max_len`` works: the dense path
+pads q, k, v to that length with masked positions and cuts the output back; the flex path keeps them at N,
+since the kernel bounds-checks the last tile itself, and positions past N then make no tile partial.
+
+A tile is partial for three reasons: the pattern allows some but not all of its block pairs (blocks smaller
+than 128), a global token cuts through it, or it holds padded keys. Partial tiles evaluate the mask_mod per
+position and cost several times a full tile on the H200 (README, bench notes); the defaults avoid them.
 
 Rows with no allowed key (padded queries whose whole neighbourhood is padding) return 0 in both paths:
 SDPA and FlexAttention define a fully masked row as 0, in output and gradient; the tests check both paths.

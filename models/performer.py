@@ -17,11 +17,11 @@ overflow, no 0/0. The maxima are constants for the gradient.
 Precision under bf16 autocast: the feature maps (their exponents come from fp32 matmuls with the random
 matrix), stabilisers, key sums and the normaliser are fp32 (fp16/bf16 exponentials overflow:
 facebookresearch/xformers#96). The products of the [0, 1] feature maps with values and gradients
-(sum_n fk_n v_n^T, fq (that), and their backward) take bf16 operands with fp32 accumulation, as SDPA
+(sum_n fk_n v_n^T, fq times that, and their backward) take bf16 operands with fp32 accumulation, as SDPA
 multiplies its probabilities by V: these are 8 of the 12 N x m x Dh matmuls of a training step, and fp32
-matmuls run at half of bf16's rate at best (TF32, which the runner and bench allow with matmul precision
-"high", so the exponents' matmuls are TF32 on the GPU) and move twice the bytes. Tested against fp64: 0.5% relative error, most of it from rounding
-q, k, v themselves to bf16.
+matmuls run at half of bf16's rate at best and move twice the bytes (on the GPU they are TF32, since the
+runner and bench set matmul precision "high"; the exponents' matmuls too). Tested against fp64: 0.5%
+relative error, most of it from rounding q, k, v themselves to bf16.
 
 On CUDA the backward is written by hand and recomputes the two (N x m) feature maps instead of keeping them
 (``recompute``): two extra matmuls, but 2 x B H N m fp32 fewer saved per layer (the CPU path keeps them,
