@@ -3,9 +3,9 @@
 # launch-bound): the LRA Table 2 sweep, every registered model at 1K-4K (batch 32) and the non-quadratic ones at
 # 8K/16K (batch 8). Failing cases log their whole traceback to $OUT/bench.log.
 #   LRA_GIT_SHA=<commit> bash benchmarks/gpu_bench_sweep.sh          (after the wheel install prefix)
-#   MODELS=longformer,bigbird,performer VARIANTS='{model:bigbird,block:128}' PROBE=1 bash benchmarks/gpu_bench_sweep.sh
+#   MODELS=longformer,bigbird,performer VARIANTS='{model:bigbird,block:64}' PROBE=1 bash benchmarks/gpu_bench_sweep.sh
 # MODELS re-measures only those models (and the transformer baseline) at 1K-16K, about 3 minutes, with
-# VARIANTS='{model:bigbird,block:128},...' (bench.variants) as more rows;
+# VARIANTS='{model:bigbird,block:64},...' (bench.variants) as more rows;
 # PROBE=1 first runs benchmarks/flex_pattern_probe.py (one attention layer of each block-sparse pattern split
 # into tile construction, kernel, mask_mod and tile count) into $OUT/probe.log, about 3 minutes.
 set -u

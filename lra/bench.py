@@ -65,8 +65,8 @@ def build_model(name: str, task: DictConfig, backbone: DictConfig, seq_len: int,
 
 
 def variant_cases(variants) -> list[tuple[str, str, dict]]:
-    """``bench.variants`` ([{model: bigbird, block: 128}, ...]) -> (label, model, options), the label naming the
-    changed options as the rows' ``model``: ``bigbird(block=128)``."""
+    """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
+    changed options as the rows' ``model``: ``bigbird(block=64)``."""
     cases = []
     for variant in variants or []:
         options = dict(variant)
