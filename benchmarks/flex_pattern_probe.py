@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from models import create_model
-from models.patterns import flex_block_mask, ordered_tiles, padded_length
+from models.patterns import flex_block_mask, listed_tiles, tile_block_mask
 
 H, DH = 4, 64
 DEFAULT = ["longformer:global_tokens=1", "bigbird", "bigbird:block=64"]  # about a minute of compiling each
@@ -68,28 +68,10 @@ def variants(bm: BlockMask, N: int) -> dict[str, BlockMask]:
     def allow_all(b, h, q_idx, kv_idx):
         return q_idx >= 0
 
-    tiles = torch.zeros_like(bm.kv_indices, dtype=torch.bool)  # (B, 1, nt, nt)
-    nt = tiles.shape[-1]
-    for count, index in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
-        listed = torch.arange(nt, device=tiles.device) < count[..., None]  # (B, 1, nt, nt)
-        tiles |= torch.zeros_like(tiles).scatter_(-1, index.long(), listed)
-    empty = torch.zeros_like(tiles)
-    kv_num, kv_index = ordered_tiles(empty)
-    full_num, full_index = ordered_tiles(tiles)
-    q_num, q_index = ordered_tiles(empty.transpose(-1, -2).contiguous())
-    fq_num, fq_index = ordered_tiles(tiles.transpose(-1, -2).contiguous())
-    all_full = BlockMask(
-        seq_lengths=(N, N), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_num,
-        full_kv_indices=full_index, q_num_blocks=q_num, q_indices=q_index, full_q_num_blocks=fq_num,
-        full_q_indices=fq_index, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=allow_all,
-    )
-    no_mask_mod = BlockMask(
-        seq_lengths=(N, N), kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
-        full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices, q_num_blocks=bm.q_num_blocks,
-        q_indices=bm.q_indices, full_q_num_blocks=bm.full_q_num_blocks, full_q_indices=bm.full_q_indices,
-        BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=allow_all,
-    )
-    return {"kernel": bm, "no mask_mod": no_mask_mod, "all full": all_full}
+    partial = listed_tiles(bm.kv_num_blocks, bm.kv_indices)  # (B, 1, nt, nt)
+    full = listed_tiles(bm.full_kv_num_blocks, bm.full_kv_indices)  # (B, 1, nt, nt)
+    return {"kernel": bm, "no mask_mod": tile_block_mask(partial, full, N, allow_all),
+            "all full": tile_block_mask(torch.zeros_like(partial), partial | full, N, allow_all)}
 
 
 def main(specs: list[str], shapes: list[tuple[int, int]]) -> None:
@@ -112,11 +94,8 @@ def main(specs: list[str], shapes: list[tuple[int, int]]) -> None:
             try:
                 row["attend"] = time_ms(fwd_bwd(lambda q, k, v: mixer.attend(q, k, v, mask), q, k, v))
                 row["attend, mask=None"] = time_ms(fwd_bwd(lambda q, k, v: mixer.attend(q, k, v, None), q, k, v))
-                Np = padded_length(N, mixer.block)
-                keep = F.pad(mask, (0, Np - N), value=False)  # (B, Np), as attend builds it for a (B, N) mask
-                layout, context = mixer.block_layout(keep)
-                bm = flex_block_mask(layout, keep, mixer.block, mixer.global_tokens,
-                                     lambda b, qb, kb: mixer.pattern(b, qb, kb, *context), N)
+                keep, layout, rule = mixer.lay_out(mask, N, mask.device)  # as attend lays out a (B, N) mask
+                bm = flex_block_mask(layout, keep, mixer.block, mixer.global_tokens, rule, N)
                 for label, block_mask in variants(bm, N).items():
                     row[label] = time_ms(fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=block_mask), q, k, v))
                 # Inductor guards every data-dependent index in a mask_mod (keep[b N + kv], BigBird's random

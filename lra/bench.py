@@ -37,7 +37,8 @@ from lra import plot
 from lra.encoder import Classifier, build_classifier
 from lra.results import BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from lra.run import resolve_device
-from models import list_models, model_options
+from models import list_models
+from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
 
@@ -73,10 +74,9 @@ def variant_cases(variants) -> list[tuple[str, str, dict]]:
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        unknown = sorted(set(options) - set(model_options(name)))  # fail before the sweep, not in its rows
-        if unknown:
-            raise ValueError(f"bench.variants: model {name!r} has no option(s) {unknown}; its options are: "
-                             f"{', '.join(f'{k}={v!r}' for k, v in model_options(name).items()) or 'none'}")
+        error = unknown_options(name, options, backbone=False)  # fail before the sweep, not in its rows
+        if error:
+            raise ValueError(f"bench.variants: {error}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
         cases.append((label, name, options))
     return cases

@@ -107,6 +107,12 @@ def ordered_tiles(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, torch.empty_like(active).scatter_(-1, slot, columns)  # (B, H, R), (B, H, R, C)
 
 
+def listed_tiles(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``ordered_tiles``: (B, H, R) counts and (B, H, R, C) indices -> (B, H, R, C) bool tiles."""
+    listed = torch.arange(index.shape[-1], device=index.device) < count[..., None]  # the first `count` are real
+    return torch.zeros_like(index, dtype=torch.bool).scatter_(-1, index.long(), listed)
+
+
 @ordered_tiles.register_fake
 def _ordered_tiles_shapes(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dense.new_empty(dense.shape[:-1], dtype=torch.int32), dense.new_empty(dense.shape, dtype=torch.int32)
@@ -127,10 +133,10 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     nt, nb = Np // FLEX_BLOCK, layout.shape[-1]
     layout = layout.expand(B, -1, -1)  # (B, Np/block, Np/block)
     # Pool the pattern to tiles: `some` = the tile holds an allowed block pair, `every` = all its pairs are.
-    # Blocks wholly past the end are out of range: allowed for `every`, absent for `some`.
-    outside = torch.arange(nb, device=keep.device) * block >= n  # (nb,)
-    beyond = outside[:, None] | outside[None, :]  # (nb, nb)
     if block <= FLEX_BLOCK:
+        # blocks wholly past the end are out of range: allowed for `every`, absent for `some`
+        outside = torch.arange(nb, device=keep.device) * block >= n  # (nb,)
+        beyond = outside[:, None] | outside[None, :]  # (nb, nb)
         r = FLEX_BLOCK // block
         some = (layout & ~beyond).reshape(B, nt, r, nt, r).any(4).any(2)  # (B, nt, nt)
         every = (layout | beyond).reshape(B, nt, r, nt, r).all(4).all(2)  # (B, nt, nt)
@@ -159,14 +165,19 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
             allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
         return allowed & keep_flat[b * Np + kv_idx] if key_padding else allowed
 
-    # The q-major lists (for the backward pass) are the transposed tiles, ordered the same way.
-    partial, full = partial[:, None], full[:, None]  # (B, 1, ntr, ntr)
+    return tile_block_mask(partial[:, None], full[:, None], n, mask_mod)
+
+
+def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask_mod) -> BlockMask:
+    """(B, H, nt, nt) bool tiles (``partial``: mask_mod decides inside; ``full``: computed whole) -> the
+    BlockMask of a length-``length`` sequence. The q-major lists (for the backward pass) are the transposed
+    tiles, ordered the same way."""
     kv_num, kv_index = ordered_tiles(partial)
     full_kv_num, full_kv_index = ordered_tiles(full)
     q_num, q_index = ordered_tiles(partial.transpose(-1, -2).contiguous())
     full_q_num, full_q_index = ordered_tiles(full.transpose(-1, -2).contiguous())
     return BlockMask(
-        seq_lengths=(n, n), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_kv_num,
+        seq_lengths=(length, length), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_kv_num,
         full_kv_indices=full_kv_index, q_num_blocks=q_num, q_indices=q_index, full_q_num_blocks=full_q_num,
         full_q_indices=full_q_index, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
     )
@@ -238,6 +249,21 @@ class BlockSparseMixer(MultiHeadMixer):
             self._layouts[(nb, device)] = layout
         return layout, context
 
+    def lay_out(self, mask: torch.Tensor | None, n: int, device: torch.device):
+        """(B, n) key mask, or None for no padding -> keep (B or 1, Np), layout (B or 1, Np/block, Np/block) and
+        ``rule(b, q_block, k_block)``, the pattern as a function of indices, for a length-``n`` input."""
+        pad = padded_length(n, self.block) - n
+        if mask is None:  # no padding in the batch: one key mask, for the internal padding, serves every sample
+            keep = (torch.arange(n + pad, device=device) < n)[None]  # (1, Np)
+        else:
+            keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
+        layout, context = self.block_layout(keep)
+
+        def rule(b, q_block, k_block):
+            return self.pattern(b, q_block, k_block, *context)
+
+        return keep, layout, rule
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.check_length(q.shape[2])
         use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
@@ -251,17 +277,8 @@ class BlockSparseMixer(MultiHeadMixer):
 
 def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:
     N = q.shape[2]
-    pad = padded_length(N, mixer.block) - N
-    if mask is None:  # no padding in the batch: one key mask, for the internal padding, serves every sample
-        keep = (torch.arange(N + pad, device=q.device) < N)[None]  # (1, Np)
-    else:
-        keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
-    layout, context = mixer.block_layout(keep)
-
-    def rule(b, q_block, k_block):
-        return mixer.pattern(b, q_block, k_block, *context)
-
+    keep, layout, rule = mixer.lay_out(mask, N, q.device)
     if use_flex:
         return flex_attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens, rule, key_padding=mask is not None)
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, H, Np, Dh)
+    q, k, v = (F.pad(t, (0, 0, 0, keep.shape[1] - N)) for t in (q, k, v))  # (B, H, Np, Dh)
     return dense_attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens)[:, :, :N]  # (B, H, N, Dh)

@@ -54,12 +54,20 @@ def model_options(name: str) -> dict[str, object]:
     return {k: p.default for k, p in sig.parameters.items() if k not in BACKBONE_ARGS}
 
 
+def unknown_options(name: str, options, backbone: bool = True) -> str | None:
+    """None when model ``name`` accepts every key of ``options`` (its own options, plus the backbone arguments
+    when ``backbone``), else a message naming its own options."""
+    accepted = inspect.signature(get_model_class(name)).parameters if backbone else model_options(name)
+    unknown = sorted(set(options) - set(accepted))
+    if not unknown:
+        return None
+    own = ", ".join(f"{k}={v!r}" for k, v in model_options(name).items()) or "none"
+    return f"model {name!r} has no option(s) {unknown}; its options are: {own}"
+
+
 def create_model(name: str, **options) -> nn.Module:
     """Build the mixer ``name``. Unknown options fail, naming the ones the model accepts."""
-    cls = get_model_class(name)
-    accepted = inspect.signature(cls).parameters
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        own = ", ".join(f"{k}={v!r}" for k, v in model_options(name).items()) or "none"
-        raise TypeError(f"model {name!r} has no option(s) {unknown}; its options are: {own}")
-    return cls(**options)
+    error = unknown_options(name, options)
+    if error:
+        raise TypeError(error)
+    return get_model_class(name)(**options)

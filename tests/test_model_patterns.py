@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from models import create_model
-from models.patterns import FLEX_BLOCK, dense_mask, flex_block_mask, ordered_tiles, padded_length
+from models.patterns import FLEX_BLOCK, dense_mask, flex_block_mask, listed_tiles, ordered_tiles, padded_length
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -47,11 +47,18 @@ def batch(n: int, d_model: int = D, seed: int = 1) -> tuple[torch.Tensor, torch.
     return x, mask
 
 
-def layout_and_keep(model, mask):
-    n = padded_length(mask.shape[1], model.block)
-    keep = torch.nn.functional.pad(mask, (0, n - mask.shape[1]), value=False)
-    layout, context = model.block_layout(keep)
-    return layout, keep, lambda b, q, k: model.pattern(b, q, k, *context)
+def layout_and_keep(model, mask, n=None):
+    """What ``attend`` lays out for a (B, n) key mask, or for no mask (None) at length n."""
+    keep, layout, rule = model.lay_out(mask, mask.shape[1] if n is None else n, torch.device("cpu"))
+    return layout, keep, rule
+
+
+def tiles(count, index):  # (B, 1, nt) + (B, 1, nt, nt) -> (B, nt, nt) bool: the tiles a BlockMask lists
+    return listed_tiles(count, index)[:, 0]
+
+
+def expand(t, n):  # (B, nt, nt) tiles -> (B, n, n) positions
+    return t.repeat_interleave(FLEX_BLOCK, 1).repeat_interleave(FLEX_BLOCK, 2)[:, :n, :n]
 
 
 # Alternate between a length that needs internal padding and head dim 16, and one that does not with head
@@ -100,12 +107,6 @@ def test_flex_tiles_match_create_block_mask(name, options):
     B, N = keep.shape
     ours = flex_block_mask(layout, keep, model.block, model.global_tokens, rule)
     ref = create_block_mask(ours.mask_mod, B, 1, N, N, device="cpu", BLOCK_SIZE=FLEX_BLOCK)
-
-    def tiles(count, index):  # (B, 1, nt) + (B, 1, nt, nt) -> (B, nt, nt) bool
-        nt = index.shape[-1]
-        listed = torch.arange(nt) < count[..., None]  # (B, 1, nt, nt): the first `count` entries are real
-        return torch.zeros(B, 1, nt, nt, dtype=torch.bool).scatter_(-1, index.long(), listed)[:, 0]
-
     full, partial = tiles(ours.full_kv_num_blocks, ours.full_kv_indices), tiles(ours.kv_num_blocks, ours.kv_indices)
     ref_full, ref_partial = tiles(ref.full_kv_num_blocks, ref.full_kv_indices), tiles(ref.kv_num_blocks, ref.kv_indices)
     assert torch.equal(full, ref_full)
@@ -117,11 +118,8 @@ def test_flex_tiles_match_create_block_mask(name, options):
     for ordered in (ours.kv_indices, ours.q_indices):  # every row lists a permutation of the tiles
         assert torch.equal(ordered.sort(-1).values, torch.arange(ordered.shape[-1]).expand_as(ordered).int())
 
-    def expand(t):  # (B, nt, nt) tiles -> (B, N, N) positions
-        return t.repeat_interleave(FLEX_BLOCK, 1).repeat_interleave(FLEX_BLOCK, 2)
-
     by_mask_mod = create_mask(ours.mask_mod, B, 1, N, N, device="cpu")[:, 0]  # (B, N, N)
-    kernel_view = expand(full) | (expand(partial) & by_mask_mod)
+    kernel_view = expand(full, N) | (expand(partial, N) & by_mask_mod)
     assert torch.equal(kernel_view, dense_mask(layout, keep, model.block, model.global_tokens)[:, 0])
 
 
@@ -134,29 +132,17 @@ def test_flex_tiles_at_the_true_length(name, options, padded):
     torch.manual_seed(0)
     model = make(name, **options)
     n = 650
-    if padded:
-        _, mask = batch(n)
-        layout, keep, rule = layout_and_keep(model, mask)
-    else:
-        keep = torch.arange(padded_length(n, model.block)) < n
-        layout, context = model.block_layout(keep[None])
-        keep = keep[None]
-        rule = lambda b, q, k: model.pattern(b, q, k, *context)  # noqa: E731
+    layout, keep, rule = layout_and_keep(model, batch(n)[1] if padded else None, n)
+    if not padded:
+        assert keep.shape == (1, padded_length(n, model.block))  # one key mask for the whole batch
     bm = flex_block_mask(layout, keep, model.block, model.global_tokens, rule, n, key_padding=padded)
     B, nt = keep.shape[0], -(-n // FLEX_BLOCK)
     assert bm.seq_lengths == (n, n) and bm.kv_indices.shape == (B, 1, nt, nt)
 
-    def tiles(count, index):  # (B, 1, nt) + (B, 1, nt, nt) -> (B, nt, nt) bool
-        listed = torch.arange(nt) < count[..., None]
-        return torch.zeros(B, 1, nt, nt, dtype=torch.bool).scatter_(-1, index.long(), listed)[:, 0]
-
-    def expand(t):  # (B, nt, nt) tiles -> (B, n, n) positions
-        return t.repeat_interleave(FLEX_BLOCK, 1).repeat_interleave(FLEX_BLOCK, 2)[:, :n, :n]
-
     full, partial = tiles(bm.full_kv_num_blocks, bm.full_kv_indices), tiles(bm.kv_num_blocks, bm.kv_indices)
     assert not (full & partial).any()
     by_mask_mod = create_mask(bm.mask_mod, B, 1, n, n, device="cpu")[:, 0]  # (B, n, n)
-    kernel_view = expand(full) | (expand(partial) & by_mask_mod)
+    kernel_view = expand(full, n) | (expand(partial, n) & by_mask_mod)
     assert torch.equal(kernel_view, dense_mask(layout, keep, model.block, model.global_tokens)[:, 0, :n, :n])
     if not padded and model.block >= FLEX_BLOCK and not model.global_tokens:  # whole tiles: none left partial
         assert not partial.any() and full.any()
