@@ -131,3 +131,31 @@ def test_cli(tmp_path, capsys):
     assert all((out / n).stat().st_size > 5_000 for n in names)
     plot.main(["--bench", str(tmp_path / "bench.csv"), "--leaderboard", str(tmp_path / "none.csv"), "--out", str(out)])
     assert "skipping the bubble chart" in capsys.readouterr().out
+
+
+def test_bubble_chart_over_a_task_subset():
+    """Without Retrieval (no AAN files), y is the mean over the tasks named, for ours and the paper's alike."""
+    cells = {"transformer": {"listops": 30.0, "text": 66.0, "image": 44.0, "pathfinder": 70.0},
+             "local": {"listops": 20.0, "text": 50.0, "image": 40.0}}  # no pathfinder: left out
+    board = pd.DataFrame([dict(model=m, task=t, test_acc=v) for m, c in cells.items() for t, v in c.items()])
+    published = pd.read_csv(ROOT / "results" / "published.csv")
+    tasks = ["listops", "text", "image", "pathfinder"]
+    fig = plot.bubble_chart(bench_rows(), board, length=4096, published=published, tasks=tasks)
+    ax = fig.axes[0]
+    assert [tuple(o) for o in ours(fig)[0].get_offsets()] == [(32 * 26.5, 52.5)]
+    (paper,) = [c for c in ax.collections if c.get_gid() == "published"]
+    assert (1.4 * 32, pytest.approx((36.37 + 64.27 + 42.44 + 71.40) / 4)) in [tuple(o) for o in paper.get_offsets()]
+    assert "4 tasks" in ax.get_ylabel() and "listops, text, image, pathfinder" in ax.get_title()
+    note = " ".join(t.get_text() for t in fig.texts)
+    assert "no result on all of listops, text, image, pathfinder: linear, local, performer" in note
+
+
+def test_cli_task_subset(tmp_path):
+    bench, board = tmp_path / "bench.csv", tmp_path / "leaderboard.csv"
+    bench_rows().to_csv(bench, index=False)
+    pd.DataFrame([dict(model="transformer", task=t, test_acc=50.0) for t in ("listops", "image")]).to_csv(board)
+    out = tmp_path / "charts"
+    plot.main(["--bench", str(bench), "--leaderboard", str(board), "--out", str(out), "--tasks", "listops,image"])
+    assert (out / "lra_bubble_4K_2tasks.png").exists()
+    with pytest.raises(SystemExit, match="unknown task.*retreival.*listops, text, retrieval"):
+        plot.main(["--bench", str(bench), "--leaderboard", str(board), "--out", str(out), "--tasks", "retreival"])
