@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from models import create_model
-from models.patterns import flex_block_mask, listed_tiles, tile_block_mask
+from models.patterns import listed_tiles, tile_block_mask
 
 H, DH = 4, 64
 DEFAULT = ["longformer:global_tokens=1", "bigbird", "bigbird:block=64"]  # about a minute of compiling each
@@ -95,16 +95,14 @@ def main(specs: list[str], shapes: list[tuple[int, int]]) -> None:
             try:
                 row["attend"] = time_ms(fwd_bwd(lambda q, k, v: mixer.attend(q, k, v, mask), q, k, v))
                 row["attend, mask=None"] = time_ms(fwd_bwd(lambda q, k, v: mixer.attend(q, k, v, None), q, k, v))
-                keep, layout, rule = mixer.lay_out(mask, N, mask.device)  # as attend lays out a (B, N) mask
-                bm = flex_block_mask(layout, keep, mixer.block, mixer.global_tokens, rule, N)
+                bm = mixer.block_mask(mask, N, mask.device)  # as attend builds it for a (B, N) mask
                 for label, block_mask in variants(bm, N).items():
                     row[label] = time_ms(fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=block_mask), q, k, v))
                 # the tiles of mask=None (one (1, N) layout broadcast over the batch, no key lookup), built
                 # beforehand: tells its kernel from its construction (bigbird's mask=None attend ran 7.5 ms
                 # against 4.7 with an all-true mask on an H100 at fe235b3)
-                keep1, layout1, rule1 = mixer.lay_out(None, N, mask.device)
-                bm1 = flex_block_mask(layout1, keep1, mixer.block, mixer.global_tokens, rule1, N, key_padding=False)
-                row["kernel, mask=None"] = time_ms(fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=bm1), q, k, v))
+                bm_none = mixer.block_mask(None, N, mask.device)
+                row["kernel, mask=None"] = time_ms(fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=bm_none), q, k, v))
                 # Inductor guards every data-dependent index in a mask_mod (keep[b N + kv], BigBird's random
                 # table) with a device-side bounds assert; this variant compiles the kernel without them
                 torch._dynamo.reset()

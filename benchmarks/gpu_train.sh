@@ -58,7 +58,7 @@ done
 
 # rows, histories and logs in one file ($OUT takes 8 files at most)
 tar -c -C "$STATE" --exclude='*.pt' . > "$OUT/report.tar"
-wait  # for the pack below
+wait  # for the pack started above
 if [ "${BACKUP:-0}" = 1 ]; then
   tar -c -C "$(dirname "$STATE")" --transform "s,^$(basename "$STATE"),runs," "$(basename "$STATE")" | split -b 15m -d - "$OUT/state.tar."
 fi

@@ -227,8 +227,9 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
             bench_case(cfg, name, seq_len, batch_size, device, precision, compile_, row, options)
         except Exception as exc:  # noqa: BLE001 - a failing case is a result; the sweep goes on
             first_line = (str(exc).splitlines() or [""])[0][:200]
-            row["status"] = "oom" if is_oom(exc) else f"error: {type(exc).__name__}: {first_line}"
-            if not is_oom(exc):  # the row keeps one line; the log keeps the whole traceback
+            oom = is_oom(exc)
+            row["status"] = "oom" if oom else f"error: {type(exc).__name__}: {first_line}"
+            if not oom:  # the row keeps one line; the log keeps the whole traceback
                 log.error("%s at N=%d failed", label, seq_len, exc_info=exc)
         if device.type == "cuda" or row["status"] != "ok":
             gc.collect()  # the failed case's traceback held its tensors; the next case needs them freed

@@ -183,12 +183,12 @@ def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask
     )
 
 
-def flex_attend(q, k, v, layout, keep, block: int, global_tokens: int, rule, key_padding: bool = True) -> torch.Tensor:
-    """FlexAttention over the pattern (eager unless traced by torch.compile, see ``BlockSparseMixer``). q, k, v
-    (B, H, N, Dh) at their own length: the kernel bounds-checks the last tile, so they are not padded to it."""
-    N, Dh = q.shape[2], q.shape[-1]
+def flex_attend(q, k, v, block_mask: BlockMask) -> torch.Tensor:
+    """FlexAttention over the pattern's BlockMask (eager unless traced by torch.compile, see
+    ``BlockSparseMixer``). q, k, v (B, H, N, Dh) at their own length: the kernel bounds-checks the last tile, so
+    they are not padded to it."""
+    Dh = q.shape[-1]
     q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16))
-    block_mask = flex_block_mask(layout, keep, block, global_tokens, rule, N, key_padding)
     out = flex_attention(q, k, v, block_mask=block_mask, scale=Dh**-0.5)  # (B, H, N, max(Dh, 16))
     return out[..., :Dh]
 
@@ -264,6 +264,12 @@ class BlockSparseMixer(MultiHeadMixer):
 
         return keep, layout, rule
 
+    def block_mask(self, mask: torch.Tensor | None, n: int, device: torch.device) -> BlockMask:
+        """The FlexAttention BlockMask of a length-``n`` input with (B, n) key mask ``mask`` (None: no padding,
+        and then no key lookup in the mask_mod)."""
+        keep, layout, rule = self.lay_out(mask, n, device)
+        return flex_block_mask(layout, keep, self.block, self.global_tokens, rule, n, key_padding=mask is not None)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.check_length(q.shape[2])
         use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
@@ -277,8 +283,8 @@ class BlockSparseMixer(MultiHeadMixer):
 
 def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:
     N = q.shape[2]
-    keep, layout, rule = mixer.lay_out(mask, N, q.device)
     if use_flex:
-        return flex_attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens, rule, key_padding=mask is not None)
+        return flex_attend(q, k, v, mixer.block_mask(mask, N, q.device))
+    keep, layout, _ = mixer.lay_out(mask, N, q.device)
     q, k, v = (F.pad(t, (0, 0, 0, keep.shape[1] - N)) for t in (q, k, v))  # (B, H, Np, Dh)
     return dense_attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens)[:, :, :N]  # (B, H, N, Dh)
