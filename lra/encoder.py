@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from models import create_model
+from models.registry import Grid, get_model_class
 
 
 def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
@@ -36,8 +37,8 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.drop(self.mixer(self.norm1(x), mask))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, **mixer_inputs) -> torch.Tensor:
+        x = x + self.drop(self.mixer(self.norm1(x), mask, **mixer_inputs))
         return x + self.mlp(self.norm2(x))
 
 
@@ -45,7 +46,8 @@ class Encoder(nn.Module):
     """(B, N) token ids with 0 = pad -> (B, N', D) hidden states and the (B, N') mask they go with
     (N' = N + 1 with a CLS slot). ``mask=None`` means no padding: when every mixer declares
     ``accepts_no_mask`` they get None (the transformer then runs SDPA's unmasked kernels); otherwise an
-    all-true mask is built once here."""
+    all-true mask is built once here. A 2-D mixer (``needs_grid``) also gets the task's pixel ``grid``
+    (height, width) as a :class:`~models.registry.Grid` that places the CLS slot before the pixels."""
 
     def __init__(
         self,
@@ -62,10 +64,20 @@ class Encoder(nn.Module):
         attn_dropout: float,
         positions: str = "learned",
         cls_token: bool = True,
+        grid: tuple[int, int] | None = None,
     ):
         super().__init__()
         if positions not in ("learned", "sinusoidal"):
             raise ValueError(f"positions must be 'learned' or 'sinusoidal', got {positions!r}")
+        self.mixer_inputs = {}
+        if getattr(get_model_class(model), "needs_grid", False):
+            if grid is None:
+                raise ValueError(f"model {model!r} attends over the 2-D pixel grid and needs an image task "
+                                 f"(image, pathfinder, pathx); this task's sequence has no grid")
+            height, width = grid
+            if height * width != seq_len:
+                raise ValueError(f"grid {height}x{width} does not cover the {seq_len} tokens of the sequence")
+            self.mixer_inputs["grid"] = Grid(height, width, prefix=int(cls_token))
         self.cls_token = cls_token
         max_len = seq_len + int(cls_token)
         self.embed = nn.Embedding(vocab_size, d_model)
@@ -96,7 +108,7 @@ class Encoder(nn.Module):
                 mask = torch.cat([mask.new_ones(B, 1), mask], dim=1)  # (B, N + 1)
         x = self.drop(x + self.pos[: x.shape[1]])
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, mask, **self.mixer_inputs)
         return self.norm(x), mask
 
 
@@ -146,14 +158,14 @@ class Classifier(nn.Module):
 
 
 def build_classifier(model: str, model_options: dict, backbone, vocab_size: int, seq_len: int, n_classes: int,
-                     pair: bool = False, padded: bool = True) -> Classifier:
+                     pair: bool = False, padded: bool = True, grid: tuple[int, int] | None = None) -> Classifier:
     """The model a run or a benchmark trains: ``backbone`` is the task's ``backbone`` config section (with
     ``cls_token`` defaulting to ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
-    ``padded`` whether any token may be 0 (see ``Classifier``)."""
+    ``padded`` whether any token may be 0 (see ``Classifier``), ``grid`` the (height, width) of an image task."""
     b = backbone
     encoder = Encoder(
         model, model_options, vocab_size=vocab_size, seq_len=seq_len, n_layers=b.n_layers, d_model=b.d_model,
         n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
-        positions=b.get("positions", "learned"), cls_token=b.get("cls_token", b.pooling == "cls"),
+        positions=b.get("positions", "learned"), cls_token=b.get("cls_token", b.pooling == "cls"), grid=grid,
     )
     return Classifier(encoder, b.d_model, b.d_head, n_classes, b.pooling, pair=pair, padded=padded)

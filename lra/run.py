@@ -99,7 +99,7 @@ def build_model(cfg: DictConfig, data: TaskData) -> Classifier:
     options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
     padded = any(bool((s.tokens == 0).any()) for s in (data.train, data.val, data.test))
     return build_classifier(cfg.model.name, options, cfg.backbone, data.vocab_size, data.seq_len, data.n_classes,
-                            pair=data.pair, padded=padded)
+                            pair=data.pair, padded=padded, grid=data.grid)
 
 
 def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:

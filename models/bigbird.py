@@ -40,11 +40,12 @@ from __future__ import annotations
 import torch
 
 from .patterns import BlockSparseMixer, padded_length, real_blocks
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 
 @register_model
 class BigBird(BlockSparseMixer):
+    taxonomy = Taxonomy("Zaheer et al. 2020, arXiv 2007.14062", "N", ("FP", "M"), decode=False)
     static_pattern = False  # global and random blocks depend on each sample's real length
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import MultiHeadMixer, compiled
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
 
@@ -96,6 +96,7 @@ def linear_attention(
 
 @register_model
 class LinearAttention(MultiHeadMixer):
+    taxonomy = Taxonomy("Katharopoulos et al. 2020, arXiv 2006.16236", "N", ("KR",), decode=True)
     def __init__(
         self,
         d_model: int,

@@ -56,12 +56,13 @@ applied (LRA ignored it too).
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from .base import MultiHeadMixer, compiled
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # normaliser floor (LRA's numerical_stabilizer)
 RELU_EPS = 1e-3  # LRA's kernel_epsilon for the deterministic relu features
@@ -186,6 +187,7 @@ class FavorAttention(torch.autograd.Function):
 
 @register_model
 class Performer(MultiHeadMixer):
+    taxonomy = Taxonomy("Choromanski et al. 2021, arXiv 2009.14794", "N", ("KR",), decode=True)
     def __init__(
         self,
         d_model: int,
@@ -195,7 +197,7 @@ class Performer(MultiHeadMixer):
         max_len: int,
         *,
         n_features: int = 256,
-        kernel: str = "softmax",
+        kernel: Literal["softmax", "relu"] = "softmax",
         redraw_every: int = 1000,
         seed: int | None = None,
         recompute: bool = True,

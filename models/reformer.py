@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 SELF_LOGIT = -5e4  # a token sees itself only if nothing else is visible
 PAD_LOGIT = -1e9  # below SELF_LOGIT, finite so all-padding windows give no NaN
@@ -53,6 +53,7 @@ PAD_LOGIT = -1e9  # below SELF_LOGIT, finite so all-padding windows give no NaN
 
 @register_model
 class Reformer(MultiHeadMixer):
+    taxonomy = Taxonomy("Kitaev et al. 2020, arXiv 2001.04451", "N*log(N)", ("LP",), decode=True)
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, n_hashes: int = 1,
         bucket_size: int = 64, n_buckets: int | None = None, seed: int = 0,

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, compiled
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 MASKED_LOGIT = -1e9  # finite: each row keeps its own diagonal entry, so no row is all masked
 
@@ -70,6 +70,7 @@ def fused_sinkhorn(log_alpha: torch.Tensor, n_iters: int) -> torch.Tensor:
 
 @register_model
 class Sinkhorn(MultiHeadMixer):
+    taxonomy = Taxonomy("Tay et al. 2020, arXiv 2002.11296", "N", ("LP",), decode=True)
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block_size: int = 64,
         sinkhorn_iters: int = 8, temperature: float = 0.75, gumbel_noise: bool = False, compile_sinkhorn: bool = True,

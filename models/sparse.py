@@ -25,16 +25,19 @@ leaves real positions unchanged. A padded query whose allowed keys are all paddi
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from .patterns import BlockSparseMixer
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 
 @register_model
 class Sparse(BlockSparseMixer):
+    taxonomy = Taxonomy("Child et al. 2019, arXiv 1904.10509", "N*sqrt(N)", ("FP",), decode=True)
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *,
-                 pattern: str = "fixed", block: int = 128, stride: int = 4, summary: int = 1):
+                 pattern: Literal["fixed", "strided"] = "fixed", block: int = 128, stride: int = 4, summary: int = 1):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len, block=block)
         if pattern not in ("fixed", "strided"):
             raise ValueError(f"pattern={pattern!r}: choose 'fixed' or 'strided'")

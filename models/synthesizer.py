@@ -29,20 +29,23 @@ reaches them.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 VARIANTS = ("dense", "random", "factorized_random")
 
 
 @register_model
 class Synthesizer(MultiHeadMixer):
+    taxonomy = Taxonomy("Tay et al. 2021, arXiv 2005.00743", "N^2", ("LR", "LP"), decode=True)
     def __init__(
-        self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, variant: str = "random",
+        self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, variant: Literal["random", "factorized_random", "dense"] = "random",
         keep_dot_product: bool = True, factor_rank: int = 32,
     ):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from .base import MultiHeadMixer, pad_head_dim
-from .registry import register_model
+from .registry import Taxonomy, register_model
 
 
 @register_model
 class Transformer(MultiHeadMixer):
+    taxonomy = Taxonomy("Vaswani et al. 2017, arXiv 1706.03762", "N^2", (), decode=True)
     accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, 30% faster
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):

@@ -41,6 +41,7 @@ class TaskData:
     n_classes: int
     seq_len: int
     pair: bool = False
+    grid: tuple[int, int] | None = None  # (height, width) of an image task's pixels, row-major
     info: dict = field(default_factory=dict)  # source, split recipe, cache hit/miss: goes into the run row
 
     def summary(self) -> str:

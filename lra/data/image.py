@@ -113,7 +113,7 @@ def load(cfg) -> TaskData:
         splits[s] = Split(tokens, tensors[f"{s}_labels"])
     recipe = (f"train/val = random_split(train, [{len(parts[0])}, {len(parts[1])}], seed {split_seed}), "
               f"test = test" + limit_recipe(limits, seed))
-    data = TaskData(**splits, vocab_size=vocab, n_classes=10, seq_len=SIDE * SIDE,
+    data = TaskData(**splits, vocab_size=vocab, n_classes=10, seq_len=SIDE * SIDE, grid=(SIDE, SIDE),
                     info={"task": cfg.task.name, "source": desc, "cache": "hit" if hit else "miss", "skipped": 0,
                           "split": recipe, "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
     log.info("image: %s, %s, cache %s", desc, recipe, data.info["cache"])

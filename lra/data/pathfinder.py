@@ -194,7 +194,7 @@ def load(cfg) -> TaskData:
         splits[s] = Split(tokens, tensors[f"{s}_labels"])
     recipe = (f"{FOLDERS[difficulty]} {res}px, {n} usable images, random_split 80/10/10 seed {split_seed}"
               + limit_recipe(limits, seed))
-    data = TaskData(**splits, vocab_size=vocab, n_classes=2, seq_len=res * res,
+    data = TaskData(**splits, vocab_size=vocab, n_classes=2, seq_len=res * res, grid=(res, res),
                     info={"task": cfg.task.name, "source": str(folder), "cache": "hit" if hit else "miss",
                           "skipped": empty + missing + unreadable, "split": recipe,
                           "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
