@@ -27,3 +27,15 @@ def smoke_cfg(tmp_path):
         ])
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests need CUDA: without it they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (a GPU test); run `python -m pytest -m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
