@@ -1,14 +1,46 @@
-"""``python -m lra task=<task> model=<model> [key=value ...]``: train, evaluate, append a row to runs.csv."""
+"""``python -m lra task=<task> model=<model> [key=value ...]`` (or ``lra ...``): train, evaluate, record a row.
+
+Errors the user can fix (a bad value, missing data, an unwritable folder) print one line and exit with code 2;
+a run stopped by a signal prints where its checkpoint is and exits with code 75 (rerun the command to resume).
+``HYDRA_FULL_ERROR=1`` shows the whole traceback instead.
+"""
+import logging
+import os
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from lra.run import run
+import lra.config  # registers the config schema with Hydra's ConfigStore
+from lra.config import ConfigError
+from lra.data import DataError
+from lra.distributed import EXIT_INTERRUPTED
+from lra.run import RunInterrupted, run
+
+EXIT_USER_ERROR = 2
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
-    return run(cfg)
+    try:
+        return run(cfg)
+    except (ConfigError, DataError) as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        logging.getLogger("lra").error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except RunInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def cli() -> None:
+    """The ``lra`` console script."""
+    lra.config.register_plugin_model_configs()  # before Hydra composes `model=<plugin>`
+    os.environ.setdefault("LRA_SWEEP_NAME", lra.config.sweep_slug(sys.argv[1:]))  # a multirun's stable folder
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

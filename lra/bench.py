@@ -21,34 +21,34 @@ from __future__ import annotations
 import gc
 import logging
 import re
-import resource
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import hydra
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from lra import plot
-from lra.encoder import Classifier, build_classifier
-from lra.results import BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
-from lra.run import resolve_device
-from models import list_models
+from lra import engine, plot
+from lra.config import BenchRunConfig  # noqa: F401 - registers the bench schema
+from lra.data import get_task
+from lra.encoder import Classifier
+from lra.results import BENCH_COLUMNS, BenchRow, append_row, device_name, git_sha, now_iso
+from models import get_model_class, list_models
 from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+MODEL_CONF = Path(__file__).resolve().parent / "conf" / "model"
 BASELINE = "transformer"
 
 
 def model_config_options(name: str) -> dict:
     """The options in ``conf/model/<name>.yaml`` (without ``name``); none when the model has no config."""
-    path = CONF_DIR / "model" / f"{name}.yaml"
+    path = MODEL_CONF / f"{name}.yaml"
     if not path.exists():
         return {}
     opts = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
@@ -56,13 +56,22 @@ def model_config_options(name: str) -> dict:
     return opts
 
 
-def build_model(name: str, task: DictConfig, backbone: DictConfig, seq_len: int, vocab_size: int,
-                options: dict | None = None) -> Classifier:
-    """The inputs are full-length random bytes with no pad token, so the model is built mask-free, by the
-    runner's rule: the transformer baseline gets SDPA's unmasked kernels, the strongest exact baseline.
-    ``options`` override the model config's (a variant); unknown ones fail in the model's constructor."""
-    return build_classifier(name, {**model_config_options(name), **(options or {})}, backbone, vocab_size, seq_len,
-                            task.n_classes, padded=False)
+def bench_shape(name: str, task: str, seq_len: int, vocab_size: int) -> engine.TaskShape:
+    """Random bytes with no pad token, so the model is built mask-free by the runner's rule (the transformer
+    baseline gets SDPA's unmasked kernels, the strongest exact baseline). A 2-D mixer gets a square grid."""
+    grid = None
+    if getattr(get_model_class(name), "needs_grid", False):
+        side = round(seq_len ** 0.5)
+        if side * side != seq_len:
+            raise ValueError(f"{name} attends over a 2-D grid: bench it at square lengths (1024, 4096, 16384)")
+        grid = (side, side)
+    return engine.TaskShape(vocab_size, seq_len, get_task(task).n_classes, padded=False, grid=grid)
+
+
+def build_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None = None) -> Classifier:
+    """The model at one bench length; ``options`` override the model config's (a variant)."""
+    shape = bench_shape(name, cfg.task.name, seq_len, cfg.bench.vocab_size)
+    return engine.build_model(name, {**model_config_options(name), **(options or {})}, cfg.backbone, shape)
 
 
 def variant_cases(variants) -> list[tuple[str, str, dict]]:
@@ -84,8 +93,8 @@ def variant_cases(variants) -> list[tuple[str, str, dict]]:
 
 def backbone_tag(bb: DictConfig) -> str:
     """What the timings depend on, so that relative figures only pair like with like."""
-    return (f"L{bb.n_layers} d{bb.d_model} h{bb.n_heads} qkv{bb.d_qkv} ff{bb.d_ff} head{bb.d_head} {bb.pooling} "
-            f"drop{bb.dropout}/{bb.attn_dropout}")
+    return (f"L{bb.n_layers} d{bb.d_model} h{bb.n_heads} qkv{bb.d_qkv} ff{bb.d_ff} head{bb.d_classifier} "
+            f"{bb.pooling} drop{bb.dropout}/{bb.attn_dropout}")
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -106,85 +115,57 @@ def sdpa_backend(event_names) -> str:
     return "+".join(sorted(found))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak_rss() -> bool:
-    try:  # Linux: writing 5 resets VmHWM to the current RSS
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_mb() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str, warmup: int, steps: int,
             params) -> dict:
-    """Run ``warmup`` + ``steps`` training steps. Returns the timed step durations (s), the SDPA backend seen in
-    the last warm-up step, and the peak memory of the timed steps (MB) with what kind of peak it is."""
+    """Run ``warmup`` + ``steps`` training steps (the runner's step). Returns the timed step durations (s), the SDPA
+    backend seen in the last warm-up step, and the peak memory of the timed steps (MB) with its kind."""
     device = tokens.device
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    autocast = engine.autocast(precision, device)
 
     def step():
-        with torch.autocast(**autocast):
-            loss = F.cross_entropy(model(tokens), labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        engine.train_step(model, opt, tokens, labels, autocast=autocast)
 
     out = dict(times=[], sdpa_backend="")
     for i in range(warmup + steps):
         if i == warmup:  # steady state from here: AdamW state exists, compilation and autotuning are done
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                out["mem_kind"] = "cuda_max_allocated"
-            else:
-                out["mem_kind"] = "peak_rss" if _reset_peak_rss() else "peak_rss_since_start"
+            out["mem_kind"] = engine.reset_peak_memory(device)
         if i == warmup - 1:  # the last warm-up step is profiled (the profiler's overhead stays untimed)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 step()
-                _sync(device)
+                engine.synchronize(device)
             out["sdpa_backend"] = sdpa_backend({e.name for e in prof.events()})
             continue
-        _sync(device)
+        engine.synchronize(device)
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        engine.synchronize(device)
         if i >= warmup:
             out["times"].append(time.perf_counter() - t0)
-    out["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _peak_rss_mb()
+    out["peak_mem_mb"] = engine.peak_memory_mb(device)
     return out
 
 
-def bench_case(cfg: DictConfig, name: str, seq_len: int, batch_size: int, device: torch.device, precision: str,
-               compile_: bool, row: dict, options: dict | None = None) -> None:
+def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, precision: str, compile_: bool,
+               options: dict | None = None) -> None:
     """Fill ``row`` with one (model, length) measurement; raises on OOM or failure (``params`` set first)."""
     b = cfg.bench
     torch.manual_seed(cfg.get("seed", 0))
-    model = build_model(name, cfg.task, cfg.backbone, seq_len, b.vocab_size, options)
-    row["params"] = sum(p.numel() for p in model.parameters())
+    model = build_model(name, cfg, row.seq_len, options)
+    row.params = sum(p.numel() for p in model.parameters())
     model = model.to(device).train()
-    tokens = torch.randint(1, b.vocab_size, (batch_size, seq_len), device=device)  # (B, N), no padding
-    labels = torch.randint(0, cfg.task.n_classes, (batch_size,), device=device)  # (B,)
+    tokens = torch.randint(1, b.vocab_size, (row.batch_size, row.seq_len), device=device)  # (B, N), no padding
+    labels = torch.randint(0, get_task(cfg.task.name).n_classes, (row.batch_size,), device=device)  # (B,)
     if compile_:
         torch._dynamo.reset()  # one graph per case; otherwise the cache limit silently drops to eager
     fn = torch.compile(model, dynamic=False) if compile_ else model
     m = measure(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters())
-    ms = statistics.median(m["times"]) * 1e3
-    row.update(status="ok", ms_per_step=ms, steps_per_s=1e3 / ms, examples_per_s=batch_size * 1e3 / ms,
-               peak_mem_mb=m["peak_mem_mb"], mem_kind=m["mem_kind"], sdpa_backend=m["sdpa_backend"])
+    times = sorted(m["times"])
+    ms = statistics.median(times) * 1e3
+    row.status, row.ms_per_step, row.steps_per_s, row.examples_per_s = "ok", ms, 1e3 / ms, row.batch_size * 1e3 / ms
+    row.ms_p10, row.ms_p90 = (statistics.quantiles(times, n=10)[i] * 1e3 for i in (0, 8)) if len(times) > 1 \
+        else (ms, ms)
+    row.peak_mem_mb, row.mem_kind, row.sdpa_backend = m["peak_mem_mb"], m["mem_kind"], m["sdpa_backend"]
 
 
 def _earlier_baselines(path: Path, match: dict) -> dict:
@@ -204,13 +185,12 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     b = cfg.bench
     if b.steps < 1 or b.warmup < 0:
         raise ValueError(f"bench.steps must be >= 1 and bench.warmup >= 0, got {b.steps} and {b.warmup}")
-    device = resolve_device(cfg.get("device", "auto"))
-    precision = b.precision if b.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    compile_ = device.type == "cuda" if b.compile == "auto" else bool(b.compile)
+    device = engine.resolve_device(cfg.get("device", "auto"))
+    precision = engine.resolve_precision(b.precision, device)
+    compile_ = engine.resolve_compile(b.compile, device)
     names = list(b.models) if b.models else list_models()
     names = sorted(names, key=lambda n: n != BASELINE)  # the baseline first: later rows divide by it
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # as the runner (TF32 for any fp32 matmul left)
+    engine.configure(device, engine.cpu_threads(None))
     per_length = {int(k): int(v) for k, v in (b.get("batch_sizes") or {}).items()}
     out = Path(b.out)
     common = dict(task=cfg.task.name, precision=precision, compiled=compile_, backbone=backbone_tag(cfg.backbone),
@@ -221,28 +201,28 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     cases = [(label, n, options, int(L)) for label, n, options in models for L in b.lengths]
     rows = []
     for label, name, options, seq_len in tqdm(cases, desc="bench", disable=not b.get("progress", True)):
-        batch_size = per_length.get(seq_len, int(b.batch_size))
-        row = dict(common, model=label, seq_len=seq_len, batch_size=batch_size, timestamp=now_iso())
+        row = BenchRow(model=label, seq_len=seq_len, batch_size=per_length.get(seq_len, int(b.batch_size)),
+                       timestamp=now_iso(), **common)
         try:
-            bench_case(cfg, name, seq_len, batch_size, device, precision, compile_, row, options)
-        except Exception as exc:  # noqa: BLE001 - a failing case is a result; the sweep goes on
+            bench_case(cfg, name, row, device, precision, compile_, options)
+        except Exception as exc:
             first_line = (str(exc).splitlines() or [""])[0][:200]
             oom = is_oom(exc)
-            row["status"] = "oom" if oom else f"error: {type(exc).__name__}: {first_line}"
+            row.status = "oom" if oom else f"error: {type(exc).__name__}: {first_line}"
             if not oom:  # the row keeps one line; the log keeps the whole traceback
                 log.error("%s at N=%d failed", label, seq_len, exc_info=exc)
-        if device.type == "cuda" or row["status"] != "ok":
+        if device.type == "cuda" or row.status != "ok":
             gc.collect()  # the failed case's traceback held its tensors; the next case needs them freed
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if row["status"] == "ok" and label == BASELINE:
-            baselines[(seq_len, batch_size)] = row
-        base = baselines.get((seq_len, batch_size))
-        if row["status"] == "ok" and base is not None:
-            row["rel_speed"] = row["steps_per_s"] / float(base["steps_per_s"])
-            row["rel_mem"] = row["peak_mem_mb"] / float(base["peak_mem_mb"])
-        append_row(out, row, BENCH_COLUMNS)
-        rows.append(row)
+        if row.status == "ok" and label == BASELINE:
+            baselines[(seq_len, row.batch_size)] = asdict(row)
+        base = baselines.get((seq_len, row.batch_size))
+        if row.status == "ok" and base is not None:
+            row.rel_speed = row.steps_per_s / float(base["steps_per_s"])
+            row.rel_mem = row.peak_mem_mb / float(base["peak_mem_mb"])
+        append_row(out, asdict(row), BENCH_COLUMNS)
+        rows.append(asdict(row))
     df = pd.DataFrame(rows, columns=BENCH_COLUMNS)
     if cfg.get("logger") is not None and cfg.logger.get("name") == "wandb":
         log_to_wandb(cfg, df)
@@ -321,7 +301,7 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
         run.finish()
 
 
-@hydra.main(config_path="../conf", config_name="bench", version_base=None)
+@hydra.main(config_path="conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     df = run_bench(cfg)
     print(format_table(df))

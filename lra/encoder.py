@@ -98,7 +98,7 @@ class Encoder(nn.Module):
         self.mixers_accept_no_mask = all(getattr(block.mixer, "accepts_no_mask", False) for block in self.blocks)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, N = tokens.shape
+        B = tokens.shape[0]
         if mask is None and not self.mixers_accept_no_mask:
             mask = torch.ones_like(tokens, dtype=torch.bool)  # (B, N)
         x = self.embed(tokens)  # (B, N, D)
@@ -128,9 +128,9 @@ def pool(h: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
 class Classifier(nn.Module):
     """Encoder + pooling + head. ``pair=True`` takes (B, 2, N) tokens and classifies the pair.
     ``padded=False`` promises that no token is 0 (pixel tasks): the padding mask is dropped, which lets the
-    transformer use SDPA's unmasked kernels (30% faster per layer on an H200); the outputs are the same."""
+    transformer use SDPA's unmasked kernels (about 30% faster per layer); the outputs are the same."""
 
-    def __init__(self, encoder: Encoder, d_model: int, d_head: int, n_classes: int, pooling: str, pair: bool = False,
+    def __init__(self, encoder: Encoder, d_model: int, d_hidden: int, n_classes: int, pooling: str, pair: bool = False,
                  padded: bool = True):
         super().__init__()
         if pooling == "cls" and not encoder.cls_token:
@@ -138,11 +138,11 @@ class Classifier(nn.Module):
         self.encoder, self.pooling, self.pair, self.padded = encoder, pooling, pair, padded
         if pair:
             self.head = nn.Sequential(
-                nn.Linear(4 * d_model, d_head), nn.ReLU(), nn.Linear(d_head, d_head // 2), nn.ReLU(),
-                nn.Linear(d_head // 2, n_classes),
+                nn.Linear(4 * d_model, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_hidden // 2), nn.ReLU(),
+                nn.Linear(d_hidden // 2, n_classes),
             )
         else:
-            self.head = nn.Sequential(nn.Linear(d_model, d_head), nn.ReLU(), nn.Linear(d_head, n_classes))
+            self.head = nn.Sequential(nn.Linear(d_model, d_hidden), nn.ReLU(), nn.Linear(d_hidden, n_classes))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h, mask = self.encoder(tokens, tokens != 0 if self.padded else None)
@@ -160,12 +160,13 @@ class Classifier(nn.Module):
 def build_classifier(model: str, model_options: dict, backbone, vocab_size: int, seq_len: int, n_classes: int,
                      pair: bool = False, padded: bool = True, grid: tuple[int, int] | None = None) -> Classifier:
     """The model a run or a benchmark trains: ``backbone`` is the task's ``backbone`` config section (with
-    ``cls_token`` defaulting to ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
+    ``cls_token`` null meaning ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
     ``padded`` whether any token may be 0 (see ``Classifier``), ``grid`` the (height, width) of an image task."""
     b = backbone
+    cls_token = b.pooling == "cls" if b.get("cls_token") is None else bool(b.cls_token)
     encoder = Encoder(
         model, model_options, vocab_size=vocab_size, seq_len=seq_len, n_layers=b.n_layers, d_model=b.d_model,
         n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
-        positions=b.get("positions", "learned"), cls_token=b.get("cls_token", b.pooling == "cls"), grid=grid,
+        positions=b.get("positions", "learned"), cls_token=cls_token, grid=grid,
     )
-    return Classifier(encoder, b.d_model, b.d_head, n_classes, b.pooling, pair=pair, padded=padded)
+    return Classifier(encoder, b.d_model, b.d_classifier, n_classes, b.pooling, pair=pair, padded=padded)

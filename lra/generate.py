@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "listops":
         from .data.listops import generate
 
-        folder = generate(args.out, seed=args.seed, train=args.train, val=args.val, test=args.test, workers=args.workers)
+        folder = generate(args.out, seed=args.seed, train=args.train, val=args.val, test=args.test,
+                          workers=args.workers)
         print(f"wrote {folder}")
     else:
         pathfinder_gen.run_from_args(args)

@@ -3,36 +3,46 @@
 Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers" (https://arxiv.org/abs/2011.04006),
 Table 1. Rules:
 
-* runs of one trainer only (default ``lra``: full schedules; smoke runs never count);
-* per (model, task, seed) the run with the best validation accuracy, and its test accuracy (a re-run of the
-  same seed replaces, never averages with, the earlier one);
-* per (model, task) the mean over seeds, with the sample std and ``n_seeds`` when there are several;
-* two LRA averages, only when all five tasks are present: ``avg5`` = the paper's mean over ListOps, Text,
-  Retrieval, Image, Pathfinder (Path-X excluded); ``avg6`` = mean over the six with Path-X counted as 50 when
-  it failed (50 +- 1 %) or is missing (the convention of S4's Table 10, which SSM papers follow);
-* ``published`` = the LRA Table 1 cell (paper averages; the derived avg6) and ``diff`` = ours - published.
+* runs of the chosen experiments only (default ``lra``: LRA's protocol; smoke runs never count); other
+  experiments (recipes, variants) are separate rows, labelled by their ``experiment``;
+* only ``status == ok`` rows carry a result; ``diverged``, ``oom`` and ``error`` runs are counted (``n_failed``)
+  and never averaged;
+* per (experiment, model, task, seed) the ok run with the best validation accuracy (a re-run of the same seed
+  replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
+  1 point of the validation split's majority-class share: it still counts, and ``n_stalled`` says so;
+* per (experiment, model, task) the mean and sample std over seeds of the best-validation checkpoint's test
+  accuracy (``test_acc``) and of the final weights' (``final_test_acc``, LRA's own protocol), and ``n_seeds``;
+* averages, when every task they need is present: ``avg4`` = ListOps, Text, Image, Pathfinder (LRA's five without
+  Retrieval, whose AAN files a user may not have); ``avg5`` = the paper's LRA score (Path-X excluded); ``avg6`` =
+  six tasks with Path-X counted as 50 when it failed (50 +- 1 %) or is missing (S4's Table 10 convention);
+* ``published`` = the LRA Table 1 cell and ``diff`` = ours - published.
 
 Accuracies are percentages; a runs file holding fractions (every accuracy <= 1) is scaled by 100.
 
-    python -m lra.leaderboard [--runs results/runs.csv] [--out results/leaderboard.csv]
-                              [--published results/published.csv] [--trainer lra]
+    python -m lra.leaderboard [--results DIR] [--runs DIR/runs.csv] [--out DIR/leaderboard.csv]
+                              [--published results/published.csv] [--experiment lra]
 """
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pandas as pd
 
+TASKS4 = ["listops", "text", "image", "pathfinder"]
 TASKS5 = ["listops", "text", "retrieval", "image", "pathfinder"]
 TASKS6 = TASKS5 + ["pathx"]
-AVERAGES = ["avg5", "avg6"]
+AVERAGES = {"avg4": TASKS4, "avg5": TASKS5, "avg6": TASKS5}
 PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
+STALL_BAND = 1.0  # points above the majority-class share within which a run counts as stalled
 PUBLISHED_SOURCE = "lra_table1"
-LEADERBOARD_COLUMNS = ["model", "task", "test_acc", "test_std", "n_seeds", "val_acc", "final_test_acc",
-                       "published", "diff", "note"]
-ACC_COLUMNS = ["val_acc", "test_acc", "final_val_acc", "final_test_acc"]
-AVG_NOTES = {"avg5": "5-task mean, Path-X excluded (LRA convention)",
+DEFAULT_RESULTS = os.environ.get("LRA_RESULTS_DIR", "outputs/results")
+LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "n_failed", "n_stalled",
+                       "val_acc", "final_test_acc", "final_test_std", "published", "diff", "note"]
+ACC_COLUMNS = ["val_acc", "test_acc", "final_val_acc", "final_test_acc", "val_majority"]
+AVG_NOTES = {"avg4": "4-task mean (ListOps, Text, Image, Pathfinder): LRA's five without Retrieval",
+             "avg5": "5-task mean, Path-X excluded (LRA's score)",
              "avg6": "6-task mean, failed/missing Path-X = 50 (S4 convention)"}
 
 
@@ -41,140 +51,206 @@ def as_percent(runs: pd.DataFrame) -> pd.DataFrame:
     cols = [c for c in ACC_COLUMNS if c in runs]
     for c in cols:
         runs[c] = pd.to_numeric(runs[c], errors="coerce")
-    values = runs[cols].stack()
+    values = runs[[c for c in cols if c != "val_majority"]].stack()
     if len(values) and values.max() <= 1.0:  # fractions: no real run scores <= 1 % everywhere
         runs[cols] = runs[cols] * 100
+    elif "val_majority" in runs and runs["val_majority"].max() <= 1.0:
+        runs["val_majority"] = runs["val_majority"] * 100
     return runs
 
 
-def select_runs(runs: pd.DataFrame, trainer: str | None = "lra") -> pd.DataFrame:
-    """One row per (model, task, seed): the best by validation accuracy (the latest on a tie)."""
+def normalise(runs: pd.DataFrame) -> pd.DataFrame:
+    """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok)."""
     runs = as_percent(runs)
-    if trainer not in (None, "", "all"):
-        runs = runs[runs["trainer"].astype(str).isin(trainer.split(","))]
-    runs = runs.dropna(subset=["test_acc"])
-    order = ["val_acc"] + (["timestamp"] if "timestamp" in runs else [])
-    runs = runs.sort_values(order, na_position="first", kind="stable")
-    return runs.drop_duplicates(["model", "task", "seed"], keep="last").reset_index(drop=True)
+    if "status" not in runs:
+        runs["status"] = "ok"
+    runs["status"] = runs["status"].fillna("ok").astype(str)
+    runs["experiment"] = runs["experiment"].astype(str) if "experiment" in runs else "lra"
+    return runs
 
 
-def published_cells(published: pd.DataFrame | None) -> dict:
-    """(model, task) -> (value or None, note) from LRA Table 1 (test accuracy, avg5, avg6)."""
-    if published is None or published.empty:
-        return {}
-    p = published[published["source"] == PUBLISHED_SOURCE]
-    p = p[p["metric"].isin(["test_acc", *AVERAGES])]
-    out = {}
-    for r in p.itertuples(index=False):
-        value = pd.to_numeric(r.value, errors="coerce")
-        note = "" if pd.isna(r.note) else str(r.note)
-        out[(r.model, r.task)] = (None if pd.isna(value) else float(value), note)
-    return out
+def select_runs(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
+    """All rows of the chosen experiments, with ``best`` marking one ok row per (experiment, model, task, seed):
+    the best by validation accuracy (the latest on a tie) and ``stalled`` on those that stalled."""
+    runs = normalise(runs)
+    if experiment not in (None, "", "all"):
+        runs = runs[runs["experiment"].isin(experiment.split(","))]
+    ok = runs[(runs["status"] == "ok") & runs["test_acc"].notna()]
+    order = ["val_acc"] + (["timestamp"] if "timestamp" in ok else [])
+    best = ok.sort_values(order, na_position="first", kind="stable")
+    best = best.drop_duplicates(["experiment", "model", "task", "seed"], keep="last")
+    runs = runs.assign(best=runs.index.isin(best.index))
+    majority = runs["val_majority"] if "val_majority" in runs else pd.Series(float("nan"), index=runs.index)
+    return runs.assign(stalled=runs["best"] & (runs["val_acc"] <= majority + STALL_BAND))
+
+
+def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
+    best = g[g["best"]]
+    n = len(best)
+    failed = int((g["status"] != "ok").sum())
+    row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
+               n_stalled=int(best["stalled"].sum()), note="")
+    if n:
+        row.update(test_acc=best["test_acc"].mean(), test_std=best["test_acc"].std(ddof=1) if n > 1 else None,
+                   val_acc=best["val_acc"].mean(), final_test_acc=best["final_test_acc"].mean(),
+                   final_test_std=best["final_test_acc"].std(ddof=1) if n > 1 else None)
+    notes = []
+    if failed:
+        kinds = g.loc[g["status"] != "ok", "status"].str.split(":").str[0].value_counts()
+        notes.append("failed: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))
+    if row["n_stalled"]:
+        notes.append(f"{row['n_stalled']} of {n} seeds stalled (best val within {STALL_BAND:g} point of the "
+                     f"majority class)")
+    if task == "pathx" and n and abs(row["test_acc"] - PATHX_CHANCE) <= PATHX_FAIL_BAND:
+        notes.append("FAIL (50 +- 1 %)")
+    row["note"] = "; ".join(notes)
+    return row
+
+
+def _averages(cells: pd.DataFrame) -> list[dict]:
+    rows = []
+    for (experiment, model), g in cells.dropna(subset=["test_acc"]).groupby(["experiment", "model"], sort=False):
+        acc = dict(zip(g["task"], g["test_acc"], strict=True))
+        seeds = dict(zip(g["task"], g["n_seeds"], strict=True))
+        for name, tasks in AVERAGES.items():
+            if not all(t in acc for t in tasks):
+                continue
+            value, note = sum(acc[t] for t in tasks) / len(tasks), AVG_NOTES[name]
+            if name == "avg6":
+                pathx = acc.get("pathx")
+                failed = pathx is None or abs(pathx - PATHX_CHANCE) <= PATHX_FAIL_BAND
+                how = "Path-X missing = 50" if pathx is None else "Path-X failed = 50" if failed else "Path-X as run"
+                value = (sum(acc[t] for t in tasks) + (PATHX_CHANCE if failed else pathx)) / 6
+                note = f"{note}; {how}"
+            rows.append(dict(experiment=experiment, model=model, task=name, test_acc=value, note=note,
+                             n_seeds=int(min(seeds[t] for t in tasks))))
+    return rows
 
 
 def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
-                      trainer: str | None = "lra") -> pd.DataFrame:
-    """Long format: one row per (model, task) and per (model, avg5 / avg6); columns ``LEADERBOARD_COLUMNS``."""
-    best = select_runs(runs, trainer)
-    rows = []
-    for (model, task), g in best.groupby(["model", "task"], sort=False):
-        n = len(g)
-        note = ""
-        if task == "pathx" and abs(g["test_acc"].mean() - PATHX_CHANCE) <= PATHX_FAIL_BAND:
-            note = "FAIL (50 +- 1 %)"
-        rows.append(dict(model=model, task=task, test_acc=g["test_acc"].mean(),
-                         test_std=g["test_acc"].std(ddof=1) if n > 1 else None, n_seeds=n,
-                         val_acc=g["val_acc"].mean(),
-                         final_test_acc=g["final_test_acc"].mean() if "final_test_acc" in g else None, note=note))
+                      experiment: str | None = "lra") -> pd.DataFrame:
+    """Long format: one row per (experiment, model, task) and per average; columns ``LEADERBOARD_COLUMNS``."""
+    runs = select_runs(runs, experiment)
+    rows = [_cell(e, m, t, g) for (e, m, t), g in runs.groupby(["experiment", "model", "task"], sort=False)]
     cells = pd.DataFrame(rows, columns=LEADERBOARD_COLUMNS)
-    for model, g in cells.groupby("model", sort=False):
-        acc = dict(zip(g["task"], g["test_acc"], strict=True))
-        if not all(t in acc for t in TASKS5):
-            continue
-        seeds = int(g[g["task"].isin(TASKS5)]["n_seeds"].min())
-        rows.append(dict(model=model, task="avg5", test_acc=sum(acc[t] for t in TASKS5) / 5, n_seeds=seeds,
-                         note=AVG_NOTES["avg5"]))
-        pathx = acc.get("pathx")
-        failed = pathx is None or abs(pathx - PATHX_CHANCE) <= PATHX_FAIL_BAND
-        how = "Path-X missing = 50" if pathx is None else "Path-X failed = 50" if failed else "Path-X as run"
-        rows.append(dict(model=model, task="avg6", n_seeds=seeds, note=f"{AVG_NOTES['avg6']}; {how}",
-                         test_acc=(sum(acc[t] for t in TASKS5) + (PATHX_CHANCE if failed else pathx)) / 6))
-    lb = pd.DataFrame(rows, columns=LEADERBOARD_COLUMNS)
+    lb = pd.DataFrame(rows + _averages(cells), columns=LEADERBOARD_COLUMNS)
     pub = published_cells(published)
     for i, r in lb.iterrows():
         value, note = pub.get((r["model"], r["task"]), (None, ""))
         lb.at[i, "published"] = value
-        lb.at[i, "diff"] = None if value is None else r["test_acc"] - value
+        lb.at[i, "diff"] = None if value is None or pd.isna(r["test_acc"]) else r["test_acc"] - value
         if value is None and note.startswith("FAIL"):
             lb.at[i, "note"] = "; ".join(x for x in (r["note"], "LRA Table 1: FAIL") if x)
-    for c in ["test_acc", "test_std", "val_acc", "final_test_acc", "published", "diff"]:
+    for c in ["test_acc", "test_std", "val_acc", "final_test_acc", "final_test_std", "published", "diff"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce")
+    for c in ["n_seeds", "n_failed", "n_stalled"]:
+        lb[c] = pd.to_numeric(lb[c], errors="coerce").astype("Int64")
     return sort_leaderboard(lb)
 
 
+def published_cells(published: pd.DataFrame | None) -> dict:
+    """(model, task) -> (value or None, note) from LRA Table 1 (test accuracy, avg4, avg5, avg6)."""
+    if published is None or published.empty:
+        return {}
+    p = published[published["source"] == PUBLISHED_SOURCE]
+    out = {}
+    for r in p[p["metric"].isin(["test_acc", "avg5", "avg6"])].itertuples(index=False):
+        value = pd.to_numeric(r.value, errors="coerce")
+        out[(r.model, r.task)] = (None if pd.isna(value) else float(value), "" if pd.isna(r.note) else str(r.note))
+    acc = p[p["metric"] == "test_acc"].assign(value=lambda d: pd.to_numeric(d["value"], errors="coerce"))
+    for model, g in acc.groupby("model"):  # the paper's cells give its 4-task mean too
+        cells = g.set_index("task")["value"].reindex(TASKS4)
+        if cells.notna().all():
+            out[(model, "avg4")] = (float(cells.mean()), "")
+    return out
+
+
 def sort_leaderboard(lb: pd.DataFrame) -> pd.DataFrame:
-    """Models by 5-task average (best first, models without one last), tasks in LRA order."""
-    avg = lb[lb["task"] == "avg5"].set_index("model")["test_acc"]
-    models = sorted(lb["model"].unique(), key=lambda m: (-avg.get(m, float("-inf")), m))
-    task_order = {t: i for i, t in enumerate(TASKS6 + AVERAGES)}
-    key = lb["model"].map({m: i for i, m in enumerate(models)}) * 100 + lb["task"].map(task_order).fillna(50)
+    """Experiments (lra first), models by their best average (avg5, else avg4; models without one last), tasks in
+    LRA order."""
+    def score(e, m):
+        for name in ("avg5", "avg4"):
+            v = lb[(lb["experiment"] == e) & (lb["model"] == m) & (lb["task"] == name)]["test_acc"]
+            if len(v) and pd.notna(v.iloc[0]):
+                return (0 if name == "avg5" else 1, -float(v.iloc[0]))
+        return (2, 0.0)
+
+    keys = sorted({(e, m) for e, m in zip(lb["experiment"], lb["model"], strict=True)},
+                  key=lambda em: (em[0] != "lra", em[0], *score(*em), em[1]))
+    rank = {k: i for i, k in enumerate(keys)}
+    task_order = {t: i for i, t in enumerate(TASKS6 + list(AVERAGES))}
+    key = [rank[(e, m)] * 100 + task_order.get(t, 50) for e, m, t in zip(lb["experiment"], lb["model"], lb["task"],
+                                                                          strict=True)]
     return lb.assign(_k=key).sort_values("_k", kind="stable").drop(columns="_k").reset_index(drop=True)
 
 
 def wide(lb: pd.DataFrame, value: str = "test_acc") -> pd.DataFrame:
-    """Models down, tasks (then avg5, avg6) across, in leaderboard order."""
-    tasks = [t for t in TASKS6 + AVERAGES if t in set(lb["task"])]
+    """(experiment, model) down, tasks (then the averages) across, in leaderboard order."""
+    tasks = [t for t in TASKS6 + list(AVERAGES) if t in set(lb["task"])]
     tasks += sorted(set(lb["task"]) - set(tasks))
-    table = lb.pivot(index="model", columns="task", values=value)
-    return table.reindex(index=list(dict.fromkeys(lb["model"])), columns=tasks)
+    table = lb.pivot(index=["experiment", "model"], columns="task", values=value)
+    order = list(dict.fromkeys(zip(lb["experiment"], lb["model"], strict=True)))
+    return table.reindex(index=pd.MultiIndex.from_tuples(order, names=["experiment", "model"]), columns=tasks)
+
+
+def format_cell(r) -> str:
+    if pd.isna(r["test_acc"]):
+        return f"failed x{int(r['n_failed'])}" if r["n_failed"] else "-"
+    s = f"{r['test_acc']:.2f}"
+    if pd.notna(r["test_std"]):
+        s += f"+-{r['test_std']:.2f}"
+    if r["task"] not in AVERAGES and r["n_seeds"] > 1:
+        s += f"[{int(r['n_seeds'])}]"
+    if pd.notna(r["diff"]):
+        s += f" ({r['diff']:+.2f})"
+    elif str(r["note"]).startswith("FAIL"):
+        s += " FAIL"
+    if pd.notna(r["n_failed"]) and r["n_failed"]:
+        s += f" !{int(r['n_failed'])}"
+    if pd.notna(r["n_stalled"]) and r["n_stalled"]:
+        s += f" ~{int(r['n_stalled'])}"
+    return s
 
 
 def format_leaderboard(lb: pd.DataFrame) -> str:
     if lb.empty:
         return "(no runs)"
     tasks = list(wide(lb).columns)
-    width = max(12, lb["model"].str.len().max() + 2)
-    lines = ["test accuracy %: mean +- std over seeds [n seeds], (diff vs LRA Table 1)",
-             "model".ljust(width) + "".join(t.rjust(22) for t in tasks)]
-    cells = lb.set_index(["model", "task"])
-    for model in dict.fromkeys(lb["model"]):
-        out = []
-        for t in tasks:
-            if (model, t) not in cells.index:
-                out.append("-")
-                continue
-            r = cells.loc[(model, t)]
-            s = f"{r['test_acc']:.2f}"
-            if pd.notna(r["test_std"]):
-                s += f"+-{r['test_std']:.2f}"
-            if t not in AVERAGES and r["n_seeds"] > 1:
-                s += f"[{int(r['n_seeds'])}]"
-            if pd.notna(r["diff"]):
-                s += f" ({r['diff']:+.2f})"
-            elif str(r["note"]).startswith("FAIL"):
-                s += " FAIL"
-            out.append(s)
-        lines.append(model.ljust(width) + "".join(c.rjust(22) for c in out))
-    lines += [f"avg5: {AVG_NOTES['avg5']}", f"avg6: {AVG_NOTES['avg6']}"]
+    labels = {(e, m): m if e == "lra" else f"{m} [{e}]" for e, m in zip(lb["experiment"], lb["model"], strict=True)}
+    width = max(12, max(map(len, labels.values())) + 2)
+    lines = ["test accuracy %: mean +- std over seeds [n seeds] (diff vs LRA Table 1); !n failed runs, ~n stalled",
+             "model".ljust(width) + "".join(t.rjust(24) for t in tasks)]
+    cells = lb.set_index(["experiment", "model", "task"])
+    for key, label in labels.items():
+        out = [format_cell(cells.loc[(*key, t)].to_dict() | {"task": t}) if (*key, t) in cells.index else "-"
+               for t in tasks]
+        lines.append(label.ljust(width) + "".join(c.rjust(24) for c in out))
+    lines += [f"{name}: {note}" for name, note in AVG_NOTES.items() if name in tasks]
+    if "retrieval" not in tasks:
+        lines.append("retrieval: no runs (it needs the LRA release's AAN files: data.root=<lra_release>)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(prog="python -m lra.leaderboard", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", default="results/runs.csv")
-    ap.add_argument("--out", default="results/leaderboard.csv")
-    ap.add_argument("--published", default="results/published.csv")
-    ap.add_argument("--trainer", default="lra", help="comma-separated trainer names, or 'all'")
+    ap.add_argument("--results", default=DEFAULT_RESULTS,
+                    help="results folder: reads runs.csv, writes leaderboard.csv (the project's: results)")
+    ap.add_argument("--runs", default=None, help="runs file (default: RESULTS/runs.csv)")
+    ap.add_argument("--out", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
+    ap.add_argument("--published", default=str(Path(__file__).resolve().parent.parent / "results" / "published.csv"))
+    ap.add_argument("--experiment", default="lra", help="comma-separated experiment names, or 'all'")
     args = ap.parse_args(argv)
-    runs_path = Path(args.runs)
+    runs_path = Path(args.runs or Path(args.results) / "runs.csv")
+    out = Path(args.out or Path(args.results) / "leaderboard.csv")
     if not runs_path.exists():
-        raise SystemExit(f"no runs at {runs_path}: train with `python -m lra` first")
+        raise SystemExit(f"no runs at {runs_path}: train with `python -m lra` first (or --results results for the "
+                         f"project's published runs)")
     published = pd.read_csv(args.published) if Path(args.published).exists() else None
-    lb = build_leaderboard(pd.read_csv(runs_path), published, args.trainer)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    lb.to_csv(args.out, index=False, float_format="%.4f")
+    lb = build_leaderboard(pd.read_csv(runs_path), published, args.experiment)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lb.to_csv(out, index=False, float_format="%.4f")
     print(format_leaderboard(lb))
-    print(f"written to {args.out}")
+    print(f"written to {out}")
     return lb
 
 

@@ -15,6 +15,7 @@ Figures are plain ``matplotlib.figure.Figure`` objects on the Agg canvas (no pyp
 from __future__ import annotations
 
 import argparse
+import io
 import math
 from pathlib import Path
 
@@ -23,8 +24,11 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lra.leaderboard import TASKS6
+from lra.leaderboard import DEFAULT_RESULTS
 
+matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
+
+PUBLISHED = Path(__file__).resolve().parent.parent / "results" / "published.csv"
 MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 
 NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
@@ -98,6 +102,8 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
     Retrieval when its AAN files are missing), and the axis and title name them."""
     bench = _numeric(bench)
     device = pick_device(bench, device)
+    if "experiment" in leaderboard:  # LRA's protocol only: recipes and variants are other experiments
+        leaderboard = leaderboard[leaderboard["experiment"].astype(str) == "lra"]
     at_len = bench[(bench["device"].astype(str) == device) & (bench["seq_len"] == length)]
     if "timestamp" in at_len:
         at_len = at_len.sort_values("timestamp", kind="stable")
@@ -207,7 +213,7 @@ def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str |
     others = [m for m in models if m != "transformer"]
     style = {m: (colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i, m in enumerate(others)}
     style["transformer"] = ("black", "o")  # the baseline: black and dashed
-    for (model, batch), g in ok.groupby(["model", "batch_size"], sort=True):
+    for (model, _batch), g in ok.groupby(["model", "batch_size"], sort=True):
         g = g.sort_values("seq_len")
         colour, marker = style[model]
         label = model if model not in [line.get_label() for line in ax.get_lines()] else "_nolegend_"
@@ -235,22 +241,31 @@ def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str |
 
 
 def save(fig: Figure, out_dir: Path, stem: str) -> tuple[Path, Path]:
+    """PNG and SVG, reproducibly (no dates, fixed ids); a file whose bytes would not change is left untouched, so
+    regenerating the charts does not dirty a checkout."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    png, svg = out_dir / f"{stem}.png", out_dir / f"{stem}.svg"
-    fig.savefig(png, dpi=150)
-    fig.savefig(svg)
-    return png, svg
+    paths = out_dir / f"{stem}.png", out_dir / f"{stem}.svg"
+    for path, fmt, extra in ((paths[0], "png", {"dpi": 150, "metadata": {"Software": None}}),
+                             (paths[1], "svg", {"metadata": {"Date": None}})):
+        buf = io.BytesIO()
+        fig.savefig(buf, format=fmt, **extra)
+        data = buf.getvalue()
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(prog="python -m lra.plot", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bench", default="results/bench.csv")
-    ap.add_argument("--leaderboard", default="results/leaderboard.csv")
+    ap.add_argument("--results", default=DEFAULT_RESULTS,
+                    help="results folder: reads bench.csv and leaderboard.csv, writes charts/ (the project's: results)")
+    ap.add_argument("--bench", default=None, help="bench file (default: RESULTS/bench.csv)")
+    ap.add_argument("--leaderboard", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
     ap.add_argument("--length", type=int, default=4096, help="bench length for the bubble chart's speed and memory")
     ap.add_argument("--device", default=None, help="bench device (default: the device of the latest row)")
-    ap.add_argument("--out", default="results/charts")
-    ap.add_argument("--published", nargs="?", const="results/published.csv", default=None,
+    ap.add_argument("--out", default=None, help="chart folder (default: RESULTS/charts)")
+    ap.add_argument("--published", nargs="?", const=str(PUBLISHED), default=None,
                     help="also draw the LRA paper's points (default file results/published.csv)")
     ap.add_argument("--tasks", default=None,
                     help="bubble chart's y = mean over these comma-separated tasks (ours and the paper's alike) "
@@ -258,12 +273,17 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args = ap.parse_args(argv)
     tasks = None
     if args.tasks:
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        unknown = sorted(set(tasks) - set(TASKS6))
-        if unknown:
-            raise SystemExit(f"--tasks: unknown task(s) {', '.join(unknown)}; LRA's tasks are {', '.join(TASKS6)}")
+        from lra.data import list_tasks
 
-    bench_path, lb_path = Path(args.bench), Path(args.leaderboard)
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = sorted(set(tasks) - set(list_tasks()))
+        if unknown:
+            raise SystemExit(f"--tasks: unknown task(s) {', '.join(unknown)}; the tasks are {', '.join(list_tasks())}")
+
+    results = Path(args.results)
+    bench_path = Path(args.bench or results / "bench.csv")
+    lb_path = Path(args.leaderboard or results / "leaderboard.csv")
+    args.out = args.out or results / "charts"
     if not bench_path.exists():
         raise SystemExit(f"no bench results at {bench_path}: run `python -m lra.bench` first")
     bench = pd.read_csv(bench_path)

@@ -1,52 +1,102 @@
-"""Result rows: the schema of ``runs.csv`` and ``bench.csv``, atomic appends, and provenance (device,
-torch, git commit, config hash). Leaderboards and charts are derived from these CSVs, never edited.
+"""Result rows: the schema of ``runs.csv`` and ``bench.csv`` (one dataclass each, documented in
+``results/README.md``), atomic appends, and provenance (device, torch, git commit, config hash). Leaderboards and
+charts are derived from these CSVs, never edited.
+
+Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the run), ``oom`` or
+``error: <Type>: <message>``. Only ``ok`` rows carry accuracies or timings; nothing else is ever averaged.
 """
 from __future__ import annotations
 
 import csv
-import fcntl
 import hashlib
 import io
 import json
 import os
 import platform
 import subprocess
-from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
-# One row per finished training run. Documented in results/README.md; keep the two in step.
-RUN_COLUMNS = [
-    "task", "model", "seed", "trainer",
-    "val_acc", "test_acc", "best_step", "final_val_acc", "final_test_acc",
-    "steps", "seq_len", "batch_size", "train_steps_per_s", "examples_per_s", "peak_mem_mb",
-    "params", "wall_time_s", "precision", "compiled", "split", "device", "torch", "git_sha",
-    "config_hash", "timestamp", "run_dir", "overrides",
-]
-
-# One row per (model, sequence length) of a `python -m lra.bench` sweep (LRA Table 2 protocol). `status` is
-# ok | oom | error: <message>; figures are blank unless ok. `rel_*` are against `transformer` at the same
-# length, batch, precision, backbone and device. `peak_mem_mb` is the peak of the timed steps, of the kind
-# `mem_kind` says: cuda_max_allocated on a GPU, peak_rss (the whole process) on CPU.
-BENCH_COLUMNS = [
-    "model", "task", "seq_len", "batch_size", "status",
-    "steps_per_s", "examples_per_s", "ms_per_step", "peak_mem_mb", "mem_kind", "rel_speed", "rel_mem",
-    "params", "precision", "compiled", "sdpa_backend", "backbone", "warmup", "timed_steps",
-    "device", "torch", "git_sha", "timestamp",
-]
+from lra.data.common import temporary_name
 
 
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+@dataclass
+class RunRow:
+    """One training run (``runs.csv``)."""
+
+    task: str
+    model: str
+    seed: int
+    experiment: str  # the preset that ran: lra (LRA's protocol), smoke, a recipe (conf/experiment/)
+    status: str  # ok | diverged | oom | error: <Type>: <message>
+    val_acc: float | None = None  # best validation accuracy (fraction)
+    test_acc: float | None = None  # test accuracy of the best-validation checkpoint
+    best_step: int | None = None
+    final_val_acc: float | None = None
+    final_test_acc: float | None = None  # test accuracy of the final weights (LRA's own protocol)
+    val_majority: float | None = None  # the validation split's majority-class share: a run near it has stalled
+    steps: int | None = None
+    seq_len: int | None = None
+    batch_size: int | None = None  # the global batch
+    eval_every: int | None = None
+    train_steps_per_s: float | None = None
+    examples_per_s: float | None = None
+    peak_mem_mb: float | None = None
+    params: int | None = None
+    wall_time_s: float | None = None
+    precision: str | None = None
+    compiled: bool | None = None
+    devices: int | None = None  # processes of a data-parallel run
+    data: str | None = None  # data source and version
+    split: str | None = None
+    device: str | None = None
+    torch: str | None = None
+    git_sha: str | None = None
+    config_hash: str | None = None
+    timestamp: str | None = None
+    run_dir: str | None = None
+    overrides: str | None = None
+
+
+@dataclass
+class BenchRow:
+    """One (model, sequence length) of a ``python -m lra.bench`` sweep (``bench.csv``). ``rel_*`` are against
+    ``transformer`` at the same length, batch, precision, backbone and device; ``peak_mem_mb`` is the peak of the
+    timed steps, of the kind ``mem_kind`` says."""
+
+    model: str
+    task: str
+    seq_len: int
+    batch_size: int
+    status: str = ""
+    steps_per_s: float | None = None
+    examples_per_s: float | None = None
+    ms_per_step: float | None = None
+    ms_p10: float | None = None  # spread of the timed steps
+    ms_p90: float | None = None
+    peak_mem_mb: float | None = None
+    mem_kind: str | None = None
+    rel_speed: float | None = None
+    rel_mem: float | None = None
+    params: int | None = None
+    precision: str | None = None
+    compiled: bool | None = None
+    sdpa_backend: str | None = None
+    backbone: str | None = None
+    warmup: int | None = None
+    timed_steps: int | None = None
+    device: str | None = None
+    torch: str | None = None
+    git_sha: str | None = None
+    timestamp: str | None = None
+
+
+RUN_COLUMNS = [f.name for f in fields(RunRow)]
+BENCH_COLUMNS = [f.name for f in fields(BenchRow)]
 
 
 def append_row(path: str | Path, row: dict, columns: list[str]) -> None:
@@ -58,7 +108,8 @@ def append_row(path: str | Path, row: dict, columns: list[str]) -> None:
     extra = sorted(set(row) - set(columns))
     if extra:
         raise KeyError(f"row has columns not in the schema: {extra}")
-    with _locked(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
         header = None
         if path.exists() and path.stat().st_size:
             with open(path, newline="") as f:
@@ -78,7 +129,7 @@ def append_row(path: str | Path, row: dict, columns: list[str]) -> None:
             rows = list(csv.DictReader(f))
         merged = header + [c for c in columns if c not in header]
         rows.append({k: _fmt(row.get(k)) for k in columns})
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = temporary_name(path)
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=merged, lineterminator="\n")
             w.writeheader()
@@ -97,21 +148,34 @@ def _fmt(v):
 def git_sha(short: bool = True) -> str:
     """The commit the code ran at, with ``+dirty`` when the tree had uncommitted changes. ``LRA_GIT_SHA``,
     when set, wins: a copy of the tree whose ``.git`` is stale or absent (a remote GPU machine, a container)
-    would otherwise report the wrong commit."""
+    would otherwise report the wrong commit. An installed copy with no checkout says so, with its version."""
     if os.environ.get("LRA_GIT_SHA"):
         return os.environ["LRA_GIT_SHA"]
     root = Path(__file__).resolve().parent.parent
+    no_checkout = f"unknown (lra {package_version()}, no git checkout)"
+    if not (root / ".git").exists():
+        return no_checkout
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         if sha.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
+            return no_checkout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
         out = sha.stdout.strip()[: 12 if short else 40]
         return out + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lra")
+    except PackageNotFoundError:
+        from lra import __version__
+
+        return __version__
 
 
 def device_name(device: torch.device) -> str:
@@ -120,9 +184,19 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+# Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
+NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
+NOT_HASHED_TRAINER = ("compile", "devices", "threads", "eval_batch_size", "ckpt_every", "timing_warmup", "progress")
+
+
 def config_hash(cfg_dict: dict) -> str:
-    """A short hash of everything that defines a run (run_dir and result paths excluded)."""
-    keep = {k: v for k, v in cfg_dict.items() if k not in ("run_dir", "results", "resume", "device", "hydra")}
+    """A short hash of everything that defines what a run computes (paths, logging and execution settings such as
+    the number of devices or threads excluded): equal hashes, equal results up to floating-point order."""
+    keep = {k: v for k, v in cfg_dict.items() if k not in NOT_HASHED}
+    if isinstance(keep.get("trainer"), dict):
+        keep["trainer"] = {k: v for k, v in keep["trainer"].items() if k not in NOT_HASHED_TRAINER}
+    if isinstance(keep.get("data"), dict):  # where the cache lives is not what the data is
+        keep["data"] = {k: v for k, v in keep["data"].items() if k != "cache_dir"}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

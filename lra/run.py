@@ -1,78 +1,77 @@
-"""``run(cfg) -> dict``: the whole training run as a plain PyTorch loop, callable from tests.
+"""``run(cfg) -> dict``: one training run as a plain PyTorch loop, callable from tests and from ``python -m lra``.
 
-data -> model -> AdamW + LRA schedule -> train with periodic validation (best-validation weights kept)
--> test with the best and the final weights -> one row appended to ``results.dir/runs.csv``.
-A run is resumable: a checkpoint (model, optimiser, scheduler, RNG, step, timers) is written every
-``trainer.ckpt_every`` steps and when the run is stopped (Ctrl-C / SIGTERM finish the current step, save,
-and exit); rerunning the same command continues from it.
+validate -> data -> model -> AdamW + LRA schedule -> train with periodic validation (best-validation weights
+kept) -> test with the best and the final weights -> one row appended to ``results.dir/runs.csv``.
+
+Nothing is lost when a run is stopped: a checkpoint (model, optimiser, scheduler, RNG, step, timers) is written
+every ``trainer.ckpt_every`` steps and when a signal arrives (Ctrl-C, SIGTERM, or Slurm's SIGUSR2 before a
+timeout or preemption: the current step finishes, the checkpoint is saved, the run exits with code 75);
+rerunning the same command continues from it. A finished run rerun says so and writes no second row
+(``resume=false`` starts it over). No wrong number is recorded: a non-finite loss stops the run as
+``status=diverged``, an out-of-memory as ``status=oom``, a failure as ``status=error: ...``, all without
+accuracies. With ``trainer.devices=N`` (or under ``torchrun``) the run is data-parallel (``lra.distributed``).
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import random
-import resource
 import signal
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from lra import distributed, engine
+from lra.checkpoint import RunFiles, rng_state, set_rng_state
+from lra.config import ConfigError, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
-from lra.data.common import atomic_save
-from lra.encoder import Classifier, build_classifier
-from lra.results import RUN_COLUMNS, append_row, config_hash, device_name, git_sha, now_iso
+from lra.results import RUN_COLUMNS, RunRow, append_row, config_hash, device_name, git_sha, now_iso
 
 log = logging.getLogger("lra")
-CHECKPOINT, BEST, RESULT = "checkpoint.pt", "best.pt", "result.json"
+CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
 
 
-class RunInterrupted(RuntimeError):
+class RunInterrupted(Exception):
     """The run was asked to stop; its checkpoint is saved and rerunning the command resumes it."""
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM; the loop checks it between steps so a checkpoint is never half an update."""
+    """Set by a signal handler; the loop checks it between steps so a checkpoint is never half an update."""
 
     requested = False
+    signum: int | None = None
 
 
 STOP = StopFlag()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 
 @contextmanager
 def graceful_stop():
+    """Turn SIGINT, SIGTERM and SIGUSR2 into a request to stop after the current step. The previous handlers are
+    kept: after the checkpoint, a previous SIGUSR2 handler (submitit's, which requeues the Slurm job) is called."""
+
     def handler(signum, frame):
-        if STOP.requested:  # a second Ctrl-C stops at once
+        if STOP.requested and signum == signal.SIGINT:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
-        STOP.requested = True
-        log.warning("stop requested: finishing this step and saving a checkpoint (again to abort)")
+        STOP.requested, STOP.signum = True, signum
+        log.warning("%s: finishing this step and saving a checkpoint", signal.Signals(signum).name)
 
     try:
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     except ValueError:  # not the main thread (e.g. some test runners): no handlers, same loop
         old = {}
-    STOP.requested = False
+    STOP.requested, STOP.signum = False, None
     try:
-        yield
+        yield old
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
-    return device
 
 
 def seed_everything(seed: int) -> None:
@@ -81,25 +80,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
-    """LRA's schedules as products of factors (``utils/train_utils.py``), ``step`` counting from 1."""
-    warm = min(1.0, step / warmup) if warmup else 1.0
-    if schedule == "rsqrt":
-        return warm / math.sqrt(max(step, warmup, 1))
-    if schedule == "cosine":
-        progress = (max(0, step - warmup) / max(total, 1)) % 1.0
-        return warm * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-    if schedule == "constant":
-        return warm
-    raise ValueError(f"optim.schedule must be rsqrt, cosine or constant, got {schedule!r}")
-
-
-def build_model(cfg: DictConfig, data: TaskData) -> Classifier:
-    """The task's classifier; without a single pad token in any split (pixel tasks) it runs mask-free."""
-    options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+def task_shape(data: TaskData) -> engine.TaskShape:
+    """Without a single pad token in any split (pixel tasks) the model runs mask-free."""
     padded = any(bool((s.tokens == 0).any()) for s in (data.train, data.val, data.test))
-    return build_classifier(cfg.model.name, options, cfg.backbone, data.vocab_size, data.seq_len, data.n_classes,
-                            pair=data.pair, padded=padded, grid=data.grid)
+    return engine.TaskShape(data.vocab_size, data.seq_len, data.n_classes, data.pair, padded, data.grid)
 
 
 def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -118,43 +102,24 @@ def evaluate(model, split: Split, batch_size: int, device: torch.device, autocas
         with autocast():
             correct += (model(tokens).argmax(-1) == labels).sum()
     model.train()
-    return correct.item() / max(len(split), 1)
+    return correct.item() / len(split)
 
 
-def _train_step(model, optimizer, scheduler, tokens, labels, autocast, grad_clip) -> torch.Tensor:
-    with autocast():
-        loss = F.cross_entropy(model(tokens).float(), labels)
-    loss.backward()
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss.detach()
+def check_writable(*folders: str | Path) -> None:
+    """Fail at start, not after hours of training, when an output folder cannot be written."""
+    for folder in folders:
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".lra-write-test-{time.time_ns()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"{folder} is not writable ({type(e).__name__}: {e.strerror or e}); choose another "
+                              f"folder (results.dir=... or hydra.run.dir=...)") from None
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _peak_mem_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def _start_logger(cfg: DictConfig, run_dir: Path):
+def start_logger(cfg: DictConfig, run_dir: Path):
     if cfg.logger.name != "wandb":
         return None
     import wandb  # optional: only this logger needs it
@@ -162,193 +127,291 @@ def _start_logger(cfg: DictConfig, run_dir: Path):
     return wandb.init(
         project=cfg.logger.project, entity=cfg.logger.get("entity"), mode=cfg.logger.mode, dir=str(run_dir),
         config=OmegaConf.to_container(cfg, resolve=True), tags=list(cfg.logger.get("tags") or []),
-        name=f"{cfg.task.name}-{cfg.model.name}-s{cfg.seed}", reinit=True,
-    )
+        name=f"{cfg.task.name}-{cfg.model.name}-s{cfg.seed}", reinit=True)
 
 
 def run(cfg: DictConfig) -> dict:
-    """Train and evaluate ``cfg.model`` on ``cfg.task``; return the metrics row (also appended to runs.csv)."""
-    wall_start = time.time()
-    device = resolve_device(cfg.device)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    chash = config_hash(cfg_dict)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-
-    resume_state = _resume_state(cfg.resume, run_dir, chash)
-    if resume_state == "done":
-        return json.loads((run_dir / RESULT).read_text())
-
-    seed_everything(cfg.seed)
-    data = load_task(cfg)
-    log.info(data.summary())
-    model = build_model(cfg, data).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("%s: %s parameters", cfg.model.name, f"{n_params:,}")
-
-    o, t, tr = cfg.optim, cfg.train, cfg.trainer
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-        fused=device.type == "cuda",
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s + 1, o.schedule, o.warmup_steps, t.steps)
-    )
-    precision = tr.precision if tr.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
-    compiled = tr.compile is True or (tr.compile == "auto" and device.type == "cuda")
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
-    step_model = torch.compile(model) if compiled else model
-
-    state = {"step": 0, "best_val": -1.0, "best_step": 0, "timed_steps": 0, "timed_s": 0.0, "wall_s": 0.0,
-             "peak_mem_mb": 0.0, "history": [], "devices": [], "git_shas": []}
-    if isinstance(resume_state, dict):
-        model.load_state_dict(resume_state["model"])
-        optimizer.load_state_dict(resume_state["optimizer"])
-        scheduler.load_state_dict(resume_state["scheduler"])
-        _set_rng_state(resume_state["rng"])
-        state = resume_state["state"]
-        log.info("resuming %s from step %d", run_dir, state["step"])
-    # a run resumed on other hardware or code names every device and commit it trained on (its steps/s mixes them)
-    for key, now in (("devices", device_name(device)), ("git_shas", git_sha())):
-        seen = state.setdefault(key, [])
-        if now not in seen:
-            seen.append(now)
-
-    def save_checkpoint():
-        atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "rng": _rng_state(), "config_hash": chash,
-                     "state": {**state, "wall_s": state["wall_s"] + time.time() - wall_start}},
-                    run_dir / CHECKPOINT)
-
-    order = BatchOrder(len(data.train), t.batch_size, cfg.seed)
-    wandb_run = _start_logger(cfg, run_dir)
-    running_loss = torch.zeros((), device=device)
-    n_loss, warm_left = 0, tr.timing_warmup
-    segment_start, segment_steps = None, 0
-
-    def close_segment():
-        nonlocal segment_start, segment_steps
-        if segment_start is not None and segment_steps:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            state["timed_s"] += time.perf_counter() - segment_start
-            state["timed_steps"] += segment_steps
-            state["peak_mem_mb"] = max(state["peak_mem_mb"], _peak_mem_mb(device))
-        segment_start, segment_steps = None, 0
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    model.train()
-    bar = tqdm(total=t.steps, initial=state["step"], desc=f"{cfg.task.name}/{cfg.model.name}",
-               disable=not tr.progress, dynamic_ncols=True)
-    with graceful_stop():
-        while state["step"] < t.steps:
-            if STOP.requested:
-                close_segment()
-                save_checkpoint()
-                bar.close()
-                raise RunInterrupted(f"stopped at step {state['step']}; rerun the same command to resume")
-            if warm_left == 0 and segment_start is None:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                segment_start = time.perf_counter()
-            idx = order.indices(state["step"])
-            tokens = to_device(data.train.tokens[idx], device)
-            labels = data.train.labels[idx].to(device, non_blocking=True)
-            running_loss += _train_step(step_model, optimizer, scheduler, tokens, labels, autocast, o.grad_clip)
-            n_loss += 1
-            state["step"] += 1
-            bar.update(1)
-            if warm_left > 0:
-                warm_left -= 1
-            else:
-                segment_steps += 1
-            last = state["step"] == t.steps
-            if state["step"] % t.eval_every == 0 or last:
-                close_segment()
-                val_acc = evaluate(step_model, data.val, tr.eval_batch_size, device, autocast)
-                train_loss = running_loss.item() / max(n_loss, 1)
-                running_loss.zero_()
-                n_loss = 0
-                if val_acc > state["best_val"]:
-                    state["best_val"], state["best_step"] = val_acc, state["step"]
-                    atomic_save({"model": model.state_dict(), "step": state["step"], "val_acc": val_acc}, run_dir / BEST)
-                state["history"].append({"step": state["step"], "train_loss": train_loss, "val_acc": val_acc,
-                                         "lr": scheduler.get_last_lr()[0]})
-                bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_acc:.4f}", best=f"{state['best_val']:.4f}")
-                if not tr.progress:  # no bar: the log (console and run_dir) carries the progress instead
-                    log.info("step %d/%d: train loss %.4f, val %.4f (best %.4f at %d), lr %.3g", state["step"],
-                             t.steps, train_loss, val_acc, state["best_val"], state["best_step"],
-                             scheduler.get_last_lr()[0])
-                if wandb_run is not None:
-                    wandb_run.log({"train/loss": train_loss, "val/acc": val_acc, "lr": scheduler.get_last_lr()[0]},
-                                  step=state["step"])
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-            if state["step"] % tr.ckpt_every == 0 or last:
-                close_segment()
-                save_checkpoint()
-    bar.close()
-    close_segment()
-
-    final_val = state["history"][-1]["val_acc"] if state["history"] else evaluate(
-        step_model, data.val, tr.eval_batch_size, device, autocast)
-    final_test = evaluate(step_model, data.test, tr.eval_batch_size, device, autocast)
-    model.load_state_dict(torch.load(run_dir / BEST, weights_only=True)["model"])
-    best_test = evaluate(step_model, data.test, tr.eval_batch_size, device, autocast)
-
-    steps_per_s = state["timed_steps"] / state["timed_s"] if state["timed_s"] else float("nan")
-    row = {
-        "task": cfg.task.name, "model": cfg.model.name, "seed": cfg.seed, "trainer": tr.name,
-        "val_acc": state["best_val"], "test_acc": best_test, "best_step": state["best_step"],
-        "final_val_acc": final_val, "final_test_acc": final_test, "steps": state["step"],
-        "seq_len": data.seq_len, "batch_size": t.batch_size, "train_steps_per_s": steps_per_s,
-        "examples_per_s": steps_per_s * t.batch_size, "peak_mem_mb": state["peak_mem_mb"], "params": n_params,
-        "wall_time_s": state["wall_s"] + time.time() - wall_start, "precision": precision, "compiled": compiled,
-        "split": data.info.get("split", ""), "device": " + ".join(state["devices"]), "torch": torch.__version__,
-        "git_sha": " + ".join(state["git_shas"]), "config_hash": chash, "timestamp": now_iso(), "run_dir": str(run_dir),
-        "overrides": _overrides(),
-    }
-    append_row(Path(cfg.results.dir) / "runs.csv", row, RUN_COLUMNS)
-    (run_dir / RESULT).write_text(json.dumps(row, indent=1))
-    (run_dir / "history.json").write_text(json.dumps(state["history"]))
-    log.info("%s/%s: best val %.4f at step %d, test %.4f (final %.4f), %.1f steps/s, %.0f MB",
-             cfg.task.name, cfg.model.name, state["best_val"], state["best_step"], best_test, final_test,
-             steps_per_s, state["peak_mem_mb"])
-    if wandb_run is not None:
-        wandb_run.summary.update({k: v for k, v in row.items() if isinstance(v, (int, float))})
-        wandb_run.finish()
-    return row
+    """Train and evaluate ``cfg.model`` on ``cfg.task``; return the result row (also appended to runs.csv)."""
+    validate(cfg)
+    world = distributed.from_env()
+    if int(cfg.trainer.devices) > 1 and not world.distributed:
+        plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable, Hydra's resolvers done
+        distributed.spawn(int(cfg.trainer.devices), run_rank, plain)
+        return RunFiles(plain.run_dir).finished()
+    return run_rank(cfg)
 
 
-def _resume_state(resume, run_dir: Path, chash: str):
-    """None (fresh start), 'done' (finished already; resume=true returns its result), or a checkpoint."""
-    ckpt, result = run_dir / CHECKPOINT, run_dir / RESULT
-    if resume is False or resume == "false":
-        for f in (ckpt, result, run_dir / BEST):
-            f.unlink(missing_ok=True)
-        return None
-    if resume is True and result.exists():
-        log.info("%s already finished; returning its result (resume=false reruns it)", run_dir)
-        return "done"
-    if result.exists():  # auto: a finished run in this directory is rerun from scratch
-        result.unlink()
-        ckpt.unlink(missing_ok=True)
-        return None
-    if not ckpt.exists():
-        if resume is True:
-            raise FileNotFoundError(f"resume=true but {ckpt} does not exist; run without resume=true to start")
-        return None
-    state = torch.load(ckpt, weights_only=False)
-    if state["config_hash"] != chash:
-        raise RuntimeError(
-            f"{ckpt} was written by a different configuration (hash {state['config_hash']} != {chash}); "
-            f"use another run_dir (hydra.run.dir=...) or resume=false to start over"
-        )
-    return state
+def run_rank(cfg: DictConfig) -> dict:
+    """``run`` in one process of a (possibly single-process) world."""
+    world = distributed.from_env()
+    if cfg.schedule.batch_size % world.size:
+        raise ConfigError(f"schedule.batch_size={cfg.schedule.batch_size} does not split over {world.size} "
+                          f"processes: choose trainer.devices dividing it")
+    device = engine.resolve_device(cfg.device)
+    if device.type == "cuda" and world.distributed:
+        device = torch.device("cuda", world.local_rank)
+    engine.configure(device, engine.cpu_threads(cfg.trainer.threads))
+    distributed.init(world, device)
+    try:
+        return Trainer(cfg, world, device).fit()
+    except RunInterrupted:
+        if world.distributed:  # the other ranks are stopped by their own copy of the signal
+            raise SystemExit(distributed.EXIT_INTERRUPTED) from None
+        raise
+    finally:
+        distributed.shutdown()
+
+
+class Trainer:
+    """The loop and its state. ``fit`` reads top to bottom: resume or start, train with evaluations and
+    checkpoints, test, record."""
+
+    def __init__(self, cfg: DictConfig, world: distributed.World, device: torch.device):
+        self.cfg, self.world, self.device = cfg, world, device
+        self.wall_start = time.time()
+        self.files = RunFiles(cfg.run_dir)
+        self.chash = config_hash(OmegaConf.to_container(cfg, resolve=True))
+        self.precision = engine.resolve_precision(cfg.trainer.precision, device)
+        self.compiled = engine.resolve_compile(cfg.trainer.compile, device)
+        self.autocast = engine.autocast(self.precision, device)
+        self.state = {"step": 0, "best_val": -1.0, "best_step": 0, "timed_steps": 0, "timed_s": 0.0, "wall_s": 0.0,
+                      "peak_mem_mb": 0.0, "history": [], "devices": [], "git_shas": []}
+
+    # -- the run ------------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg, files = self.cfg, self.files
+        if self.world.is_main:
+            check_writable(files.dir, cfg.results.dir)
+            (files.dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        checkpoint = self.resume_or_start()
+        if isinstance(checkpoint, dict) and "row" in checkpoint:
+            return checkpoint["row"]
+        seed_everything(cfg.seed)
+        self.data = load_task(cfg)
+        if self.world.is_main:
+            log.info(self.data.summary())
+        try:
+            self.build(checkpoint)
+            status = self.train()
+        except torch.cuda.OutOfMemoryError as e:
+            return self.record("oom", detail=str(e).splitlines()[0][:200])
+        except RunInterrupted:
+            raise
+        except Exception as e:
+            self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            raise
+        if status != "ok":
+            return self.record(status)
+        return self.record("ok", metrics=self.test())
+
+    def resume_or_start(self):
+        """None (fresh), a checkpoint dict, or {"row": ...} for a finished run."""
+        files, resume = self.files, self.cfg.resume
+        if resume == "false":
+            if self.world.is_main:
+                files.clear()
+            self.world.barrier()
+            return None
+        done = files.finished()
+        if done is not None:
+            if done.get("config_hash") != self.chash:
+                raise ConfigError(f"{files.dir} holds a finished run of another configuration (hash "
+                                  f"{done.get('config_hash')} != {self.chash}); use another folder "
+                                  f"(hydra.run.dir=...) or resume=false to start over")
+            log.info("%s/%s seed %d already finished in %s (status %s, test %s): no new row; resume=false reruns it",
+                     done.get("task"), done.get("model"), done.get("seed", 0), files.dir, done.get("status"),
+                     done.get("test_acc"))
+            return {"row": done}
+        checkpoint = files.load_checkpoint(self.device)
+        if checkpoint is None:
+            if resume == "true":
+                raise ConfigError(f"resume=true but {files.dir} holds no readable checkpoint; run without "
+                                  f"resume=true to start")
+            if files.has_checkpoint():
+                log.warning("no readable checkpoint in %s: starting over", files.dir)
+            return None
+        if checkpoint["config_hash"] != self.chash:
+            raise ConfigError(f"{files.checkpoint} was written by a different configuration (hash "
+                              f"{checkpoint['config_hash']} != {self.chash}); use another run_dir "
+                              f"(hydra.run.dir=...) or resume=false to start over")
+        return checkpoint
+
+    def build(self, checkpoint: dict | None) -> None:
+        cfg, device = self.cfg, self.device
+        self.model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(self.data))
+        self.model.to(device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.optimizer = engine.build_optimizer(self.model, cfg.optim, device)
+        self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, cfg.schedule.steps)
+        if checkpoint is not None:
+            self.model.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+            set_rng_state(checkpoint["rng"])
+            self.state = checkpoint["state"]
+            log.info("resuming %s from step %d", self.files.dir, self.state["step"])
+        # a run resumed on other hardware or code names every device and commit it trained on
+        for key, now in (("devices", device_name(device)), ("git_shas", git_sha())):
+            if now not in self.state[key]:
+                self.state[key].append(now)
+        train_model = self.model
+        if self.world.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            train_model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda"
+                                                  else None)
+        self.train_fn = torch.compile(train_model) if self.compiled else train_model
+        self.eval_fn = self.train_fn if not self.world.distributed else (
+            torch.compile(self.model) if self.compiled else self.model)
+        if self.world.is_main:
+            log.info("%s: %s parameters", cfg.model.name, f"{self.n_params:,}")
+
+    def train(self) -> str:
+        """The loop; returns ``ok`` or ``diverged``."""
+        cfg, state, world, device = self.cfg, self.state, self.world, self.device
+        steps, every = cfg.schedule.steps, cfg.schedule.eval_every
+        order = BatchOrder(len(self.data.train), cfg.schedule.batch_size, cfg.seed)
+        timer = engine.StepTimer(device, cfg.trainer.timing_warmup, state["timed_steps"], state["timed_s"])
+        self.timer, self.logger = timer, start_logger(cfg, self.files.dir) if world.is_main else None
+        loss_sum, n_loss, warned = torch.zeros((), device=device), 0, False
+        engine.reset_peak_memory(device)
+        self.model.train()
+        bar = tqdm(total=steps, initial=state["step"], desc=f"{cfg.task.name}/{cfg.model.name}",
+                   disable=not (cfg.trainer.progress and world.is_main), dynamic_ncols=True)
+        with graceful_stop() as previous_handlers:
+            while state["step"] < steps:
+                flags = world.any(torch.tensor([float(STOP.requested), 0.0], device=device)) \
+                    if world.distributed else None
+                if STOP.requested or (flags is not None and flags[0] > 0):
+                    self.checkpoint(timer)
+                    bar.close()
+                    self.after_stop(previous_handlers)
+                    raise RunInterrupted(f"stopped at step {state['step']}; checkpoint in {self.files.dir}; rerun the "
+                                         f"same command to resume")
+                idx = world.shard(order.indices(state["step"]))
+                tokens = to_device(self.data.train.tokens[idx], device)
+                labels = self.data.train.labels[idx].to(device, non_blocking=True)
+                timer.before_step()
+                loss_sum += engine.train_step(self.train_fn, self.optimizer, tokens, labels, autocast=self.autocast,
+                                              grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
+                timer.after_step()
+                n_loss += 1
+                state["step"] += 1
+                bar.update(1)
+                step, last = state["step"], state["step"] == steps
+                if not warned and device.type == "cpu" and timer.steps >= 3 and cfg.experiment != "smoke":
+                    warned = self.warn_cpu(timer, steps)
+                if (step % every == 0 or last or step % 100 == 0) and not self.finite(loss_sum):
+                    log.error("non-finite training loss by step %d: the run diverged (status=diverged)", step)
+                    return "diverged"
+                if step % every == 0 or last:
+                    timer.pause()
+                    self.validate_and_log(loss_sum.item() / n_loss, bar)
+                    loss_sum.zero_()
+                    n_loss = 0
+                    engine.reset_peak_memory(device)
+                if step % cfg.trainer.ckpt_every == 0 or last:
+                    self.checkpoint(timer)
+        bar.close()
+        timer.pause()
+        return "ok"
+
+    # -- pieces of the loop -------------------------------------------------------------------------------------
+    def finite(self, loss_sum: torch.Tensor) -> bool:
+        bad = torch.stack([torch.zeros((), device=self.device), (~torch.isfinite(loss_sum)).float()])
+        return not bool(self.world.any(bad)[1] > 0)
+
+    def warn_cpu(self, timer: engine.StepTimer, steps: int) -> bool:
+        left = (steps - self.state["step"]) / timer.steps_per_s
+        if left > CPU_WARN_AFTER_S:
+            log.warning("training on the CPU: %d steps at %.2f s/step is about %.1f hours. For a short run use "
+                        "experiment=smoke (or schedule.steps=...); for the LRA schedule use a GPU", steps,
+                        1 / timer.steps_per_s, left / 3600)
+        return True
+
+    def validate_and_log(self, train_loss: float, bar) -> None:
+        state, world = self.state, self.world
+        self.state["peak_mem_mb"] = max(state["peak_mem_mb"], engine.peak_memory_mb(self.device))
+        if world.is_main:
+            val_acc = evaluate(self.eval_fn, self.data.val, self.cfg.trainer.eval_batch_size, self.device,
+                               self.autocast)
+            lr = self.scheduler.get_last_lr()[0]
+            if val_acc > state["best_val"]:
+                state["best_val"], state["best_step"] = val_acc, state["step"]
+                self.files.save_best(self.model.state_dict(), state["step"], val_acc)
+            state["history"].append({"step": state["step"], "train_loss": train_loss, "val_acc": val_acc, "lr": lr})
+            bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_acc:.4f}", best=f"{state['best_val']:.4f}")
+            if not self.cfg.trainer.progress:  # no bar: the log carries the progress instead
+                log.info("step %d/%d: train loss %.4f, val %.4f (best %.4f at %d), lr %.3g", state["step"],
+                         self.cfg.schedule.steps, train_loss, val_acc, state["best_val"], state["best_step"], lr)
+            if self.logger is not None:
+                self.logger.log({"train/loss": train_loss, "val/acc": val_acc, "lr": lr}, step=state["step"])
+        world.barrier()
+
+    def checkpoint(self, timer: engine.StepTimer) -> None:
+        timer.pause()
+        state = self.state
+        state["timed_steps"], state["timed_s"] = timer.steps, timer.seconds
+        if self.world.is_main:
+            self.files.save_checkpoint({
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "config_hash": self.chash,
+                "state": {**state, "wall_s": state["wall_s"] + time.time() - self.wall_start}})
+        self.world.barrier()
+
+    def after_stop(self, previous_handlers: dict) -> None:
+        """Slurm (through submitit) sends SIGUSR2 before a timeout or preemption: once the checkpoint is saved,
+        hand the signal to submitit's handler, which requeues the job (the requeued job resumes from here)."""
+        handler = previous_handlers.get(STOP.signum)
+        if STOP.signum == signal.SIGUSR2 and callable(handler) and self.world.is_main:
+            handler(STOP.signum, None)
+
+    def test(self) -> dict:
+        """Test accuracy of the final weights, then of the best-validation checkpoint (rank 0)."""
+        if not self.world.is_main:
+            return {}
+        cfg, device = self.cfg, self.device
+        batch = cfg.trainer.eval_batch_size
+        history = self.state["history"]
+        final_val = history[-1]["val_acc"]
+        final_test = evaluate(self.eval_fn, self.data.test, batch, device, self.autocast)
+        self.model.load_state_dict(self.files.load_best(device)["model"])
+        best_test = evaluate(self.eval_fn, self.data.test, batch, device, self.autocast)
+        return {"val_acc": self.state["best_val"], "test_acc": best_test, "best_step": self.state["best_step"],
+                "final_val_acc": final_val, "final_test_acc": final_test}
+
+    def record(self, status: str, metrics: dict | None = None, detail: str = "") -> dict:
+        """The result row, appended once (rank 0); accuracies and timings only for an ``ok`` run."""
+        cfg, state, data = self.cfg, self.state, self.data
+        if status != "ok":
+            log.error("%s/%s: %s%s", cfg.task.name, cfg.model.name, status, f" ({detail})" if detail else "")
+        ok = status == "ok"
+        counts = torch.bincount(data.val.labels, minlength=data.n_classes)
+        steps_per_s = self.timer.steps_per_s if ok and hasattr(self, "timer") else None
+        row = RunRow(
+            task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment, status=status,
+            **(metrics or {}), val_majority=counts.max().item() / max(len(data.val), 1), steps=state["step"],
+            seq_len=data.seq_len, batch_size=cfg.schedule.batch_size, eval_every=cfg.schedule.eval_every,
+            train_steps_per_s=steps_per_s, examples_per_s=steps_per_s * cfg.schedule.batch_size if steps_per_s
+            else None, peak_mem_mb=state["peak_mem_mb"] if ok else None, params=getattr(self, "n_params", None),
+            wall_time_s=state["wall_s"] + time.time() - self.wall_start, precision=self.precision,
+            compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
+            split=data.info.get("split", ""), device=" + ".join(state["devices"]), torch=torch.__version__,
+            git_sha=" + ".join(state["git_shas"]), config_hash=self.chash, timestamp=now_iso(),
+            run_dir=str(self.files.dir), overrides=_overrides())
+        out = asdict(row)
+        if self.world.is_main:
+            append_row(Path(cfg.results.dir) / "runs.csv", out, RUN_COLUMNS)
+            self.files.write_result(out, state["history"])
+            if ok:
+                log.info("%s/%s: best val %.4f at step %d, test %.4f (final %.4f), %.1f steps/s, %.0f MB",
+                         cfg.task.name, cfg.model.name, out["val_acc"], out["best_step"], out["test_acc"],
+                         out["final_test_acc"], steps_per_s, state["peak_mem_mb"])
+            if getattr(self, "logger", None) is not None:
+                self.logger.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float))})
+                self.logger.finish()
+        self.world.barrier()
+        return out
 
 
 def _overrides() -> str:
@@ -356,5 +419,6 @@ def _overrides() -> str:
         from hydra.core.hydra_config import HydraConfig
 
         return " ".join(HydraConfig.get().overrides.task)
-    except Exception:  # run(cfg) called directly, outside a Hydra app
+    except Exception:  # noqa: BLE001 - run(cfg) called directly, outside a Hydra app
         return ""
+

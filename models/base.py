@@ -12,20 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 RECOMPILE_LIMIT = 128
 
 
 @functools.cache
 def compiled(fn, dynamic: bool | None = None):
     """``fn`` through ``torch.compile(fn, dynamic=dynamic)``, built once per (fn, dynamic) on first use.
-    Mixers call it on CUDA only, to fuse the small kernels around their matmuls (each model's docstring
-    gives what it measured).
+    Mixers call it on CUDA only, to fuse the small kernels around their matmuls.
 
     Dynamo keeps at most ``recompile_limit`` (8) specialisations per function and runs it eagerly past
     that. One per layer instance and length is normal here (a 4-layer model benched at six lengths is 24),
-    and eager FlexAttention materialises the N x N scores (the H200 bench at b621894 measured longformer at
-    0.1x the transformer and 10x its memory after the limit), so the limit is raised."""
+    and eager FlexAttention materialises the N x N scores (a sweep that hit the limit ran longformer at a tenth
+    of the transformer's speed with ten times its memory), so the limit is raised."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

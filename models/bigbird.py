@@ -18,11 +18,10 @@ plus the global rows, i.e. O(N) for fixed settings; the CPU dense-mask path is O
 
 Block size: LRA's 64 (``block: 64``) reproduces its pattern, but on the GPU it is slow: a 128-wide
 FlexAttention tile then holds two query and two key blocks whose pairs differ, so nearly every computed tile
-is partial (10.4 of 11.4 per query row at N = 4K) and evaluates the pattern per position; the H200 sweep at
-commit 0e49651 measured 0.2x the transformer at 1K to 8K. The default is therefore 128, with LRA's block
-counts (3-block window, first and last block global, 3 random blocks), so every tile is full and the kernel
-skips the mask entirely; each query sees twice LRA's 512 tokens. H100 sweep at fe235b3: 1.4x the transformer
-at 4K and 3.3x at 16K with block 128; 0.7x and 1.5x with block 64.
+is partial (10.4 of 11.4 per query row at N = 4K) and evaluates the pattern per position, several times the
+cost of a full tile. The default is therefore 128, with LRA's block counts (3-block window, first and last
+block global, 3 random blocks), so every tile is full and the kernel skips the mask entirely; each query sees
+twice LRA's 512 tokens. ``results/bench.csv`` has both (the ``bigbird(block=64)`` rows).
 
 Deviations from the paper and LRA: (0) block 128 instead of 64 by default (above); (1) the "last" global
 blocks and the random candidates are taken per sample from its real length (one past its last real token),

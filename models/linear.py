@@ -15,8 +15,7 @@ exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x D
 token-by-token inference with an O(Dh^2) state.
 
 On CUDA the function runs through torch.compile (``compile_core``), which fuses the fp32 elementwise passes
-around the matmuls (one layer fwd+bwd, H200, N 4096, batch 32: 6.2 ms eager, 3.7 ms compiled, 5.8 ms for SDPA;
-peak 1.5 -> 0.7 GB).
+around the matmuls: about 1.7x faster than eager and half the peak memory of one layer.
 
 Complexity: O(N Dh^2) time and O(N Dh) memory per head (causal: O(N (C + Dh) Dh) time, O(N Dh + N C) memory).
 Precision: the feature map, the summaries, the prefix sums and the normaliser run in fp32 even under bf16
@@ -97,6 +96,7 @@ def linear_attention(
 @register_model
 class LinearAttention(MultiHeadMixer):
     taxonomy = Taxonomy("Katharopoulos et al. 2020, arXiv 2006.16236", "N", ("KR",), decode=True)
+
     def __init__(
         self,
         d_model: int,

@@ -41,6 +41,7 @@ from .registry import Taxonomy, register_model
 @register_model
 class Linformer(MultiHeadMixer):
     taxonomy = Taxonomy("Wang et al. 2020, arXiv 2006.04768", "N", ("LR",), decode=False)
+
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, k: int = 16,
         share_kv: bool = True,

@@ -29,6 +29,7 @@ from .registry import Taxonomy, register_model
 @register_model
 class Local(BlockSparseMixer):
     taxonomy = Taxonomy("Parmar et al. 2018 (block-local attention), arXiv 1802.05751", "N", ("FP",), decode=True)
+
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block: int = 128):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len, block=block)
 

@@ -36,6 +36,7 @@ from .registry import Taxonomy, register_model
 @register_model
 class Longformer(BlockSparseMixer):
     taxonomy = Taxonomy("Beltagy et al. 2020, arXiv 2004.05150", "N", ("FP", "M"), decode=False)
+
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *,
                  block: int = 128, window: int = 2, global_tokens: int = 0):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len, block=block, global_tokens=global_tokens)

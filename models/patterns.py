@@ -34,7 +34,7 @@ since the kernel bounds-checks the last tile itself, and positions past N then m
 
 A tile is partial for three reasons: the pattern allows some but not all of its block pairs (blocks smaller
 than 128), a global token cuts through it, or it holds padded keys. Partial tiles evaluate the mask_mod per
-position and cost several times a full tile on the H200 (README, bench notes); the defaults avoid them.
+position and cost several times a full tile; the defaults avoid them.
 
 Rows with no allowed key (padded queries whose whole neighbourhood is padding) return 0 in both paths:
 SDPA and FlexAttention define a fully masked row as 0, in output and gradient; the tests check both paths.
@@ -92,7 +92,7 @@ def ordered_tiles(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, R, C) bool tiles -> FlexAttention's (count per row, column indices with the active ones first).
 
     A custom op, so that ``torch.compile`` calls it as one opaque kernel instead of lowering it: Inductor
-    miscompiled both constructions tried inside the graph on an H200 (torch 2.11), an argsort one with an
+    miscompiled both constructions tried inside the graph (torch 2.11, CUDA), an argsort one with an
     illegal memory access and the scatter below with ``InductorError: TypeError: list indices must be
     integers or slices`` at 129 x 129 tiles (longformer and bigbird at N = 16K + CLS). torch's own
     ``_dense_to_ordered`` keeps its argsort out of Inductor the same way. Run eagerly it costs

@@ -26,12 +26,9 @@ relative error, most of it from rounding q, k, v themselves to bf16.
 On CUDA the backward is written by hand and recomputes the two (N x m) feature maps instead of keeping them
 (``recompute``): two extra matmuls, but 2 x B H N m fp32 fewer saved per layer (the CPU path keeps them,
 3x faster there). Forward and backward bodies run through torch.compile (``compile_core``), fusing the
-elementwise passes over the feature maps around the cuBLAS matmuls. One layer, fwd+bwd, bf16 autocast, H200,
-d 256, 4 x 64 heads, m 256, B 32, N 4096, all products still fp32 (commit 6f95d0c): 11.0 ms with 0.52 GB
-saved for backward (``recompute: false``: 7.0 ms, 1.6 GB; eager: 18 ms); performer-pytorch 1.1.4: 15.2 ms;
-SDPA: 5.8 ms. The whole text model at 4K ran at 1.0x the transformer (0e49651). With the bf16 products, on an
-H100 at fe235b3 (results/layer_bench.csv, results/bench.csv): one layer 10.9 ms against SDPA's 6.6 ms there;
-the whole model 0.9x the transformer at 4K, 1.4x at 8K and 2.3x at 16K.
+elementwise passes over the feature maps around the cuBLAS matmuls: recomputation trades about 1.6x the
+layer's time for a third of its saved memory, and compilation cuts the eager time by a third or more
+(measurements: ``results/layer_bench.csv`` and ``results/bench.csv``).
 
 Features come from a torch.Generator seeded with ``seed`` (draw j uses a seed derived from (seed, j)), so a
 layer's features are reproducible and survive a checkpoint (the matrix is a buffer; seed and counters are
@@ -188,6 +185,7 @@ class FavorAttention(torch.autograd.Function):
 @register_model
 class Performer(MultiHeadMixer):
     taxonomy = Taxonomy("Choromanski et al. 2021, arXiv 2009.14794", "N", ("KR",), decode=True)
+
     def __init__(
         self,
         d_model: int,

@@ -28,8 +28,9 @@ Deviations. From the paper/trax: rotations are drawn once from ``torch.Generator
 evaluation is deterministic; every layer built with the same seed shares them, as in LRA. Chunk 0 does
 not wrap around to look back at the last chunk (trax does), so that padding, which sorts last, can
 never become visible to a real query. Keys in a query's two chunks are attended whatever their
-bucket (no same-bucket mask), and a key seen in two rounds counts twice (no duplicate correction). From LRA's code: we divide logits by sqrt(d) (LRA multiplies), use d_qkv (LRA ignores
-qkv_dim), mask self-attention and padding (LRA does neither).
+bucket (no same-bucket mask), and a key seen in two rounds counts twice (no duplicate correction). From LRA's
+code: we divide logits by sqrt(d) (LRA multiplies), use d_qkv (LRA ignores qkv_dim), mask self-attention and
+padding (LRA does neither).
 
 Padding: padded positions are hashed into an extra bucket after all real ones, so real tokens keep
 the same sorted order and chunks whatever padding follows, and padded keys are masked. Appending
@@ -54,6 +55,7 @@ PAD_LOGIT = -1e9  # below SELF_LOGIT, finite so all-padding windows give no NaN
 @register_model
 class Reformer(MultiHeadMixer):
     taxonomy = Taxonomy("Kitaev et al. 2020, arXiv 2001.04451", "N*log(N)", ("LP",), decode=True)
+
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, n_hashes: int = 1,
         bucket_size: int = 64, n_buckets: int | None = None, seed: int = 0,
@@ -69,7 +71,8 @@ class Reformer(MultiHeadMixer):
             n_buckets += n_buckets % 2 if n_buckets > 1 else 0  # argmax over [xR, -xR] gives an even count
         else:
             if n_buckets < 1 or (n_buckets > 1 and n_buckets % 2):
-                raise ValueError(f"reformer: n_buckets must be 1 or even (buckets come from [xR, -xR]), got {n_buckets}")
+                raise ValueError(f"reformer: n_buckets must be 1 or even (buckets come from [xR, -xR]), "
+                                 f"got {n_buckets}")
             self.chunk = math.ceil(max_len / n_buckets)
         self.n_hashes, self.n_buckets = n_hashes, n_buckets
         # Shared QK: one projection for queries/keys, one for values (the base's 3-way qkv would leave

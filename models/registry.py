@@ -27,8 +27,8 @@ import importlib
 import inspect
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 

@@ -71,6 +71,7 @@ def fused_sinkhorn(log_alpha: torch.Tensor, n_iters: int) -> torch.Tensor:
 @register_model
 class Sinkhorn(MultiHeadMixer):
     taxonomy = Taxonomy("Tay et al. 2020, arXiv 2002.11296", "N", ("LP",), decode=True)
+
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block_size: int = 64,
         sinkhorn_iters: int = 8, temperature: float = 0.75, gumbel_noise: bool = False, compile_sinkhorn: bool = True,
@@ -79,7 +80,8 @@ class Sinkhorn(MultiHeadMixer):
         if block_size < 1:
             raise ValueError(f"sinkhorn: block_size must be >= 1, got {block_size}")
         if sinkhorn_iters < 1 or temperature <= 0:
-            raise ValueError(f"sinkhorn: need sinkhorn_iters >= 1 and temperature > 0, got {sinkhorn_iters}, {temperature}")
+            raise ValueError(f"sinkhorn: need sinkhorn_iters >= 1 and temperature > 0, got {sinkhorn_iters}, "
+                             f"{temperature}")
         self.block, self.iters, self.temperature, self.gumbel = block_size, sinkhorn_iters, temperature, gumbel_noise
         self.compile_sinkhorn = compile_sinkhorn
         self.max_blocks = math.ceil(max_len / block_size)

@@ -14,7 +14,7 @@ N/(stride*block) blocks, so O(N^2/l + N*l) time, O(N^1.5) for l ~ sqrt(N) as in 
 the tiles at N = 2048 and 34 % at N = 4096 on the FlexAttention path; the CPU dense-mask path is O(N^2).
 
 Deviations from the paper and LRA: (1) block granularity: an element-level stride (every l-th column) has
-0 % tile sparsity in FlexAttention and runs slower than dense attention (LRA.md section 8), so strides and
+0 % tile sparsity in FlexAttention and runs slower than dense attention, so strides and
 summaries are whole blocks; LRA used block 50 with 10 summary columns per block (key mod 50 in {0} or
 [40, 49]), i.e. 1/5 of the columns, the defaults here make 1/4 of the columns summaries. (2) Bidirectional:
 LRA also made both patterns causal (key <= query, with the CLS row and column open); a classifier has no
@@ -36,6 +36,7 @@ from .registry import Taxonomy, register_model
 @register_model
 class Sparse(BlockSparseMixer):
     taxonomy = Taxonomy("Child et al. 2019, arXiv 1904.10509", "N*sqrt(N)", ("FP",), decode=True)
+
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *,
                  pattern: Literal["fixed", "strided"] = "fixed", block: int = 128, stride: int = 4, summary: int = 1):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len, block=block)

@@ -21,7 +21,7 @@ at max_len 4000 with 4 heads), 2 H max_len r for ``factorized_random``, O(d^2 + 
 Deviations from LRA's code: LRA's dense mode reshapes (B, N, H, max_len) straight to (B, H, N, max_len)
 without a transpose (scrambling heads and positions); we transpose. Init: R ~ N(0, 1/max_len), and R1,
 R2 scaled so R1 R2^T has the same variance (LRA: lecun-normal). Text configs that asked for
-factorized_random were silently run as random in LRA (LRA.md 4.1); both are available here.
+factorized_random were silently run as random in LRA (its config key was never read); both are available here.
 
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
@@ -44,9 +44,11 @@ VARIANTS = ("dense", "random", "factorized_random")
 @register_model
 class Synthesizer(MultiHeadMixer):
     taxonomy = Taxonomy("Tay et al. 2021, arXiv 2005.00743", "N^2", ("LR", "LP"), decode=True)
+
     def __init__(
-        self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, variant: Literal["random", "factorized_random", "dense"] = "random",
-        keep_dot_product: bool = True, factor_rank: int = 32,
+        self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *,
+        variant: Literal["random", "factorized_random", "dense"] = "random", keep_dot_product: bool = True,
+        factor_rank: int = 32,
     ):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
         if variant not in VARIANTS:

@@ -6,8 +6,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import lra.config  # registers the config schema with Hydra's ConfigStore
+
+lra.config.register_plugin_model_configs()  # models from outside the package compose as model=<name> too
+
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
+CONF = ROOT / "lra" / "conf"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
@@ -22,7 +26,7 @@ def smoke_cfg(tmp_path):
 
     def make(*overrides: str):
         return compose_cfg([
-            "trainer=smoke", f"run_dir={tmp_path / 'run'}", f"results.dir={tmp_path / 'results'}",
+            "experiment=smoke", f"run_dir={tmp_path / 'run'}", f"results.dir={tmp_path / 'results'}",
             f"data.cache_dir={tmp_path / 'cache'}", *overrides,
         ])
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -12,14 +11,13 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from lra import bench
+from lra import bench, engine
 from lra.results import BENCH_COLUMNS
 from models import registry
+from tests.conftest import ROOT, compose_cfg
 
-ROOT = Path(__file__).resolve().parent.parent
-HAS_TEXT = (ROOT / "conf" / "task" / "text.yaml").exists()
-TINY = dict(n_layers=1, d_model=32, n_heads=2, d_qkv=32, d_ff=64, d_head=32, dropout=0.1, attn_dropout=0.1,
-            positions="learned", pooling="mean")
+TINY = dict(n_layers=1, d_model=32, n_heads=2, d_qkv=32, d_ff=64, d_classifier=32, dropout=0.1, attn_dropout=0.1,
+            positions="learned", pooling="mean", cls_token=None)
 
 
 class MeanMixer(nn.Module):
@@ -45,7 +43,7 @@ def make_cfg(tmp_path, models, lengths, **bench_overrides):
     b = dict(models=models, lengths=lengths, batch_size=2, batch_sizes={}, warmup=1, steps=2, compile="auto",
              precision="auto", vocab_size=257, out=str(tmp_path / "bench.csv"), progress=False)
     b.update(bench_overrides)
-    return OmegaConf.create(dict(seed=0, device="cpu", task=dict(name="text", n_classes=2, seq_len=1000),
+    return OmegaConf.create(dict(seed=0, device="cpu", task=dict(name="text", seq_len=1000),
                                  backbone=dict(TINY), bench=b, logger=dict(name="none")))
 
 
@@ -60,6 +58,7 @@ def test_bench_rows_and_relative_figures(tmp_path, mean_mixer):
         assert r.steps_per_s > 0 and r.examples_per_s == pytest.approx(2 * r.steps_per_s, rel=1e-4)
         assert r.ms_per_step == pytest.approx(1000 / r.steps_per_s, rel=1e-4)
         assert r.peak_mem_mb > 0 and r.params > 0 and r.precision == "fp32" and not r.compiled
+        assert r.ms_p10 <= r.ms_per_step <= r.ms_p90  # the spread of the timed steps
         base = csv[(csv.model == "transformer") & (csv.seq_len == r.seq_len)].iloc[0]
         assert r.rel_speed == pytest.approx(r.steps_per_s / base.steps_per_s, rel=1e-3)
         assert r.rel_mem == pytest.approx(r.peak_mem_mb / base.peak_mem_mb, rel=1e-3)
@@ -88,13 +87,13 @@ def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):
     """bench.variants benches a model with options changed, in rows named after them; a misspelt option fails
     before the sweep."""
     built = []
-    real = bench.build_classifier
+    real = engine.build_model
 
     def spy(name, options, *args, **kwargs):
         built.append((name, dict(options)))
         return real(name, options, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "build_classifier", spy)
+    monkeypatch.setattr(engine, "build_model", spy)
     cfg = make_cfg(tmp_path, ["transformer", "local"], [128], variants=[{"model": "local", "block": 64}])
     df = bench.run_bench(cfg)
     assert list(df["model"]) == ["transformer", "local", "local(block=64)"] and (df["status"] == "ok").all()
@@ -165,23 +164,33 @@ def test_model_config_options_drop_the_name(tmp_path):
     assert bench.model_config_options("no_such_model_config") == {}
 
 
-@pytest.mark.skipif(not HAS_TEXT, reason="conf/task/text.yaml not written yet")
 def test_bench_config_is_the_lra_table2_protocol():
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="bench")
+    cfg = compose_cfg(["run_dir=x"], config_name="bench")
     assert cfg.task.name == "text" and cfg.bench.lengths == [1024, 2048, 3072, 4096]
-    assert cfg.bench.batch_size == 32 and cfg.bench.models is None and cfg.bench.out == "results/bench.csv"
-    assert {"n_layers", "d_model", "n_heads", "d_qkv", "d_ff", "d_head", "pooling"} <= set(cfg.backbone)
+    assert cfg.bench.batch_size == 32 and cfg.bench.models is None and cfg.bench.out.endswith("results/bench.csv")
+    assert {"n_layers", "d_model", "n_heads", "d_qkv", "d_ff", "d_classifier", "pooling"} <= set(cfg.backbone)
 
 
-@pytest.mark.skipif(not HAS_TEXT, reason="conf/task/text.yaml not written yet")
+def test_a_2d_mixer_is_benched_on_a_square_grid_only():
+    assert bench.bench_shape("transformer", "text", 1000, 257).grid is None
+
+    class Grid2D:
+        needs_grid = True
+
+    registry._REGISTRY["bench_grid"] = Grid2D
+    try:
+        assert bench.bench_shape("bench_grid", "text", 1024, 257).grid == (32, 32)
+        with pytest.raises(ValueError, match="square lengths"):
+            bench.bench_shape("bench_grid", "text", 2048, 257)
+    finally:
+        del registry._REGISTRY["bench_grid"]
+
+
 def test_cli(tmp_path):
     out = tmp_path / "b.csv"
     args = ["bench.models=[transformer]", "bench.lengths=[32]", "bench.batch_size=2", "bench.warmup=1",
             "bench.steps=1", "bench.progress=false", "device=cpu", f"bench.out={out}", f"hydra.run.dir={tmp_path}/h"]
-    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling")]
+    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)

@@ -1,4 +1,5 @@
-"""Every config composes: each task with each model and trainer; overrides and multirun work."""
+"""Every config composes and validates: each task with each model and experiment; bad values fail at start, in one
+line naming the key, the value and what is allowed; overrides and multirun work."""
 from __future__ import annotations
 
 import subprocess
@@ -6,37 +7,44 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from lra.config import ConfigError, validate
+from lra.data import list_tasks
 from models import list_models, model_options
 from tests.conftest import CONF, ROOT, compose_cfg
 
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-TRAINERS = sorted(p.stem for p in (CONF / "trainer").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
 def test_every_registered_model_has_a_config_and_back():
     assert MODELS == list_models()
 
 
+def test_every_registered_task_has_a_config_and_back():
+    assert TASKS == list_tasks()
+
+
 @pytest.mark.parametrize("model", MODELS)
-def test_model_config_holds_only_its_own_options(model):
+def test_model_config_holds_only_its_own_options_with_the_constructor_defaults(model):
     cfg = OmegaConf.load(CONF / "model" / f"{model}.yaml")
     assert cfg.name == model
     own = model_options(model)
     assert set(cfg) - {"name"} <= set(own), f"{model}.yaml sets options its constructor does not take"
+    for key in set(cfg) - {"name"}:
+        assert cfg[key] == own[key], f"{model}.yaml: {key}={cfg[key]!r} but the constructor says {own[key]!r}"
 
 
 @pytest.mark.parametrize("task", TASKS)
-@pytest.mark.parametrize("trainer", TRAINERS)
-def test_every_task_composes_with_every_trainer(task, trainer):
-    cfg = compose_cfg([f"task={task}", f"trainer={trainer}", "run_dir=x"])
-    assert cfg.task.name == task and cfg.trainer.name == trainer
-    for key in ("n_layers", "d_model", "n_heads", "d_qkv", "d_ff", "d_head", "dropout", "attn_dropout", "pooling"):
-        assert key in cfg.backbone, f"{task}: backbone.{key} missing"
-    assert cfg.train.steps > 0 and cfg.train.batch_size > 0 and cfg.optim.schedule in ("rsqrt", "cosine", "constant")
-    if trainer == "smoke":
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_task_composes_and_validates_with_every_experiment(task, experiment):
+    cfg = validate(compose_cfg([f"task={task}", f"experiment={experiment}", "run_dir=x"]))
+    assert cfg.task.name == task and cfg.experiment == experiment
+    assert cfg.schedule.steps > 0 and cfg.schedule.batch_size > 0
+    if experiment == "smoke":
         assert cfg.device == "cpu" and all(v is not None for v in cfg.data.limit.values())
 
 
@@ -48,25 +56,84 @@ def test_every_model_composes_with_every_task(model):
 
 
 def test_overrides_reach_the_config():
-    cfg = compose_cfg(["model=transformer", "train.steps=7", "backbone.d_model=32", "seed=5", "run_dir=x"])
-    assert (cfg.train.steps, cfg.backbone.d_model, cfg.seed) == (7, 32, 5)
+    cfg = compose_cfg(["model=transformer", "schedule.steps=7", "backbone.d_model=32", "seed=5", "run_dir=x"])
+    assert (cfg.schedule.steps, cfg.backbone.d_model, cfg.seed) == (7, 32, 5)
 
 
 def test_listops_task_is_the_lra_config():
     cfg = compose_cfg(["run_dir=x"])
-    b, o, t = cfg.backbone, cfg.optim, cfg.train
-    assert (b.n_layers, b.n_heads, b.d_model, b.d_ff, t.batch_size, t.steps) == (4, 8, 512, 1024, 32, 5000)
-    assert (o.schedule, o.warmup_steps, list(o.betas), o.eps) == ("rsqrt", 1000, [0.9, 0.98], 1e-9)
-    assert (cfg.task.seq_len, cfg.task.n_classes, cfg.trainer.name) == (2000, 10, "lra")
+    b, o, s = cfg.backbone, cfg.optim, cfg.schedule
+    assert (b.n_layers, b.n_heads, b.d_model, b.d_ff, s.batch_size, s.steps) == (4, 8, 512, 1024, 32, 5000)
+    assert (o.lr_schedule, o.warmup_steps, list(o.betas), o.eps) == ("rsqrt", 1000, [0.9, 0.98], 1e-9)
+    assert (cfg.task.seq_len, cfg.experiment) == (2000, "lra")
+
+
+def test_pathx_is_pathfinder_at_128_with_its_own_backbone():
+    pf, px = compose_cfg(["task=pathfinder", "run_dir=x"]), compose_cfg(["task=pathx", "run_dir=x"])
+    assert (px.task.resolution, px.task.seq_len, px.task.difficulty) == (128, 16384, pf.task.difficulty)
+    assert (px.backbone.n_layers, px.optim.grad_clip, px.schedule.batch_size) == (1, 1.0, 64)
+    assert px.backbone.d_model == pf.backbone.d_model and px.data.split_seed == pf.data.split_seed
+
+
+BAD_VALUES = [
+    (["trainer.precision=fp16"], "trainer.precision='fp16'.*auto, bf16, fp32"),
+    (["trainer.compile=yes"], "trainer.compile='yes'.*auto, true, false"),
+    (["+trainer.nonsense=1"], "trainer.nonsense is not a setting of trainer"),
+    (["+nonsense=1"], "nonsense is not a setting of the top level"),
+    (["model=bigbird", "+model.blok=3"], "no option.*blok.*block=128"),
+    (["model=performer", "model.kernel=exp"], "model.kernel='exp'.*'softmax' \\| 'relu'"),
+    (["model=bigbird", "model.block=big"], "model.block='big'.*expected int"),
+    (["task=pathfinder", "task.difficulty=medium"], "task.difficulty='medium'.*easy, intermediate, hard"),
+    (["task=image", "task.seq_len=512"], "set task.seq_len=1024"),
+    (["data.limit.val=0"], "data.limit.val=0.*at least one example"),
+    (["schedule.steps=0"], "schedule.steps=0.*at least 1"),
+    (["optim.lr=-1"], "optim.lr=-1.0.*positive"),
+    (["backbone.d_qkv=100"], "d_qkv=100.*multiple of backbone.n_heads=8"),
+    (["device=gpu"], "device='gpu'"),
+    (["resume=maybe"], "resume='maybe'"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_bad_values_fail_in_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        validate(compose_cfg([*overrides, "run_dir=x"]))
+    assert "\n" not in str(error.value)
+
+
+def test_a_wrong_type_fails_while_composing():
+    with pytest.raises(ConfigCompositionException, match="schedule.steps=abc"):
+        compose_cfg(["schedule.steps=abc", "run_dir=x"])
+
+
+def test_choices_are_normalised():
+    cfg = validate(compose_cfg(["trainer.compile=true", "resume=false", "run_dir=x"]))
+    assert (cfg.trainer.compile, cfg.resume) == ("true", "false")
+
+
+def cli(*args: str, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lra", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path):
+    proc = cli("trainer.precision=fp16", f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("error: trainer.precision='fp16' is not valid: choose one of "
+                                                   "auto, bf16, fp32")
+    assert "Traceback" not in proc.stderr
+    missing = cli("task=text", "experiment=smoke", f"data.path={tmp_path / 'no_such_imdb'}",
+                  f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run2'}")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "no_such_imdb" in missing.stderr.strip().splitlines()[-1]
 
 
 def test_multirun_sweeps_models(tmp_path):
     """`-m model=a,b` runs both through the CLI and both rows land in one runs.csv."""
-    cmd = [sys.executable, "-m", "lra", "-m", "model=transformer,linear", "seed=1", "trainer=smoke",
-           "train.steps=3", "train.eval_every=3", "data.limit.train=24", "data.limit.val=8", "data.limit.test=8",
-           f"results.dir={tmp_path / 'results'}", f"data.cache_dir={tmp_path / 'cache'}",
-           f"hydra.sweep.dir={tmp_path / 'multirun'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = cli("-m", "model=transformer,linear", "seed=1", "experiment=smoke", "schedule.steps=3",
+               "schedule.eval_every=3", "data.limit.train=24", "data.limit.val=8", "data.limit.test=8",
+               f"results.dir={tmp_path / 'results'}", f"data.cache_dir={tmp_path / 'cache'}",
+               f"hydra.sweep.dir={tmp_path / 'multirun'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = (tmp_path / "results" / "runs.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 2 and {r.split(",")[1] for r in rows[1:]} == {"transformer", "linear"}

@@ -13,23 +13,22 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
 
+from lra.config import ConfigError
 from lra.data import DataError, load_task
 from lra.data.common import parallel_map, random_split_indices, subset_indices
 from lra.data.image import tf_grayscale
 from lra.data.pathfinder import decode_pngs, images_needed
+from tests.conftest import ROOT, compose_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
 
 @functools.cache
 def task_config(task: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose("config", overrides=[f"task={task}"])
+    return compose_cfg([f"task={task}", "run_dir=x"])
 
 
 def make_cfg(task: str, tmp_path: Path, *overrides: str):
@@ -297,7 +296,7 @@ def test_image_limits_and_errors(tmp_path, cifar_parquet):
     assert len(set(a.test.labels.tolist())) > 1  # a random subset, not the label-sorted head
     with pytest.raises(DataError, match="uoft-cs/cifar10"):
         load_task(make_cfg("image", tmp_path, f"data.path={tmp_path / 'nothing_here'}"))
-    with pytest.raises(DataError, match="task.seq_len=1024"):
+    with pytest.raises(ConfigError, match="task.seq_len=1024"):
         load_task(make_cfg("image", tmp_path, f"data.path={cifar_parquet}", "task.seq_len=512"))
 
 
@@ -377,7 +376,7 @@ def test_pathfinder_errors(tmp_path):
         load_task(make_cfg("pathfinder", tmp_path, f"data.root={root}", "task.difficulty=easy"))
     with pytest.raises(DataError, match="pathfinder64.*lra_release.gz.*--resolution 64 --difficulty hard"):
         load_task(make_cfg("pathfinder", tmp_path, f"data.root={root}", "task.resolution=64", "task.seq_len=4096"))
-    with pytest.raises(DataError, match="task.seq_len=4096"):
+    with pytest.raises(ConfigError, match="task.seq_len=4096"):
         load_task(make_cfg("pathfinder", tmp_path, f"data.root={root}", "task.resolution=64"))
     meta = root / "lra_release" / "pathfinder32" / "curv_contour_length_14" / "metadata" / "10.npy"
     meta.write_text(meta.read_text() + "imgs/10 sample_99.png 99\n")

@@ -1,17 +1,11 @@
-"""benchmarks/layer_bench.py: one mixer layer timed on CPU, rows written, and ours set beside PEERS.md's packages."""
+"""python -m lra.layer_bench: one mixer layer timed on CPU, rows written, and ours set beside the public packages."""
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "layer_bench.py"
-spec = importlib.util.spec_from_file_location("layer_bench", SCRIPT)
-layer_bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(layer_bench)
+from lra import layer_bench
 
 
 def test_time_layer_on_cpu():

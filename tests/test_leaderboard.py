@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ROOT / "results" / "published.csv"
 
 
-def run(task, model, seed, val, test, trainer="lra", ts="2026-01-01T00:00:00Z", final=None):
-    return dict(task=task, model=model, seed=seed, trainer=trainer, val_acc=val, test_acc=test,
-                final_test_acc=test if final is None else final, timestamp=ts)
+def run(task, model, seed, val, test, experiment="lra", ts="2026-01-01T00:00:00Z", final=None, status="ok",
+        majority=10.0):
+    return dict(task=task, model=model, seed=seed, experiment=experiment, status=status, val_acc=val, test_acc=test,
+                final_test_acc=test if final is None else final, timestamp=ts, val_majority=majority)
 
 
 def hand_made_runs() -> pd.DataFrame:
@@ -26,8 +27,10 @@ def hand_made_runs() -> pd.DataFrame:
         run("listops", "transformer", 0, 35.0, 34.0, ts="2026-01-02T00:00:00Z", final=33.0),
         run("listops", "transformer", 1, 36.0, 38.0),
         run("listops", "transformer", 2, 33.0, 36.0),
-        run("listops", "transformer", 3, 99.0, 99.0, trainer="smoke"),  # smoke runs never count
+        run("listops", "transformer", 3, 99.0, 99.0, experiment="smoke"),  # smoke runs never count
         run("listops", "transformer", 4, 99.0, None),  # no test accuracy: not a finished run
+        run("listops", "transformer", 5, None, None, status="diverged"),  # counted as failed, never averaged
+        run("listops", "transformer", 6, 99.0, 99.0, status="error: ValueError: x"),  # a number but not ok
         run("text", "transformer", 0, 64.0, 65.0),
         run("retrieval", "transformer", 0, 59.0, 60.0),
         run("image", "transformer", 0, 41.0, 40.0),
@@ -59,7 +62,10 @@ def test_leaderboard_aggregation(published):
     assert cell(lb, "transformer", "listops") == pytest.approx(36.0)  # mean of 34 (best-val re-run), 38, 36
     assert cell(lb, "transformer", "listops", "test_std") == pytest.approx(2.0)
     assert cell(lb, "transformer", "listops", "n_seeds") == 3
+    assert cell(lb, "transformer", "listops", "n_failed") == 2 and "1 diverged" in cell(lb, "transformer", "listops",
+                                                                                            "note")
     assert cell(lb, "transformer", "listops", "final_test_acc") == pytest.approx((33 + 38 + 36) / 3)
+    assert cell(lb, "transformer", "listops", "final_test_std") == pytest.approx(2.5166, abs=1e-3)
     assert pd.isna(cell(lb, "transformer", "text", "test_std")) and cell(lb, "transformer", "text", "n_seeds") == 1
     # the two averages, each labelled
     assert cell(lb, "transformer", "avg5") == pytest.approx((36 + 65 + 60 + 40 + 70) / 5)
@@ -79,31 +85,51 @@ def test_leaderboard_aggregation(published):
     assert pd.isna(cell(lb, "mymodel", "avg5", "published"))
     # ordering: best 5-task average first, models without one last; tasks in LRA order
     assert list(dict.fromkeys(lb.model)) == ["mymodel", "transformer", "local"]
-    assert list(lb[lb.model == "transformer"].task) == leaderboard.TASKS6 + ["avg5", "avg6"]
+    assert list(lb[lb.model == "transformer"].task) == leaderboard.TASKS6 + ["avg4", "avg5", "avg6"]
+    assert cell(lb, "transformer", "avg4") == pytest.approx((36 + 65 + 40 + 70) / 4)
+    assert cell(lb, "transformer", "avg4", "published") == pytest.approx((36.37 + 64.27 + 42.44 + 71.40) / 4)
+    assert not ((lb.model == "local") & (lb.task == "avg4")).any()  # no Pathfinder: no 4-task mean
 
     text = leaderboard.format_leaderboard(lb)
-    assert "36.00+-2.00[3] (-0.37)" in text and "FAIL" in text and "avg6" in text
+    assert "36.00+-2.00[3] (-0.37) !2" in text and "FAIL" in text and "avg6" in text
 
 
-def test_fractions_are_read_as_percent_and_trainer_filter():
+def test_stalled_runs_count_and_are_flagged():
+    runs = pd.DataFrame([run("listops", "m", 0, 17.0, 16.0, majority=16.5),  # within 1 point of the majority class
+                         run("listops", "m", 1, 38.0, 37.0, majority=16.5)]).reindex(columns=RUN_COLUMNS)
+    lb = leaderboard.build_leaderboard(runs)
+    assert cell(lb, "m", "listops") == pytest.approx(26.5) and cell(lb, "m", "listops", "n_stalled") == 1
+    assert "1 of 2 seeds stalled" in cell(lb, "m", "listops", "note")
+    assert "~1" in leaderboard.format_leaderboard(lb)
+
+
+def test_other_experiments_are_rows_of_their_own():
+    runs = pd.DataFrame([run("listops", "m", 0, 30.0, 30.0),
+                         run("listops", "m", 0, 40.0, 40.0, experiment="mean_pool")]).reindex(columns=RUN_COLUMNS)
+    assert len(leaderboard.build_leaderboard(runs)) == 1
+    both = leaderboard.build_leaderboard(runs, experiment="all")
+    assert set(zip(both.experiment, both.test_acc)) == {("lra", 30.0), ("mean_pool", 40.0)}
+    assert "m [mean_pool]" in leaderboard.format_leaderboard(both)
+
+
+def test_fractions_are_read_as_percent_and_experiment_filter():
     runs = hand_made_runs()
     frac = runs.copy()
-    for c in ["val_acc", "test_acc", "final_test_acc"]:
+    for c in ["val_acc", "test_acc", "final_test_acc", "val_majority"]:
         frac[c] = frac[c] / 100
-    frac.loc[frac.trainer == "smoke", ["val_acc", "test_acc"]] = 0.99
+    frac.loc[frac.experiment == "smoke", ["val_acc", "test_acc"]] = 0.99
     a = leaderboard.build_leaderboard(runs)
     b = leaderboard.build_leaderboard(frac)
     pd.testing.assert_series_equal(a.test_acc, b.test_acc)
-    smoke = leaderboard.build_leaderboard(runs, trainer="smoke")
+    smoke = leaderboard.build_leaderboard(runs, experiment="smoke")
     assert set(smoke.model) == {"transformer"} and cell(smoke, "transformer", "listops") == pytest.approx(99.0)
-    both = leaderboard.build_leaderboard(runs, trainer="all")
-    assert cell(both, "transformer", "listops", "n_seeds") == 4
+    assert len(leaderboard.build_leaderboard(runs, experiment="lra,smoke")) > len(a)
 
 
 def test_cli_writes_csv(tmp_path, capsys):
     hand_made_runs().to_csv(tmp_path / "runs.csv", index=False)
     out = tmp_path / "lb.csv"
-    leaderboard.main(["--runs", str(tmp_path / "runs.csv"), "--out", str(out), "--published", str(PUBLISHED)])
+    leaderboard.main(["--results", str(tmp_path), "--out", str(out), "--published", str(PUBLISHED)])
     lb = pd.read_csv(out)
     assert cell(lb, "transformer", "avg5", "published") == pytest.approx(54.39)
     assert "mymodel" in capsys.readouterr().out
@@ -155,3 +181,23 @@ def test_compare_leaderboards_and_run_files(tmp_path, capsys):
     assert pd.read_csv(tmp_path / "d.csv").shape == out.shape
     with pytest.raises(ValueError, match="neither"):
         compare.kind_of(pd.DataFrame({"x": [1]}))
+
+
+def test_compare_two_bench_files(tmp_path, capsys):
+    def bench_rows(speed, mem):
+        return pd.DataFrame([dict(model=m, task="text", seq_len=n, batch_size=32, status="ok", steps_per_s=speed * k,
+                                  peak_mem_mb=mem * k, timestamp="2026-01-01T00:00:00Z")
+                             for k, (m, n) in enumerate([("transformer", 1024), ("linear", 1024)], start=1)])
+
+    a, b = bench_rows(10.0, 100.0), bench_rows(20.0, 50.0)
+    b.loc[len(b)] = dict(model="linear", task="text", seq_len=1024, batch_size=32, status="oom", steps_per_s=None,
+                         peak_mem_mb=None, timestamp="2026-01-02T00:00:00Z")  # a later failure does not replace
+    table = compare.compare_bench(a, b).set_index("model")
+    assert table.loc["linear", "speed_ratio"] == pytest.approx(2.0) and table.loc["linear", "mem_ratio"] == 0.5
+    a.to_csv(tmp_path / "a.csv", index=False)
+    b.to_csv(tmp_path / "b.csv", index=False)
+    compare.main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
+    assert "(bench)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="only with another bench"):
+        leaderboard.build_leaderboard(hand_made_runs()).to_csv(tmp_path / "lb.csv", index=False)
+        compare.main([str(tmp_path / "a.csv"), str(tmp_path / "lb.csv")])

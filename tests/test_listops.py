@@ -1,4 +1,4 @@
-"""ListOps generator (spec section 2) and loader."""
+"""ListOps generator (LRA's algorithm, seeded) and loader."""
 from __future__ import annotations
 
 import random
@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from lra.data import DataError
-from lra.data import listops
+from lra.data import DataError, listops
 from lra.data.listops import OPERATORS, VOCAB, generate, generate_trees, read_tsv, tokenize
 
 
@@ -91,7 +90,8 @@ def test_same_seed_gives_byte_identical_files(tmp_path):
 
 def test_tsv_round_trip_and_uniqueness(tmp_path):
     folder = generate(tmp_path, seed=0, train=30, val=6, test=6, workers=1, progress=False)
-    assert (folder / "basic_train.tsv").read_bytes().startswith(b"Source\tTarget\r\n")  # csv's default line end, as the original
+    # csv's default line end, as the original
+    assert (folder / "basic_train.tsv").read_bytes().startswith(b"Source\tTarget\r\n")
     sources = set()
     for split, n in (("train", 30), ("val", 6), ("test", 6)):
         data = read_tsv(folder / f"basic_{split}.tsv", seq_len=2000)

@@ -157,16 +157,15 @@ def test_mask_free_classifier_equals_the_masked_one_without_padding(name, poolin
         torch.testing.assert_close(free(tokens), masked(tokens), atol=1e-5, rtol=1e-5)
 
 
-def test_runner_builds_pixel_tasks_mask_free(smoke_cfg):
+def test_runner_builds_pixel_tasks_mask_free():
     from lra.data import Split, TaskData
 
-    cfg = smoke_cfg()
     split = Split(torch.randint(1, 257, (4, 2000)), torch.zeros(4, dtype=torch.long))
     data = TaskData(split, split, split, vocab_size=257, n_classes=10, seq_len=2000)
-    assert runner.build_model(cfg, data).padded is False
+    assert runner.task_shape(data).padded is False
     holes = Split(split.tokens.clone(), split.labels)
     holes.tokens[0, -5:] = 0
-    assert runner.build_model(cfg, TaskData(split, holes, split, 257, 10, 2000)).padded is True
+    assert runner.task_shape(TaskData(split, holes, split, 257, 10, 2000)).padded is True
 
 
 def _fwd_bwd_seconds(name: str) -> float:
@@ -195,7 +194,7 @@ def test_cpu_forward_backward_at_1k_is_within_a_factor_of_the_transformer(name):
 def test_smoke_run(name, smoke_cfg):
     """A few training steps through the runner: ListOps, or generated Pathfinder for a 2-D mixer."""
     task = "pathfinder" if name in GRID_MODELS else "listops"
-    row = runner.run(smoke_cfg(f"task={task}", f"model={name}", "train.steps=6", "train.eval_every=3",
+    row = runner.run(smoke_cfg(f"task={task}", f"model={name}", "schedule.steps=6", "schedule.eval_every=3",
                                "data.limit.train=48", "data.limit.val=16", "data.limit.test=16"))
     assert row["model"] == name and row["steps"] == 6 and 0 <= row["test_acc"] <= 1
 

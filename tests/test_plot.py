@@ -1,6 +1,7 @@
 """Charts render from small CSVs alone: the LRA bubble chart and speed / memory against length."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -107,7 +108,8 @@ def test_length_chart_with_two_batch_sizes():
     batch size, and the title says which batch ran where."""
     rows = bench_rows()
     long = rows[(rows.seq_len == 4096) & rows.model.isin(["transformer", "local"]) & (rows.device == GPU)]
-    long = long.drop_duplicates("model", keep="last").assign(seq_len=16384, batch_size=8, timestamp="2026-02-01T00:00:00Z")
+    long = long.drop_duplicates("model", keep="last").assign(seq_len=16384, batch_size=8,
+                                                             timestamp="2026-02-01T00:00:00Z")
     fig = plot.length_chart(pd.concat([rows, long]), "steps_per_s")
     ax = fig.axes[0]
     (local,) = [line for line in ax.get_lines() if line.get_label() == "local"]
@@ -157,5 +159,17 @@ def test_cli_task_subset(tmp_path):
     out = tmp_path / "charts"
     plot.main(["--bench", str(bench), "--leaderboard", str(board), "--out", str(out), "--tasks", "listops,image"])
     assert (out / "lra_bubble_4K_2tasks.png").exists()
-    with pytest.raises(SystemExit, match="unknown task.*retreival.*listops, text, retrieval"):
+    with pytest.raises(SystemExit, match="unknown task.*retreival.*image, listops, pathfinder, pathx, retrieval"):
         plot.main(["--bench", str(bench), "--leaderboard", str(board), "--out", str(out), "--tasks", "retreival"])
+
+
+def test_saving_an_unchanged_chart_leaves_the_files_untouched(tmp_path):
+    """Regenerating charts from unchanged CSVs must not dirty a checkout: the same bytes (no dates, fixed ids), and an
+    unchanged file is not rewritten."""
+    first = plot.save(plot.length_chart(bench_rows(), "steps_per_s"), tmp_path, "speed")
+    stamps = [(p.read_bytes(), p.stat().st_mtime_ns) for p in first]
+    os.utime(first[0], ns=(1, 1))  # an old mtime: a rewrite would change it
+    second = plot.save(plot.length_chart(bench_rows(), "steps_per_s"), tmp_path, "speed")
+    assert [p.read_bytes() for p in second] == [s[0] for s in stamps]
+    assert second[0].stat().st_mtime_ns == 1 and second[1].stat().st_mtime_ns == stamps[1][1]
+    assert b"<dc:date>" not in second[1].read_bytes()

@@ -1,112 +1,222 @@
-"""The runner end to end on CPU: a smoke run writes a valid row, is reproducible, and resumes."""
+"""The runner end to end on CPU: a smoke run writes a valid row, is reproducible, resumes, never records a wrong
+number (divergence, empty splits), survives bad checkpoints, and refuses unwritable folders at start."""
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
+import torch
 
 import lra.run as runner
+from lra import engine
+from lra.checkpoint import RunFiles
+from lra.config import ConfigError
+from lra.data import DataError
 from lra.results import RUN_COLUMNS
+from tests.conftest import ROOT
+
+SHORT = ("schedule.steps=12", "schedule.eval_every=6")
+
+
+def rows(tmp_path) -> pd.DataFrame:
+    return pd.read_csv(tmp_path / "results" / "runs.csv")
 
 
 def test_smoke_run_writes_a_valid_row(smoke_cfg, tmp_path):
     row = runner.run(smoke_cfg())
-    df = pd.read_csv(tmp_path / "results" / "runs.csv")
+    df = rows(tmp_path)
     assert list(df.columns) == RUN_COLUMNS and len(df) == 1
     got = df.iloc[0]
-    assert (got.task, got.model, got.trainer, got.steps, got.seq_len) == ("listops", "transformer", "smoke", 30, 2000)
-    for col in ("val_acc", "test_acc", "final_val_acc", "final_test_acc"):
+    assert (got.task, got.model, got.experiment, got.status, got.steps, got.seq_len) == \
+        ("listops", "transformer", "smoke", "ok", 30, 2000)
+    for col in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "val_majority"):
         assert 0.0 <= got[col] <= 1.0
     assert got.train_steps_per_s > 0 and math.isclose(got.examples_per_s, got.train_steps_per_s * 8, rel_tol=1e-4)
-    assert got.peak_mem_mb > 0 and got.params == row["params"] > 0
+    assert got.peak_mem_mb > 0 and got.params == row["params"] > 0 and got.eval_every == 15 and got.devices == 1
     assert got.best_step in (15, 30) and got.device.startswith("cpu") and got.precision == "fp32"
     assert len(str(got.config_hash)) == 12 and (tmp_path / "run" / "result.json").exists()
 
 
-def test_same_seed_same_metrics_and_rerun_starts_over(smoke_cfg, tmp_path):
-    first = runner.run(smoke_cfg("train.steps=12", "train.eval_every=6"))
-    second = runner.run(smoke_cfg("train.steps=12", "train.eval_every=6"))  # same dir, finished: rerun from scratch
+def test_same_seed_same_metrics_a_finished_run_is_not_rerun(smoke_cfg, tmp_path):
+    first = runner.run(smoke_cfg(*SHORT))
+    again = runner.run(smoke_cfg(*SHORT))  # finished: says so, returns its row, appends nothing
+    assert again["timestamp"] == first["timestamp"] and len(rows(tmp_path)) == 1
+    second = runner.run(smoke_cfg(*SHORT, "resume=false"))  # the flag that forces a rerun
     keys = ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step")
     assert [first[k] for k in keys] == [second[k] for k in keys]
-    assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 2
+    assert len(rows(tmp_path)) == 2
+
+
+def stop_during_step(monkeypatch, n: int, signum: int | None = None) -> dict:
+    """Make step ``n`` behave as if a signal arrived during it: the loop stops after it."""
+    calls = {"n": 0}
+    real_step = engine.train_step
+
+    def step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            runner.STOP.requested, runner.STOP.signum = True, signum
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "train_step", step)
+    return calls
 
 
 def test_resume_after_interrupt_equals_uninterrupted(smoke_cfg, tmp_path, monkeypatch):
-    overrides = ("train.steps=16", "train.eval_every=4", "trainer.ckpt_every=100")
+    overrides = ("schedule.steps=16", "schedule.eval_every=4", "trainer.ckpt_every=100")
     reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
-
-    calls = {"n": 0}
-    real_step = runner._train_step
-
-    def step_then_stop(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 7:  # as if SIGTERM arrived during step 7: the loop stops after it
-            runner.STOP.requested = True
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "_train_step", step_then_stop)
+    real_step = engine.train_step
+    calls = stop_during_step(monkeypatch, 7)
     with pytest.raises(runner.RunInterrupted, match="stopped at step 7"):
         runner.run(smoke_cfg(*overrides))
-    assert (tmp_path / "run" / runner.CHECKPOINT).exists()
-    assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 1  # only the reference run's row
-    monkeypatch.setattr(runner, "_train_step", real_step)
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+    assert len(rows(tmp_path)) == 1  # only the reference run's row
+    monkeypatch.setattr(engine, "train_step", real_step)
     resumed = runner.run(smoke_cfg(*overrides, "resume=true"))
     assert calls["n"] == 7  # the resumed run did the other 9 steps with the real step function
     for k in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step", "steps"):
         assert resumed[k] == reference[k], k
-    again = runner.run(smoke_cfg(*overrides, "resume=true"))  # finished: returns the result, no new row
-    assert again["timestamp"] == resumed["timestamp"]
-    assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 2
+    assert len(rows(tmp_path)) == 2
 
 
 def interrupt_after_one_step(cfg, monkeypatch) -> None:
-    """Run ``cfg`` as if SIGTERM arrived during its first step: it checkpoints and raises RunInterrupted."""
-    monkeypatch.setattr(runner.STOP, "requested", False)
-    real_step = runner._train_step
-
-    def stop_now(*args, **kwargs):
-        runner.STOP.requested = True
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "_train_step", stop_now)
+    real_step = engine.train_step
+    stop_during_step(monkeypatch, 1)
     with pytest.raises(runner.RunInterrupted):
         runner.run(cfg)
-    monkeypatch.setattr(runner, "_train_step", real_step)
+    monkeypatch.setattr(engine, "train_step", real_step)
 
 
 def test_resume_refuses_a_different_config(smoke_cfg, monkeypatch):
-    interrupt_after_one_step(smoke_cfg("train.steps=8"), monkeypatch)
-    with pytest.raises(RuntimeError, match="different configuration"):
-        runner.run(smoke_cfg("train.steps=8", "optim.lr=0.01"))
-    with pytest.raises(FileNotFoundError, match="resume=true"):
-        runner.run(smoke_cfg("train.steps=8", "resume=true", "run_dir=/nonexistent-lra-test-dir/x"))
+    interrupt_after_one_step(smoke_cfg("schedule.steps=8"), monkeypatch)
+    with pytest.raises(ConfigError, match="different configuration"):
+        runner.run(smoke_cfg("schedule.steps=8", "optim.lr=0.01"))
+    with pytest.raises(ConfigError, match="resume=true"):
+        runner.run(smoke_cfg("schedule.steps=8", "resume=true", "run_dir=/tmp/lra-test-no-such-run/x"))
+
+
+def test_a_truncated_checkpoint_falls_back_to_the_previous_one(smoke_cfg, tmp_path, monkeypatch, caplog):
+    overrides = ("schedule.steps=12", "schedule.eval_every=4", "trainer.ckpt_every=4")
+    reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
+    real_step = engine.train_step
+    stop_during_step(monkeypatch, 10)  # checkpoints at 4 and 8; the stop at 10 writes the latest
+    with pytest.raises(runner.RunInterrupted):
+        runner.run(smoke_cfg(*overrides))
+    monkeypatch.setattr(engine, "train_step", real_step)
+    files = RunFiles(tmp_path / "run")
+    files.checkpoint.write_bytes(files.checkpoint.read_bytes()[:1000])  # truncated, as by a full disk
+    resumed = runner.run(smoke_cfg(*overrides))
+    assert "checkpoint.pt is unreadable" in caplog.text and "previous checkpoint" in caplog.text
+    for k in ("val_acc", "test_acc", "final_test_acc", "steps"):
+        assert resumed[k] == reference[k], k
+
+
+def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch):
+    """A crafted checkpoint.pt that runs code when unpickled is refused, not executed."""
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    torch.save({"state": Exploit()}, run_dir / "checkpoint.pt", pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    row = runner.run(smoke_cfg("schedule.steps=2", "schedule.eval_every=2"))  # starts over, saying so
+    assert not marker.exists() and row["steps"] == 2
+
+
+def test_a_nan_loss_is_recorded_as_diverged_without_accuracies(smoke_cfg, tmp_path):
+    row = runner.run(smoke_cfg("optim.lr=1e30", "schedule.steps=40", "schedule.eval_every=20"))
+    assert row["status"] == "diverged" and row["steps"] < 40
+    got = rows(tmp_path).iloc[0]
+    assert got.status == "diverged"
+    assert all(pd.isna(got[c]) for c in ("val_acc", "test_acc", "final_test_acc", "train_steps_per_s"))
+
+
+def test_an_empty_split_fails_at_start(smoke_cfg, tmp_path, monkeypatch):
+    from lra.data import listops
+
+    real = listops.read_tsv
+
+    def empty_val(path, seq_len):
+        split = real(path, seq_len)
+        return split.head(0) if "val" in path.name else split
+
+    monkeypatch.setattr(listops, "read_tsv", empty_val)
+    with pytest.raises(DataError, match="the val split is empty"):
+        runner.run(smoke_cfg())
+    assert not (tmp_path / "results" / "runs.csv").exists()
+
+
+def test_an_unwritable_results_folder_fails_at_start(smoke_cfg, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where a folder should be")
+    with pytest.raises(ConfigError, match="not writable"):
+        runner.run(smoke_cfg(f"results.dir={blocked / 'results'}"))
+    assert not (tmp_path / "cache").exists()  # nothing was generated before the check
 
 
 def test_lra_schedules():
     # rsqrt: linear warm-up to base/sqrt(warmup), then base/sqrt(t) (LRA's ListOps: peak 1.58e-3 at 1000)
-    assert 0.05 * runner.lr_factor(1000, "rsqrt", 1000, 5000) == pytest.approx(1.581e-3, rel=1e-3)
-    assert 0.05 * runner.lr_factor(5000, "rsqrt", 1000, 5000) == pytest.approx(7.07e-4, rel=1e-3)
-    assert runner.lr_factor(500, "rsqrt", 1000, 5000) == pytest.approx(0.5 / math.sqrt(1000))
-    assert runner.lr_factor(100, "cosine", 100, 1100) == pytest.approx(1.0)
-    assert runner.lr_factor(600, "cosine", 100, 1000) == pytest.approx(0.5)
+    assert 0.05 * engine.lr_factor(1000, "rsqrt", 1000, 5000) == pytest.approx(1.581e-3, rel=1e-3)
+    assert 0.05 * engine.lr_factor(5000, "rsqrt", 1000, 5000) == pytest.approx(7.07e-4, rel=1e-3)
+    assert engine.lr_factor(500, "rsqrt", 1000, 5000) == pytest.approx(0.5 / math.sqrt(1000))
+    assert engine.lr_factor(100, "cosine", 100, 1100) == pytest.approx(1.0)
+    assert engine.lr_factor(600, "cosine", 100, 1000) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="rsqrt, cosine or constant"):
-        runner.lr_factor(1, "linear", 1, 1)
+        engine.lr_factor(1, "linear", 1, 1)
+
+
+def test_parameter_groups_honour_optim_attributes():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight._optim = {"lr": 1e-3, "weight_decay": 0.0}
+    groups = engine.parameter_groups(model, weight_decay=0.1)
+    assert [len(g["params"]) for g in groups] == [3, 1]
+    assert groups[0]["weight_decay"] == 0.1 and groups[1] == {"params": [model[1].weight], "lr": 1e-3,
+                                                              "weight_decay": 0.0}
 
 
 def test_wandb_offline_logging(smoke_cfg, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional; install the [wandb] extra to test its logger")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    runner.run(smoke_cfg("logger=wandb", "logger.mode=offline", "train.steps=4", "train.eval_every=2"))
+    runner.run(smoke_cfg("logger=wandb", "logger.mode=offline", "schedule.steps=4", "schedule.eval_every=2"))
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
 def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cfg, monkeypatch):
-    interrupt_after_one_step(smoke_cfg("train.steps=6", "train.eval_every=3"), monkeypatch)
+    interrupt_after_one_step(smoke_cfg("schedule.steps=6", "schedule.eval_every=3"), monkeypatch)
     monkeypatch.setattr(runner, "device_name", lambda device: "Other GPU")
     monkeypatch.setenv("LRA_GIT_SHA", "0123456789ab")
-    row = runner.run(smoke_cfg("train.steps=6", "train.eval_every=3", "resume=true"))
+    row = runner.run(smoke_cfg("schedule.steps=6", "schedule.eval_every=3", "resume=true"))
     first, second = row["device"].split(" + ")
     assert first.startswith("cpu") and second == "Other GPU"
     assert row["git_sha"].endswith(" + 0123456789ab") and not row["git_sha"].startswith("0123456789ab")
+
+
+def test_sigterm_saves_and_exits_with_one_line_and_code_75(tmp_path):
+    """The CLI, stopped by SIGTERM mid-run: a checkpoint, one line on stderr, exit code 75; the rerun resumes."""
+    args = [sys.executable, "-m", "lra", "experiment=smoke", "schedule.steps=400", "schedule.eval_every=400",
+            "trainer.ckpt_every=1000", "data.limit.train=64", f"results.dir={tmp_path / 'results'}",
+            f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}", "backbone.n_layers=1",
+            "task.seq_len=200"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "run" / "__main__.log"
+    for _ in range(600):  # wait until training has started (the parameter count is logged just before)
+        if log.exists() and "parameters" in log.read_text():
+            break
+        if proc.poll() is not None:
+            break
+        subprocess.run(["sleep", "0.5"])
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted: stopped at step") and "Traceback" not in err
+    assert (tmp_path / "run" / "checkpoint.pt").exists()

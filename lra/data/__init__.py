@@ -1,29 +1,94 @@
-"""Task loaders. ``load_task(cfg)`` dispatches on ``cfg.task.name`` to one module per task family; each
-returns a :class:`TaskData` of cached integer tensors."""
+"""The task registry: each module of this package that loads a task declares it with ``@register_task`` beside
+its ``load`` function, and every such module is imported here, so a new task is one module plus one
+``conf/task/<name>.yaml``. ``load_task(cfg)`` is what the runner calls.
+
+A loader is ``load(task, data, *, seed, progress) -> TaskData``: ``task`` and ``data`` are the config's
+``task.*`` and ``data.*`` sections (a loader reads only its own keys of ``data``), ``seed`` draws any limited
+subset, ``progress`` shows bars on long generation.
+"""
 from __future__ import annotations
 
-from importlib import import_module
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .common import BatchOrder, DataError, Split, TaskData
 
-# task name -> module in this package with a ``load(cfg) -> TaskData``
-TASK_MODULES = {
-    "listops": "listops",
-    "text": "text",
-    "retrieval": "retrieval",
-    "image": "image",
-    "pathfinder": "pathfinder",
-    "pathx": "pathfinder",
-}
+_REGISTRY: dict[str, TaskSpec] = {}
+_NOT_TASKS = {"common", "pathfinder_gen"}  # shared code and the Pathfinder generator, not loaders
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A registered task: its loader, its number of classes, whether it is a pair task (two documents per
+    example) or an image (its tokens lie on a pixel grid), and an optional ``check(task_cfg)`` that refuses
+    impossible settings before any data is read (raising ``ValueError`` with a one-line reason)."""
+
+    name: str
+    load: Callable[..., TaskData]
+    n_classes: int
+    pair: bool = False
+    image: bool = False
+    validate: Callable | None = None
+
+    def check(self, task_cfg) -> None:
+        if self.validate is not None:
+            from lra.config import ConfigError
+
+            try:
+                self.validate(task_cfg)
+            except (ValueError, DataError) as e:
+                raise ConfigError(f"task {self.name}: {e}") from None
+
+
+def register_task(name: str, *, n_classes: int, pair: bool = False, image: bool = False,
+                  check: Callable | None = None) -> Callable:
+    """Decorator for a loader function: ``@register_task("listops", n_classes=10)``. Stack it to serve
+    several tasks with one loader (Pathfinder and Path-X)."""
+
+    def add(load: Callable) -> Callable:
+        if name in _REGISTRY and _REGISTRY[name].load is not load:
+            raise ValueError(f"task {name!r} is registered twice: {_REGISTRY[name].load.__module__} and "
+                             f"{load.__module__}")
+        _REGISTRY[name] = TaskSpec(name, load, n_classes, pair, image, check)
+        return load
+
+    return add
+
+
+def list_tasks() -> list[str]:
+    """Names of every registered task, sorted."""
+    return sorted(_REGISTRY)
+
+
+def image_tasks() -> list[str]:
+    return sorted(n for n, s in _REGISTRY.items() if s.image)
+
+
+def get_task(name: str) -> TaskSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}") from None
 
 
 def load_task(cfg) -> TaskData:
-    name = cfg.task.name
-    if name not in TASK_MODULES:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASK_MODULES))}")
-    data = import_module(f"{__name__}.{TASK_MODULES[name]}").load(cfg)
-    data.info.setdefault("task", name)
+    """Load ``cfg.task`` with its loader; every split must hold at least one example."""
+    spec = get_task(cfg.task.name)
+    spec.check(cfg.task)
+    data = spec.load(cfg.task, cfg.data, seed=int(cfg.seed), progress=bool(cfg.trainer.progress))
+    data.info.setdefault("task", spec.name)
+    for split in ("train", "val", "test"):
+        if len(getattr(data, split)) == 0:
+            raise DataError(f"{spec.name}: the {split} split is empty ({data.info.get('source', 'no source')}); "
+                            f"check data.limit.{split} and the source files")
     return data
 
 
-__all__ = ["BatchOrder", "DataError", "Split", "TaskData", "load_task"]
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _module not in _NOT_TASKS and not _module.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = ["BatchOrder", "DataError", "Split", "TaskData", "TaskSpec", "get_task", "image_tasks", "list_tasks",
+           "load_task", "register_task"]

@@ -7,11 +7,13 @@ import hashlib
 import json
 import logging
 import os
+import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
+from filelock import FileLock
 
 log = logging.getLogger("lra.data")
 
@@ -28,7 +30,7 @@ class Split:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def head(self, n: int | None) -> "Split":
+    def head(self, n: int | None) -> Split:
         return self if n is None or n >= len(self) else Split(self.tokens[:n], self.labels[:n])
 
 
@@ -74,27 +76,77 @@ def cache_key(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def temporary_name(path: Path) -> Path:
+    """A sibling name no other process or thread writes (for write-then-rename publishing)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
 def atomic_save(obj, path: Path) -> None:
+    """``torch.save`` to a temporary sibling, then rename: a reader sees the old file or the new one, whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temporary_name(path)
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def lock_for(path: Path) -> FileLock:
+    """An inter-process lock beside ``path`` (``<path>.lock``); held while ``path`` is built or generated."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path) + ".lock")
 
 
 def cached(cache_dir: str | Path, name: str, spec: dict, build: Callable[[], dict]) -> tuple[dict, bool]:
     """Return ``build()``'s dict of tensors, from ``cache_dir/name-<hash(spec)>.pt`` when it is there.
     ``spec`` must hold everything the tensors depend on (source fingerprint, tokeniser settings, limits).
-    Returns (tensors, hit)."""
+    Returns (tensors, hit).
+
+    Safe for concurrent runs on a cold cache: the first process builds under a lock while the others wait, the
+    file is published by rename, and its SHA-256 (in the ``.json`` beside it) is checked on every load, so a file
+    torn, truncated or overwritten in place (bit rot) is rebuilt, never trusted."""
     path = Path(cache_dir).expanduser() / f"{name}-{cache_key(spec)}.pt"
-    if path.exists():
-        try:
-            return torch.load(path, weights_only=True), True
-        except Exception as e:  # a torn or stale file is rebuilt, never trusted
-            log.warning("ignoring unreadable cache %s (%s)", path, e)
-    tensors = build()
-    atomic_save(tensors, path)
-    (path.with_suffix(".json")).write_text(json.dumps(spec, indent=1, default=str))
+    meta = path.with_suffix(".json")
+    with lock_for(path):
+        if path.exists() and meta.exists():
+            try:
+                recorded = json.loads(meta.read_text()).get("sha256")
+                actual = file_sha256(path)
+                if recorded == actual:
+                    return torch.load(path, weights_only=True), True
+                log.warning("cache %s does not match its recorded SHA-256 (%s != %s): rebuilding it", path,
+                            str(actual)[:12], str(recorded)[:12])
+            except Exception as e:  # noqa: BLE001 - a torn or stale file is rebuilt, never trusted
+                log.warning("ignoring unreadable cache %s (%s: %s)", path, type(e).__name__, e)
+        tensors = build()
+        atomic_save(tensors, path)
+        atomic_write_text(meta, json.dumps({"sha256": file_sha256(path), "spec": spec}, indent=1, default=str))
     return tensors, False
+
+
+def generate_once(out: Path, generate: Callable[[], object], description: dict) -> None:
+    """Run ``generate()`` (which writes into ``out``) unless ``out`` is complete; under a lock, so concurrent runs
+    on a cold cache generate once and the others wait. ``out/complete.json`` is written last: a folder without it
+    is unfinished (the generators resume an interrupted run) and is never read as data."""
+    marker = out / "complete.json"
+    with lock_for(out):
+        if marker.exists():
+            return
+        generate()
+        atomic_write_text(marker, json.dumps(description, indent=1, default=str))
 
 
 def pad_truncate(ids: list[int], length: int) -> list[int]:
@@ -158,9 +210,9 @@ def resolve_root(root: str | Path, inner: str) -> Path:
 SPLITS = ("train", "val", "test")
 
 
-def split_limits(cfg) -> dict[str, int | None]:
-    """``cfg.data.limit.{train,val,test}`` as ints (None = the whole split)."""
-    lim = cfg.data.get("limit") or {}
+def split_limits(data) -> dict[str, int | None]:
+    """``data.limit.{train,val,test}`` as ints (None = the whole split)."""
+    lim = data.get("limit") or {}
     return {s: None if lim.get(s) is None else int(lim.get(s)) for s in SPLITS}
 
 

@@ -23,6 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from . import register_task
 from .common import (
     DataError,
     Split,
@@ -40,6 +41,7 @@ from .common import (
 log = logging.getLogger("lra.data")
 
 SIDE = 32
+N_CLASSES = 10
 TF_GRAY = np.array([0.2989, 0.5870, 0.1140], dtype=np.float32)  # tf.image.rgb_to_grayscale weights
 HOW_TO_GET = ("set data.path to a Hugging Face id (uoft-cs/cifar10, needs the hub or its cache) or to a local "
               "copy of its parquet files (huggingface-cli download uoft-cs/cifar10 --repo-type dataset "
@@ -80,13 +82,17 @@ def columns(table, split: str) -> tuple[list, torch.Tensor]:
     return table.column(img), labels
 
 
-def load(cfg) -> TaskData:
-    seed, limits = int(cfg.seed), split_limits(cfg)
-    split_seed = int(cfg.data.get("split_seed", 42))
-    zero_is_pad = bool(cfg.data.get("pixel_zero_is_pad", False))
-    if int(cfg.task.seq_len) != SIDE * SIDE:
-        raise DataError(f"CIFAR-10 images are {SIDE}x{SIDE} = {SIDE * SIDE} pixels; set task.seq_len={SIDE * SIDE}")
-    tables, source_fp, desc = hf_tables(str(cfg.data.path), ("train", "test"), HOW_TO_GET)
+def check(task) -> None:
+    if int(task.seq_len) != SIDE * SIDE:
+        raise ValueError(f"CIFAR-10 images are {SIDE}x{SIDE} = {SIDE * SIDE} pixels; set task.seq_len={SIDE * SIDE}")
+
+
+@register_task("image", n_classes=N_CLASSES, image=True, check=check)
+def load(task, data, *, seed: int, progress: bool) -> TaskData:
+    limits, split_seed, zero_is_pad = split_limits(data), int(data.split_seed), bool(data.pixel_zero_is_pad)
+    if not data.get("path"):
+        raise DataError(f"data.path is not set; {HOW_TO_GET}")
+    tables, source_fp, desc = hf_tables(str(data.path), ("train", "test"), HOW_TO_GET)
     (train_img, train_lab), (test_img, test_lab) = columns(tables["train"], "train"), columns(tables["test"], "test")
     n_val = len(train_lab) // 10  # LRA: train[90%:]
     parts = random_split_indices(len(train_lab), [len(train_lab) - n_val, n_val], split_seed)
@@ -100,21 +106,21 @@ def load(cfg) -> TaskData:
         for s, (img, lab, idx) in rows.items():
             idx = idx[subset_indices(len(idx), limits[s], seed, s)]
             cells = img.take(idx.numpy()).to_pylist()
-            gray = parallel_map(partial(decode_gray, side=SIDE), cells, cfg.data.get("workers"))
+            gray = parallel_map(partial(decode_gray, side=SIDE), cells, data.get("workers"))
             empty = torch.zeros(0, SIDE * SIDE, dtype=torch.uint8)
             out[f"{s}_pixels"] = torch.from_numpy(np.stack(gray)) if gray else empty  # (n, 1024)
             out[f"{s}_labels"] = lab[idx].clone()
         return out
 
-    tensors, hit = cached(cfg.data.cache_dir, "image", spec, build)
+    tensors, hit = cached(data.cache_dir, "image", spec, build)
     splits = {}
     for s in rows:
         tokens, vocab = pixel_tokens(tensors[f"{s}_pixels"], zero_is_pad)
         splits[s] = Split(tokens, tensors[f"{s}_labels"])
     recipe = (f"train/val = random_split(train, [{len(parts[0])}, {len(parts[1])}], seed {split_seed}), "
               f"test = test" + limit_recipe(limits, seed))
-    data = TaskData(**splits, vocab_size=vocab, n_classes=10, seq_len=SIDE * SIDE, grid=(SIDE, SIDE),
-                    info={"task": cfg.task.name, "source": desc, "cache": "hit" if hit else "miss", "skipped": 0,
-                          "split": recipe, "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
-    log.info("image: %s, %s, cache %s", desc, recipe, data.info["cache"])
-    return data
+    out = TaskData(**splits, vocab_size=vocab, n_classes=N_CLASSES, seq_len=SIDE * SIDE, grid=(SIDE, SIDE),
+                   info={"task": task.name, "source": desc, "cache": "hit" if hit else "miss", "skipped": 0,
+                         "split": recipe, "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
+    log.info("image: %s, %s, cache %s", desc, recipe, out.info["cache"])
+    return out

@@ -1,6 +1,6 @@
 """ListOps (Nangia & Bowman 2018) as LRA generated it (``lra_benchmarks/data/listops.py``), seeded.
 
-Generator: spec section 2.1, with the same RNG call order as the original (children are drawn before the
+Generator: LRA's algorithm, with the same RNG call order as the original (children are drawn before the
 operator), so ``random.Random(0)`` reproduces the spec's reference statistics. Unlike the original, which
 dumped a Python ``set`` (hash order), rows keep first-seen order and the process is seeded, so the same
 seed gives byte-identical files. Generation runs in fixed chunks, each with its own seed, so the output
@@ -22,7 +22,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .common import DataError, Split, TaskData, cached, fingerprint, resolve_root, smallest_int_dtype
+from . import register_task
+from .common import (
+    DataError,
+    Split,
+    TaskData,
+    cached,
+    fingerprint,
+    generate_once,
+    resolve_root,
+    smallest_int_dtype,
+    temporary_name,
+)
 
 log = logging.getLogger("lra.data")
 
@@ -33,6 +44,7 @@ MAX_DEPTH, MAX_ARGS, MIN_LENGTH, MAX_LENGTH = 10, 10, 500, 2000
 VOCAB = ["<pad>", *OPERATORS, "]", *map(str, range(10))]
 TOKEN_ID = {t: i for i, t in enumerate(VOCAB)}
 SPLITS = ("train", "val", "test")
+N_CLASSES = 10
 CHUNK = 2_000  # accepted trees per generator chunk; chunk j is seeded with (seed, j)
 
 
@@ -87,23 +99,23 @@ def generate(out_dir: str | Path, seed: int = 0, train: int = 96_000, val: int =
     workers = workers or min(os.cpu_count() or 1, 16)
     unique: dict[str, int] = {}
     j = 0
-    with tqdm(total=total, desc="generating ListOps", unit="tree", disable=not progress) as bar:
-        with ProcessPoolExecutor(workers) as pool:
-            while len(unique) < total:
-                missing = total - len(unique)
-                batch = range(j, j + max(-(-missing // CHUNK), 1))
-                j += len(batch)
-                for rows in pool.map(_chunk, [(seed, k, min(CHUNK, missing)) for k in batch]):
-                    for source, value in rows:
-                        if len(unique) < total and source not in unique:
-                            unique[source] = value
-                            bar.update(1)
+    with tqdm(total=total, desc="generating ListOps", unit="tree", disable=not progress) as bar, \
+            ProcessPoolExecutor(workers) as pool:
+        while len(unique) < total:
+            missing = total - len(unique)
+            batch = range(j, j + max(-(-missing // CHUNK), 1))
+            j += len(batch)
+            for rows in pool.map(_chunk, [(seed, k, min(CHUNK, missing)) for k in batch]):
+                for source, value in rows:
+                    if len(unique) < total and source not in unique:
+                        unique[source] = value
+                        bar.update(1)
     rows = list(unique.items())
     folder.mkdir(parents=True, exist_ok=True)
     bounds = {"train": (0, train), "val": (train, train + val), "test": (train + val, total)}
     for split, (a, b) in bounds.items():
         path = folder / f"basic_{split}.tsv"
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = temporary_name(path)
         with open(tmp, "w", newline="") as f:  # csv's default '\r\n' line ends, as the original
             w = csv.writer(f, delimiter="\t")
             w.writerow(["Source", "Target"])
@@ -144,39 +156,39 @@ def read_tsv(path: Path, seq_len: int) -> Split:
     return Split(tokens, labels)
 
 
-def source_folder(cfg) -> Path:
+def source_folder(data, progress: bool) -> Path:
     """The folder holding basic_*.tsv: ``data.root`` if given, else the generator's cache (generated now
-    when missing, only as many trees as ``data.limit`` asks for)."""
-    if cfg.data.get("root"):
-        folder = resolve_root(cfg.data.root, "listops-1000")
+    when missing, only as many trees as ``data.limit`` asks for; once, whatever the number of concurrent runs)."""
+    if data.get("root"):
+        folder = resolve_root(data.root, "listops-1000")
         missing = [s for s in SPLITS if not (folder / f"basic_{s}.tsv").exists()]
         if missing:
             raise DataError(f"{folder} lacks basic_{{{','.join(missing)}}}.tsv; unpack the full LRA release or "
                             f"generate the data: python -m lra.generate listops --out DIR")
         return folder
-    gen, limit = cfg.data.generate, cfg.data.limit
+    gen, limit = data.generate, data.limit
     sizes = {s: min(gen[s], limit[s]) if limit[s] is not None else gen[s] for s in SPLITS}
     name = f"seed{gen.seed}-{sizes['train']}-{sizes['val']}-{sizes['test']}"
-    out = Path(cfg.data.cache_dir).expanduser() / "listops" / name
-    folder = out / "listops-1000"
-    if not all((folder / f"basic_{s}.tsv").exists() for s in SPLITS):
-        log.info("no ListOps data in %s: generating %s trees (seed %d)", folder, sizes, gen.seed)
-        generate(out, seed=gen.seed, **sizes, progress=cfg.get("trainer", {}).get("progress", True))
-    return folder
+    out = Path(data.cache_dir).expanduser() / "listops" / name
+
+    def run_generator():
+        log.info("no ListOps data in %s: generating %s trees (seed %d)", out, sizes, gen.seed)
+        generate(out, seed=gen.seed, **sizes, progress=progress)
+
+    generate_once(out, run_generator, {"seed": gen.seed, **sizes})
+    return out / "listops-1000"
 
 
-def load(cfg) -> TaskData:
-    folder = source_folder(cfg)
+@register_task("listops", n_classes=N_CLASSES)
+def load(task, data, *, seed: int, progress: bool) -> TaskData:
+    folder = source_folder(data, progress)
     paths = [folder / f"basic_{s}.tsv" for s in SPLITS]
-    seq_len = cfg.task.seq_len
+    seq_len = int(task.seq_len)
     spec = {"task": "listops", "files": fingerprint(paths), "seq_len": seq_len, "vocab": VOCAB}
-    tensors, hit = cached(cfg.data.cache_dir, "listops", spec, lambda: {
+    tensors, hit = cached(data.cache_dir, "listops", spec, lambda: {
         f"{s}_{k}": getattr(read_tsv(p, seq_len), k) for s, p in zip(SPLITS, paths) for k in ("tokens", "labels")
     })
-    splits = {}
-    for s in SPLITS:
-        n = cfg.data.limit[s]
-        splits[s] = Split(tensors[f"{s}_tokens"], tensors[f"{s}_labels"]).head(n)
-    return TaskData(**splits, vocab_size=len(VOCAB), n_classes=10, seq_len=seq_len,
+    splits = {s: Split(tensors[f"{s}_tokens"], tensors[f"{s}_labels"]).head(data.limit[s]) for s in SPLITS}
+    return TaskData(**splits, vocab_size=len(VOCAB), n_classes=N_CLASSES, seq_len=seq_len,
                     info={"task": "listops", "source": str(folder), "split": "LRA files",
                           "cache": "hit" if hit else "miss"})

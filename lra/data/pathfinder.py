@@ -19,7 +19,6 @@ true`` feeds raw pixels as LRA did, which masks the whole background as padding 
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from functools import partial
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import register_task
 from .common import (
     SPLITS,
     DataError,
@@ -36,6 +36,7 @@ from .common import (
     cached,
     digest_files,
     fingerprint,
+    generate_once,
     limit_recipe,
     parallel_map,
     pixel_tokens,
@@ -49,6 +50,7 @@ log = logging.getLogger("lra.data")
 
 FOLDERS = {"easy": "curv_baseline", "intermediate": "curv_contour_length_9", "hard": "curv_contour_length_14"}
 RESOLUTIONS = (32, 64, 128, 256)
+N_CLASSES = 2
 
 
 def how_to_get(res: int, difficulty: str) -> str:
@@ -108,29 +110,27 @@ def images_needed(limits: dict, full: int) -> int:
     return min(n, full)
 
 
-def generated_folder(cfg, res: int, difficulty: str, limits: dict) -> Path:
-    """Generate (once) into the cache and return the difficulty folder."""
+def generated_folder(data, res: int, difficulty: str, limits: dict, progress: bool) -> Path:
+    """Generate into the cache (once, whatever the number of concurrent runs) and return the difficulty folder."""
     from . import pathfinder_gen
 
-    gen = cfg.data.get("generate") or {}
-    n, seed = images_needed(limits, int(gen.get("n", 200_000))), int(gen.get("seed", 0))
-    out = Path(cfg.data.cache_dir).expanduser() / "pathfinder_gen" / f"{res}px-{difficulty}-n{n}-seed{seed}"
-    done = out / "complete.json"
-    folder = out / f"pathfinder{res}" / FOLDERS[difficulty]
-    if not done.exists():  # the generator resumes an interrupted run: finished batches are kept
+    n, seed = images_needed(limits, int(data.generate.n)), int(data.generate.seed)
+    out = Path(data.cache_dir).expanduser() / "pathfinder_gen" / f"{res}px-{difficulty}-n{n}-seed{seed}"
+
+    def run_generator():  # resumes an interrupted run: finished batches are kept
         log.info("generating %d Pathfinder images (%dpx, %s, seed %d) into %s", n, res, difficulty, seed, out)
-        folder = pathfinder_gen.generate(out, resolution=res, difficulty=difficulty, n=n, seed=seed,
-                                         workers=cfg.data.get("workers"),
-                                         progress=bool(cfg.get("trainer", {}).get("progress", True)))
-        done.write_text(json.dumps({"n": n, "seed": seed, "resolution": res, "difficulty": difficulty}))
-    return folder
+        pathfinder_gen.generate(out, resolution=res, difficulty=difficulty, n=n, seed=seed,
+                                workers=data.get("workers"), progress=progress)
+
+    generate_once(out, run_generator, {"n": n, "seed": seed, "resolution": res, "difficulty": difficulty})
+    return out / f"pathfinder{res}" / FOLDERS[difficulty]
 
 
-def source_folder(cfg, res: int, difficulty: str, limits: dict) -> Path:
-    if not cfg.data.get("root"):
-        return generated_folder(cfg, res, difficulty, limits)
+def source_folder(data, res: int, difficulty: str, limits: dict, progress: bool) -> Path:
+    if not data.get("root"):
+        return generated_folder(data, res, difficulty, limits, progress)
     try:
-        base = resolve_root(cfg.data.root, f"pathfinder{res}")
+        base = resolve_root(data.root, f"pathfinder{res}")
     except DataError as e:
         raise DataError(f"{e}, or generate the images: python -m lra.generate pathfinder --resolution {res} "
                         f"--difficulty {difficulty} --n 200000 --out DIR") from None
@@ -140,17 +140,22 @@ def source_folder(cfg, res: int, difficulty: str, limits: dict) -> Path:
     return folder
 
 
-def load(cfg) -> TaskData:
-    res, difficulty = int(cfg.task.get("resolution", 32)), str(cfg.task.get("difficulty", "hard"))
-    if res not in RESOLUTIONS or difficulty not in FOLDERS:
-        raise DataError(f"task.resolution must be one of {RESOLUTIONS} and task.difficulty one of {list(FOLDERS)}, "
-                        f"got {res} and {difficulty!r}")
-    if int(cfg.task.seq_len) != res * res:
-        raise DataError(f"{res}x{res} images are {res * res} pixels; set task.seq_len={res * res}")
-    seed, limits = int(cfg.seed), split_limits(cfg)
-    split_seed = int(cfg.data.get("split_seed", 42))
-    zero_is_pad = bool(cfg.data.get("pixel_zero_is_pad", False))
-    folder = source_folder(cfg, res, difficulty, limits)
+def check(task) -> None:
+    res, difficulty = task.get("resolution"), task.get("difficulty")
+    if res not in RESOLUTIONS:
+        raise ValueError(f"task.resolution={res!r} is not valid: choose one of {', '.join(map(str, RESOLUTIONS))}")
+    if difficulty not in FOLDERS:
+        raise ValueError(f"task.difficulty={difficulty!r} is not valid: choose one of {', '.join(FOLDERS)}")
+    if int(task.seq_len) != res * res:
+        raise ValueError(f"{res}x{res} images are {res * res} pixels; set task.seq_len={res * res}")
+
+
+@register_task("pathfinder", n_classes=N_CLASSES, image=True, check=check)
+@register_task("pathx", n_classes=N_CLASSES, image=True, check=check)
+def load(task, data, *, seed: int, progress: bool) -> TaskData:
+    res, difficulty = int(task.resolution), str(task.difficulty)
+    limits, split_seed, zero_is_pad = split_limits(data), int(data.split_seed), bool(data.pixel_zero_is_pad)
+    folder = source_folder(data, res, difficulty, limits, progress)
     try:
         paths, labels, meta = read_metadata(folder)
     except DataError as e:
@@ -172,7 +177,7 @@ def load(cfg) -> TaskData:
         picks = {s: [keep[i] for i in parts[s][subset_indices(len(parts[s]), limits[s], seed, s)].tolist()]
                  for s in SPLITS}
         files = [f"{folder}/{paths[i]}" for s in SPLITS for i in picks[s]]
-        pixels = iter(parallel_map(partial(decode_pngs, side=res), files, cfg.data.get("workers"),
+        pixels = iter(parallel_map(partial(decode_pngs, side=res), files, data.get("workers"),
                                    chunk=1024, min_parallel=2048))
         out, unreadable = {}, 0
         for s in SPLITS:
@@ -184,7 +189,7 @@ def load(cfg) -> TaskData:
         out["unreadable"] = torch.tensor(unreadable)
         return out
 
-    tensors, hit = cached(cfg.data.cache_dir, f"pathfinder{res}_{difficulty}", spec, build)
+    tensors, hit = cached(data.cache_dir, f"pathfinder{res}_{difficulty}", spec, build)
     unreadable = int(tensors["unreadable"])
     splits = {}
     for s in SPLITS:
@@ -194,10 +199,10 @@ def load(cfg) -> TaskData:
         splits[s] = Split(tokens, tensors[f"{s}_labels"])
     recipe = (f"{FOLDERS[difficulty]} {res}px, {n} usable images, random_split 80/10/10 seed {split_seed}"
               + limit_recipe(limits, seed))
-    data = TaskData(**splits, vocab_size=vocab, n_classes=2, seq_len=res * res, grid=(res, res),
-                    info={"task": cfg.task.name, "source": str(folder), "cache": "hit" if hit else "miss",
-                          "skipped": empty + missing + unreadable, "split": recipe,
-                          "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
-    log.info("%s: %s, %s, cache %s, skipped %d empty, %d missing, %d unreadable images", cfg.task.name, folder,
-             recipe, data.info["cache"], empty, missing, unreadable)
-    return data
+    out = TaskData(**splits, vocab_size=vocab, n_classes=N_CLASSES, seq_len=res * res, grid=(res, res),
+                   info={"task": task.name, "source": str(folder), "cache": "hit" if hit else "miss",
+                         "skipped": empty + missing + unreadable, "split": recipe,
+                         "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
+    log.info("%s: %s, %s, cache %s, skipped %d empty, %d missing, %d unreadable images", task.name, folder,
+             recipe, out.info["cache"], empty, missing, unreadable)
+    return out

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import register_task
 from .common import (
     SPLITS,
     DataError,
@@ -35,6 +36,7 @@ from .common import (
 log = logging.getLogger("lra.data")
 
 VOCAB = 257
+N_CLASSES = 2
 FILES = {"train": "new_aan_pairs.train.tsv", "val": "new_aan_pairs.eval.tsv", "test": "new_aan_pairs.test.tsv"}
 HOW_TO_GET = ("download and unpack the LRA release (https://storage.googleapis.com/long-range-arena/"
               "lra_release.gz, 8 GB; the TSVs are also in the Hugging Face dataset OpenNLPLab/lra) and set "
@@ -93,16 +95,16 @@ def read_split(path: Path, keep: set[int] | None, seq_len: int, truncate_bytes: 
     return {"tokens": torch.cat(tokens), "labels": torch.tensor(labels, dtype=torch.long)}
 
 
-def load(cfg) -> TaskData:
-    if not cfg.data.get("root"):
+@register_task("retrieval", n_classes=N_CLASSES, pair=True)
+def load(task, data, *, seed: int, progress: bool) -> TaskData:
+    if not data.get("root"):
         raise DataError(f"the retrieval task reads the AAN pairs from the LRA release: {HOW_TO_GET}")
-    folder = resolve_root(cfg.data.root, "tsv_data")
+    folder = resolve_root(data.root, "tsv_data")
     paths = {s: folder / name for s, name in FILES.items()}
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
         raise DataError(f"missing {', '.join(missing)}; {HOW_TO_GET}")
-    seq_len, truncate = int(cfg.task.seq_len), int(cfg.data.get("truncate_bytes", 10_000))
-    seed, limits = int(cfg.seed), split_limits(cfg)
+    seq_len, truncate, limits = int(task.seq_len), int(data.truncate_bytes), split_limits(data)
     spec = {"task": "retrieval", "version": 1, "files": fingerprint(paths.values()), "seq_len": seq_len,
             "truncate_bytes": truncate, "limits": limits,
             "seed": seed if any(v is not None for v in limits.values()) else None}
@@ -118,11 +120,11 @@ def load(cfg) -> TaskData:
                 out[f"{s}_{k}"] = v
         return out
 
-    tensors, hit = cached(cfg.data.cache_dir, "retrieval", spec, build)
+    tensors, hit = cached(data.cache_dir, "retrieval", spec, build)
     splits = {s: Split(tensors[f"{s}_tokens"], tensors[f"{s}_labels"]) for s in SPLITS}
-    data = TaskData(**splits, vocab_size=VOCAB, n_classes=2, seq_len=seq_len, pair=True,
-                    info={"task": cfg.task.name, "source": str(folder), "cache": "hit" if hit else "miss",
-                          "skipped": 0,
-                          "split": "train=train, val=eval, test=test (LRA files)" + limit_recipe(limits, seed)})
-    log.info("retrieval: %s, %s, cache %s", folder, data.info["split"], data.info["cache"])
-    return data
+    out = TaskData(**splits, vocab_size=VOCAB, n_classes=N_CLASSES, seq_len=seq_len, pair=True,
+                   info={"task": task.name, "source": str(folder), "cache": "hit" if hit else "miss",
+                         "skipped": 0,
+                         "split": "train=train, val=eval, test=test (LRA files)" + limit_recipe(limits, seed)})
+    log.info("retrieval: %s, %s, cache %s", folder, out.info["split"], out.info["cache"])
+    return out

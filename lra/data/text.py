@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import register_task
 from .common import (
     DataError,
     Split,
@@ -34,6 +35,7 @@ from .common import (
 log = logging.getLogger("lra.data")
 
 VOCAB = 257  # 256 byte values + pad
+N_CLASSES = 2
 HOW_TO_GET = ("set data.path to a Hugging Face id (stanfordnlp/imdb, needs the hub or its cache), to a local "
               "copy of its parquet files (huggingface-cli download stanfordnlp/imdb --repo-type dataset "
               "--local-dir DIR), or to an unpacked aclImdb folder "
@@ -89,7 +91,8 @@ def table_source(tables: dict) -> dict:
             if col not in t.column_names:
                 raise DataError(f"the IMDb {split} split has no {col!r} column (columns: {t.column_names})")
         labels = torch.tensor(t.column("label").to_pylist(), dtype=torch.long)
-        docs[split] = Docs(labels, lambda idx, col=t.column("text"): col.take(idx).to_pylist())
+        texts = t.column("text")
+        docs[split] = Docs(labels, lambda idx, col=texts: col.take(idx).to_pylist())
     return docs
 
 
@@ -104,9 +107,12 @@ def open_source(path: str) -> tuple[dict, dict, str, int]:
     return table_source(tables), fp, desc, 0
 
 
-def load(cfg) -> TaskData:
-    seq_len, seed, limits = int(cfg.task.seq_len), int(cfg.seed), split_limits(cfg)
-    docs, source_fp, desc, skipped = open_source(str(cfg.data.path))
+@register_task("text", n_classes=N_CLASSES)
+def load(task, data, *, seed: int, progress: bool) -> TaskData:
+    seq_len, limits = int(task.seq_len), split_limits(data)
+    if not data.get("path"):
+        raise DataError(f"data.path is not set; {HOW_TO_GET}")
+    docs, source_fp, desc, skipped = open_source(str(data.path))
     for split, d in docs.items():
         bad = set(d.labels.unique().tolist()) - {0, 1}
         if bad:
@@ -129,14 +135,14 @@ def load(cfg) -> TaskData:
             out[f"{split}_labels"] = docs[split].labels[idx].clone()
         return out
 
-    tensors, hit = cached(cfg.data.cache_dir, "text", spec, build)
+    tensors, hit = cached(data.cache_dir, "text", spec, build)
     test = Split(tensors["test_tokens"], tensors["test_labels"])
-    data = TaskData(
+    out = TaskData(
         train=Split(tensors["train_tokens"], tensors["train_labels"]), val=test.head(lv), test=test.head(lt),
-        vocab_size=VOCAB, n_classes=2, seq_len=seq_len,
-        info={"task": cfg.task.name, "source": desc, "cache": "hit" if hit else "miss", "skipped": skipped,
+        vocab_size=VOCAB, n_classes=N_CLASSES, seq_len=seq_len,
+        info={"task": task.name, "source": desc, "cache": "hit" if hit else "miss", "skipped": skipped,
               "split": "train=train, val=test, test=test (LRA: IMDb has no validation set)"
                        + limit_recipe(limits, seed)},
     )
-    log.info("text: %s, %s, cache %s, %d files skipped", desc, data.info["split"], data.info["cache"], skipped)
-    return data
+    log.info("text: %s, %s, cache %s, %d files skipped", desc, out.info["split"], out.info["cache"], skipped)
+    return out

@@ -1,0 +1,99 @@
+"""A run's files on disk: resumable checkpoints (the latest two, written atomically, loaded with
+``weights_only=True`` so a file in a run folder can never run code), the best-validation weights and the result.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts: the RNG states are converted to
+tensors and lists (numpy's state array would need pickle).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lra.data.common import atomic_save, atomic_write_text
+
+log = logging.getLogger("lra")
+
+CHECKPOINT, PREVIOUS, BEST, RESULT, HISTORY = "checkpoint.pt", "checkpoint.prev.pt", "best.pt", "result.json", \
+    "history.json"
+
+
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                     gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RunFiles:
+    """The files of one run folder."""
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.checkpoint, self.previous = self.dir / CHECKPOINT, self.dir / PREVIOUS
+        self.best, self.result, self.history = self.dir / BEST, self.dir / RESULT, self.dir / HISTORY
+
+    def save_checkpoint(self, state: dict) -> None:
+        """Keep the previous checkpoint as the fallback, then publish the new one (atomically)."""
+        if self.checkpoint.exists():
+            os.replace(self.checkpoint, self.previous)
+        atomic_save(state, self.checkpoint)
+
+    def load_checkpoint(self, device: torch.device) -> dict | None:
+        """The latest readable checkpoint (the previous one when the latest is unreadable, saying so); None when
+        there is none. A truncated or corrupt file is named, never silently trusted."""
+        for path in (self.checkpoint, self.previous):
+            if not path.exists():
+                continue
+            try:
+                state = torch.load(path, map_location=device, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try the next
+                log.warning("checkpoint %s is unreadable (%s: %s)%s", path, type(e).__name__, str(e)[:200],
+                            "; trying the previous one" if path == self.checkpoint else "")
+                continue
+            if path == self.previous:
+                log.warning("resuming from the previous checkpoint %s (step %d)", path, state["state"]["step"])
+            return state
+        return None
+
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint.exists() or self.previous.exists()
+
+    def clear(self) -> None:
+        for path in (self.checkpoint, self.previous, self.best, self.result):
+            path.unlink(missing_ok=True)
+
+    def save_best(self, model_state: dict, step: int, val_acc: float) -> None:
+        atomic_save({"model": model_state, "step": step, "val_acc": val_acc}, self.best)
+
+    def load_best(self, device: torch.device) -> dict:
+        return torch.load(self.best, map_location=device, weights_only=True)
+
+    def finished(self) -> dict | None:
+        if not self.result.exists():
+            return None
+        try:
+            return json.loads(self.result.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def write_result(self, row: dict, history: list) -> None:
+        atomic_write_text(self.history, json.dumps(history))
+        atomic_write_text(self.result, json.dumps(row, indent=1, default=str))

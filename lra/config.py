@@ -1,0 +1,330 @@
+"""The configuration's schema and its validation: every bad value fails at start, in one line that names the
+key, the value and what is allowed, before any data is read or any model is built.
+
+Types come from the dataclasses below, registered with Hydra's ConfigStore as ``lra_schema`` and put first in
+``conf/config.yaml``'s defaults list, so Hydra refuses a wrong type (``schedule.steps=abc``) or an unknown key
+(``+trainer.nonsense=1``) while composing. Choices and ranges are checked by :func:`validate` (a string field
+rather than an Enum, because the command line turns ``true`` into a bool); ``model.*`` is checked against the
+model's constructor through the registry (the constructor is the schema).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run; the message names the key, the value and what is allowed."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+    seq_len: int = MISSING
+    resolution: Optional[int] = None  # image tasks drawn at a resolution (Pathfinder, Path-X)
+    difficulty: Optional[str] = None  # Pathfinder: easy | intermediate | hard
+
+
+@dataclass
+class BackboneConfig:
+    """The shared encoder around the mixer (``lra.encoder``)."""
+
+    n_layers: int = MISSING
+    d_model: int = MISSING
+    n_heads: int = MISSING
+    d_qkv: int = MISSING  # total width of queries / keys / values over all heads (LRA's qkv_dim)
+    d_ff: int = MISSING
+    d_classifier: int = MISSING  # hidden width of the classifier head (LRA's mlp_dim)
+    dropout: float = MISSING
+    attn_dropout: float = MISSING
+    positions: str = "learned"
+    pooling: str = "cls"
+    cls_token: Optional[bool] = None  # null: a CLS slot exactly when pooling is cls
+
+
+@dataclass
+class OptimConfig:
+    lr: float = MISSING
+    lr_schedule: str = MISSING  # the learning-rate curve; the training budget is `schedule.*`
+    warmup_steps: int = MISSING
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    grad_clip: Optional[float] = None
+
+
+@dataclass
+class ScheduleConfig:
+    """The training budget: the task owns it (``conf/task/<task>.yaml``)."""
+
+    steps: int = MISSING
+    batch_size: int = MISSING  # the global batch, whatever the number of devices
+    eval_every: int = MISSING
+
+
+@dataclass
+class TrainerConfig:
+    """How a run executes; never what it computes."""
+
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    compile: str = "auto"  # torch.compile the model: auto (on CUDA only) | true | false
+    devices: int = 1  # processes of one data-parallel run (DistributedDataParallel)
+    threads: Optional[int] = None  # CPU threads of each process; null: this process's share of the host's cores
+    eval_batch_size: int = 128
+    ckpt_every: int = 500
+    timing_warmup: int = 20
+    progress: bool = True
+
+
+@dataclass
+class LimitConfig:
+    train: Optional[int] = None
+    val: Optional[int] = None
+    test: Optional[int] = None
+
+
+@dataclass
+class GenerateConfig:
+    """Settings of the generators (ListOps: seed and split sizes; Pathfinder: seed and image count)."""
+
+    seed: int = 0
+    train: int = 96_000
+    val: int = 2_000
+    test: int = 2_000
+    n: int = 200_000
+
+
+@dataclass
+class DataConfig:
+    """Every loader's settings; a task's loader reads only its own (see ``lra/data/<task>.py``)."""
+
+    cache_dir: str = "~/.cache/lra"
+    limit: LimitConfig = field(default_factory=LimitConfig)
+    root: Optional[str] = None  # a release folder (ListOps, retrieval, Pathfinder)
+    path: Optional[str] = None  # a Hugging Face id or local parquet (text, image)
+    split_seed: int = 42
+    pixel_zero_is_pad: bool = False
+    workers: Optional[int] = None
+    truncate_bytes: int = 10_000
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+    project: str = "lra"
+    entity: Optional[str] = None
+    mode: str = "online"
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ResultsConfig:
+    dir: str = "outputs/results"
+
+
+@dataclass
+class RunConfig:
+    experiment: str = "lra"  # the preset that ran (conf/experiment/<name>.yaml); recorded in every row
+    sweep: Optional[str] = None  # a multirun's folder name (outputs/multirun/<sweep>); null: from its overrides
+    seed: int = 0
+    device: str = "auto"
+    resume: str = "auto"
+    run_dir: str = MISSING
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: Dict[str, Any] = field(default_factory=dict)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    results: ResultsConfig = field(default_factory=ResultsConfig)
+
+
+@dataclass
+class BenchSettings:
+    """``python -m lra.bench``: LRA Table 2's protocol (conf/bench.yaml documents each key)."""
+
+    models: Optional[List[str]] = None
+    variants: List[Dict[str, Any]] = field(default_factory=list)
+    lengths: List[int] = field(default_factory=lambda: [1024, 2048, 3072, 4096])
+    batch_size: int = 32
+    batch_sizes: Dict[int, int] = field(default_factory=dict)
+    warmup: int = 5
+    steps: int = 20
+    compile: str = "auto"
+    precision: str = "auto"
+    vocab_size: int = 257
+    out: str = "outputs/results/bench.csv"
+    progress: bool = True
+
+
+@dataclass
+class BenchRunConfig(RunConfig):
+    bench: BenchSettings = field(default_factory=BenchSettings)
+
+
+# Overrides that do not change what a sweep computes do not name its folder either.
+SWEEP_NAME_SKIPS = ("hydra", "hydra/", "sweep", "results.dir", "data.cache_dir", "device", "resume", "logger",
+                    "trainer.progress")
+HYDRA_FLAGS_WITH_VALUES = {"-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir",
+                           "--experimental-rerun"}
+
+
+def sweep_slug(argv: list[str]) -> str:
+    """A multirun's stable folder name from its command-line overrides: the same command, the same folder, so
+    relaunching it finds the jobs already done."""
+    keep, skip_next = [], False
+    for arg in argv:
+        if skip_next or arg.startswith("-"):
+            skip_next = not skip_next and arg in HYDRA_FLAGS_WITH_VALUES
+            continue
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if not key.startswith(SWEEP_NAME_SKIPS):
+            keep.append(arg)
+    slug = re.sub(r"[^A-Za-z0-9=,._-]+", "-", "__".join(keep)) or "default"
+    return slug if len(slug) <= 100 else f"{slug[:80]}-{hashlib.sha1(slug.encode()).hexdigest()[:8]}"
+
+
+def sweep_folder(name: str | None) -> str:
+    """``sweep`` if given, else the name the CLI derived from the command (``LRA_SWEEP_NAME``, inherited by the
+    launcher's worker processes and Slurm jobs, so every job of a sweep agrees)."""
+    return str(name) if name else os.environ.get("LRA_SWEEP_NAME", "default")
+
+
+OmegaConf.register_new_resolver("lra.sweep_folder", sweep_folder, replace=True)
+ConfigStore.instance().store(name="lra_schema", node=RunConfig)
+ConfigStore.instance().store(name="lra_bench_schema", node=BenchRunConfig)
+
+CHOICES = {
+    "experiment": None,  # any preset name (checked by Hydra: it must be a file of conf/experiment/)
+    "trainer.precision": ("auto", "bf16", "fp32"),
+    "trainer.compile": ("auto", "true", "false"),
+    "resume": ("auto", "true", "false"),
+    "backbone.positions": ("learned", "sinusoidal"),
+    "backbone.pooling": ("cls", "mean"),
+    "optim.lr_schedule": ("rsqrt", "cosine", "constant"),
+    "logger.name": ("none", "wandb"),
+    "logger.mode": ("online", "offline", "disabled"),
+}
+AT_LEAST_ONE = ("schedule.steps", "schedule.batch_size", "schedule.eval_every", "trainer.eval_batch_size",
+                "trainer.ckpt_every", "trainer.devices", "backbone.n_layers", "backbone.d_model", "backbone.n_heads",
+                "backbone.d_qkv", "backbone.d_ff", "backbone.d_classifier", "task.seq_len")
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _get(cfg: DictConfig, key: str):
+    return OmegaConf.select(cfg, key, throw_on_missing=True)
+
+
+def _set(cfg: DictConfig, key: str, value) -> None:
+    with open_dict(cfg):
+        OmegaConf.update(cfg, key, value, merge=False)
+
+
+def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """Hydra's ``+key=value`` adds keys even to a typed node; refuse any key the schema does not have."""
+    known = {f.name: f.type for f in fields(schema)}
+    for key in node:
+        if key not in known:
+            where = prefix.rstrip(".") or "the top level"
+            raise ConfigError(f"{prefix}{key} is not a setting of {where}: its keys are {', '.join(known)}")
+        child = schema.__dataclass_fields__[key].default_factory
+        if isinstance(node[key], DictConfig) and callable(child) and is_dataclass(sub := child()):
+            unknown_keys(node[key], type(sub), f"{prefix}{key}.")
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Check a composed run config; normalise choice values (``True`` -> ``"true"``). Raises ConfigError."""
+    unknown_keys(cfg, RunConfig)
+    for key, allowed in CHOICES.items():
+        value = str(_get(cfg, key)).lower()
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid: choose one of {', '.join(allowed)}")
+        _set(cfg, key, value)
+    for key in AT_LEAST_ONE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} is not valid: it must be at least 1")
+    for key in ("data.limit.train", "data.limit.val", "data.limit.test"):
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} is not valid: a split needs at least one example (null = all)")
+    for key in ("backbone.dropout", "backbone.attn_dropout"):
+        if not 0.0 <= _get(cfg, key) < 1.0:
+            raise ConfigError(f"{key}={_get(cfg, key)} is not valid: a dropout rate is in [0, 1)")
+    if not cfg.optim.lr > 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} is not valid: the learning rate must be positive")
+    for key in ("optim.warmup_steps", "trainer.timing_warmup", "seed"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} is not valid: it must be >= 0")
+    if cfg.optim.grad_clip is not None and cfg.optim.grad_clip <= 0:
+        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip} is not valid: a positive norm, or null for none")
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas={list(cfg.optim.betas)} is not valid: two numbers in [0, 1)")
+    if not DEVICE.match(str(cfg.device)):
+        raise ConfigError(f"device={cfg.device!r} is not valid: choose auto, cpu, cuda or cuda:N")
+    if cfg.trainer.threads is not None and cfg.trainer.threads < 1:
+        raise ConfigError(f"trainer.threads={cfg.trainer.threads} is not valid: at least 1, or null for a share")
+    b = cfg.backbone
+    if b.d_qkv % b.n_heads:
+        raise ConfigError(f"backbone.d_qkv={b.d_qkv} is not valid: it must be a multiple of backbone.n_heads="
+                          f"{b.n_heads}")
+    if b.pooling == "cls" and b.cls_token is False:
+        raise ConfigError("backbone.pooling=cls needs the CLS slot: set backbone.cls_token=null or true")
+    validate_task(cfg)
+    validate_model(cfg)
+    return cfg
+
+
+def validate_task(cfg: DictConfig) -> None:
+    from lra.data import get_task
+
+    try:
+        spec = get_task(cfg.task.name)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+    spec.check(cfg.task)
+
+
+def validate_model(cfg: DictConfig) -> None:
+    from models.registry import get_model_class, invalid_options
+
+    if "name" not in cfg.model:
+        raise ConfigError("model.name is missing: choose a model with model=<name>")
+    options = model_options(cfg)
+    try:
+        get_model_class(cfg.model.name)
+    except ValueError as e:
+        raise ConfigError(f"model.name={cfg.model.name!r}: {e}") from None
+    error = invalid_options(cfg.model.name, options)
+    if error:
+        raise ConfigError(error)
+
+
+def register_plugin_model_configs() -> None:
+    """A model registered from outside the package (entry point ``lra.models`` or ``LRA_MODEL_MODULES``) has no
+    ``conf/model/<name>.yaml``: give it a config node of its name and its constructor's defaults, so that
+    ``model=<name>`` composes."""
+    from pathlib import Path
+
+    from models.registry import list_models
+    from models.registry import model_options as constructor_options
+
+    shipped = {p.stem for p in (Path(__file__).parent / "conf" / "model").glob("*.yaml")}
+    for name in list_models():
+        if name not in shipped:
+            ConfigStore.instance().store(group="model", name=name, node={"name": name, **constructor_options(name)})
+
+
+def model_options(cfg: DictConfig) -> dict:
+    """The model's own options from ``cfg.model`` (everything but ``name``), as plain Python values."""
+    options = OmegaConf.to_container(cfg.model, resolve=True)
+    options.pop("name", None)
+    return options

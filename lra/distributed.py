@@ -1,0 +1,106 @@
+"""One run on several processes: DistributedDataParallel over ``trainer.devices`` GPUs (NCCL) or CPU processes
+(gloo), or inside ``torchrun --nproc_per_node=N -m lra ...``.
+
+The global batch and the schedule stay the task's: every rank draws the same global batch of indices and trains on
+its share (``indices[rank::world_size]``), DDP averages the gradients, so the update equals the single-process one
+up to floating-point order. Rank 0 alone evaluates, writes checkpoints, rows and logs; the others wait at a barrier.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+EXIT_INTERRUPTED = 75  # a run stopped by a signal; its checkpoint is saved (EX_TEMPFAIL: rerun to resume)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a global batch of indices."""
+        return indices[self.rank :: self.size]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def any(self, flags: torch.Tensor) -> torch.Tensor:
+        """Elementwise OR of a small flag tensor over the ranks (stop requested, non-finite loss)."""
+        if self.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
+
+
+def from_env() -> World:
+    """The world torchrun (or our own launcher) describes in the environment; a single process otherwise."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return World()
+
+
+def init(world: World, device: torch.device) -> None:
+    if world.distributed and not dist.is_initialized():
+        # evaluation on rank 0 can take minutes (a pass over 25K 4K-byte reviews) while the others wait
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank,
+                                world_size=world.size, timeout=timedelta(hours=2))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LRA_LOCAL_JOBS=str(size * int(os.environ.get("LRA_LOCAL_JOBS", "1"))))
+    fn(*args)
+
+
+def spawn(size: int, fn, *args) -> None:
+    """Run ``fn(*args)`` in ``size`` fresh processes forming one world; SIGINT/SIGTERM/SIGUSR2 reach every rank
+    (each finishes its step and rank 0 checkpoints). Raises ``SystemExit(EXIT_INTERRUPTED)`` when the ranks
+    stopped on a signal, ``RuntimeError`` when one failed."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_worker, args=(size, free_port(), fn, args), nprocs=size, join=False,
+                             start_method="spawn")
+
+    def forward(signum, frame):
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code == EXIT_INTERRUPTED:
+            raise SystemExit(EXIT_INTERRUPTED) from None
+        raise RuntimeError(f"rank {e.error_index} of the data-parallel run exited with code {e.exit_code}") from None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

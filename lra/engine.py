@@ -1,0 +1,206 @@
+"""The one training engine shared by the runner (``lra.run``) and the bench (``lra.bench``): device, precision and
+compilation resolved the same way, the single training step, the optimiser with the mixers' parameter groups,
+synchronised timing and peak memory. What one measures the other measures identically.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lra.encoder import Classifier, build_classifier
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
+    return device
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """``auto`` is bf16 autocast on CUDA and fp32 elsewhere."""
+    return name if name != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+
+
+def resolve_compile(flag: str | bool, device: torch.device) -> bool:
+    """``auto`` compiles on CUDA only (on CPU the compile costs more than a short run gains)."""
+    flag = str(flag).lower()
+    return device.type == "cuda" if flag == "auto" else flag == "true"
+
+
+def autocast(precision: str, device: torch.device):
+    """A factory of autocast contexts for ``precision`` (a fresh context per use)."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
+def cpu_threads(requested: int | None, local_processes: int = 1) -> int:
+    """Threads for this process: ``requested``, else its share of the cores it may run on. Every process of a
+    multi-GPU host otherwise takes all the cores (torch's default) and they thrash: four runs side by side ran at
+    half the speed of one alone. ``LRA_LOCAL_JOBS`` (set by the launcher) says how many jobs share the host."""
+    if requested:
+        return int(requested)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    jobs = max(local_processes, int(os.environ.get("LRA_LOCAL_JOBS", "1") or 1))
+    return max(1, cores // jobs)
+
+
+def configure(device: torch.device, threads: int) -> None:
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 whatever the autocast dtype of the logits."""
+    return F.cross_entropy(logits.float(), labels)
+
+
+def train_step(model, optimizer, tokens: torch.Tensor, labels: torch.Tensor, *, autocast, grad_clip=None,
+               scheduler=None) -> torch.Tensor:
+    """One optimisation step: forward, loss, backward, clip, AdamW, schedule. Returns the loss (not synchronised)."""
+    with autocast():
+        loss = classification_loss(model(tokens), labels)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return loss.detach()
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: the default one, plus one per distinct ``_optim`` setting a mixer put on its parameters
+    (e.g. an SSM's lower learning rate and no weight decay)."""
+    default, special = [], {}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        opts = getattr(p, "_optim", None)
+        if opts:
+            special.setdefault(tuple(sorted(opts.items())), []).append(p)
+        else:
+            default.append(p)
+    groups = [{"params": default, "weight_decay": weight_decay}] if default else []
+    groups += [{"params": ps, **dict(key)} for key, ps in special.items()]
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, optim, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(parameter_groups(model, optim.weight_decay), lr=optim.lr, betas=tuple(optim.betas),
+                             eps=optim.eps, fused=device.type == "cuda")
+
+
+def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
+    """LRA's schedules as products of factors (``utils/train_utils.py``), ``step`` counting from 1."""
+    warm = min(1.0, step / warmup) if warmup else 1.0
+    if schedule == "rsqrt":
+        return warm / math.sqrt(max(step, warmup, 1))
+    if schedule == "cosine":
+        progress = (max(0, step - warmup) / max(total, 1)) % 1.0
+        return warm * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    if schedule == "constant":
+        return warm
+    raise ValueError(f"optim.lr_schedule must be rsqrt, cosine or constant, got {schedule!r}")
+
+
+def build_scheduler(optimizer, optim, total_steps: int):
+    """Scales each group's own learning rate (so ``_optim`` groups keep their ratio to the base)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s + 1, optim.lr_schedule, optim.warmup_steps, total_steps))
+
+
+@dataclass
+class TaskShape:
+    """What a model needs to know of its data."""
+
+    vocab_size: int
+    seq_len: int
+    n_classes: int
+    pair: bool = False
+    padded: bool = True  # False: no token is ever 0, so the model runs mask-free (see ``lra.encoder.Classifier``)
+    grid: tuple[int, int] | None = None
+
+
+def build_model(name: str, options: dict, backbone, shape: TaskShape) -> Classifier:
+    """The classifier a run trains and the bench times."""
+    return build_classifier(name, options, backbone, shape.vocab_size, shape.seq_len, shape.n_classes,
+                            pair=shape.pair, padded=shape.padded, grid=shape.grid)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> str:
+    """Start a new peak; returns what the next ``peak_memory_mb`` measures."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return "cuda_max_allocated"
+    try:  # Linux: writing 5 resets the process's peak resident set (VmHWM) to its current size
+        Path("/proc/self/clear_refs").write_text("5")
+        return "peak_rss"
+    except OSError:
+        return "peak_rss_since_start"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA allocator peak on a GPU; the process's peak resident set on CPU (since the last reset where possible)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class StepTimer:
+    """Synchronised wall time of training steps only: the first ``warmup`` steps (compilation, allocator warm-up)
+    and everything between ``pause()`` and the next step (evaluation, checkpoints) are excluded. ``steps`` and
+    ``seconds`` accumulate across resumes when restored from a checkpoint."""
+
+    def __init__(self, device: torch.device, warmup: int, steps: int = 0, seconds: float = 0.0):
+        self.device, self.warmup_left, self.steps, self.seconds = device, warmup, steps, seconds
+        self._start: float | None = None
+        self._open = 0
+
+    def before_step(self) -> None:
+        if self.warmup_left == 0 and self._start is None:
+            synchronize(self.device)
+            self._start = time.perf_counter()
+
+    def after_step(self) -> None:
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+        else:
+            self._open += 1
+
+    def pause(self) -> None:
+        """Close the running segment (synchronising), so what follows is not timed."""
+        if self._start is not None and self._open:
+            synchronize(self.device)
+            self.seconds += time.perf_counter() - self._start
+            self.steps += self._open
+        self._start, self._open = None, 0
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds if self.seconds else float("nan")
