@@ -9,14 +9,19 @@ closing the gaps (1 px) joins ~95 % of negatives. So the checks below flood-fill
 rendering (``_render(..., debug=True)``), and check on the final image that those strokes and the markers are
 really drawn there. The one failure mode left is a label-0 image whose second marker lies on the other target's
 ink (the snakes cross there): ~3 % measured, asserted below 8 %.
+
+Dtypes (module docstring): snakes2 pastes each float64 paddle patch into a float32 'F' canvas, so line and mask
+values are float32-rounded; the tests write that arithmetic out, derive which grey levels it allows at 32 px,
+and check a few hundred images against the derivation.
 """
 import dataclasses
 import filecmp
+import json
 import math
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageDraw
 from scipy import ndimage
 
 from lra.data import pathfinder_gen as pg
@@ -54,6 +59,105 @@ def test_cv2_border_quirk_restricts_seed_angles():
     assert sum(usable) == 30
     loose = dataclasses.replace(p, cv2_border=False)
     assert all(pg._seed_info(loose, 1, a * math.pi / 180)[1] for a in range(-180, 180, 10))
+
+
+def _snakes2_paste(hw, start, theta, contrast, p, margin):
+    """snakes.draw_line_n_mask written out: float64 patches (k / 255, times the contrast) assigned into
+    ``np.array(Image.new('F', ...))`` canvases; the uint8 steps (bytescale, LANCZOS, dilation) are the port's."""
+    length, thick, aa = p.paddle_length, p.paddle_thickness, p.antialias_scale
+    r = length + math.ceil(thick) + margin
+    blown = Image.new("F", (2 * r * aa + 1,) * 2, "black")
+    head = pg._step((r * aa, r * aa), theta, length * aa)
+    ImageDraw.Draw(blown).line([(r * aa, r * aa), (head[1], head[0])], fill="white", width=round(thick * aa))
+    blown = np.array(blown)
+    miniline = pg._shrink(blown, (2 * r + 1,) * 2).astype(np.float64) / 255
+    if contrast != 1.0:
+        miniline *= contrast
+    minimask = pg._shrink(pg._dilate(blown, pg._disk(margin * aa)).astype(np.uint8), (2 * r + 1,) * 2) / 255
+    l_im = np.array(Image.new("F", (hw[1], hw[0]), "black"))
+    m_im = l_im.copy()
+    y0, x0 = start[0] - r, start[1] - r
+    cy, cx = slice(max(y0, 0), min(y0 + 2 * r + 1, hw[0])), slice(max(x0, 0), min(x0 + 2 * r + 1, hw[1]))
+    py, px = slice(cy.start - y0, cy.stop - y0), slice(cx.start - x0, cx.stop - x0)
+    l_im[cy, cx], m_im[cy, cx] = miniline[py, px], minimask[py, px]
+    return l_im, m_im
+
+
+def test_patches_are_pasted_and_composed_as_in_snakes2():
+    p = pg.PathfinderParams()
+    hw, m = p.window_size, 1
+    key = (p.paddle_length, p.paddle_thickness, m, p.antialias_scale)
+    scene, rounded = pg._Scene(p, None, m), 0
+    for deg, start, contrast in [(-135, (16, 16), 1.5), (37, (0, 5), 2.0), (100, (31, 30), 1.5),
+                                 (-100, (14, 17), 1.5), (-128, (15, 14), 2.0), (12, (17, 16), 1.5)]:
+        theta = deg * math.pi / 180
+        l_im, m_im = _snakes2_paste(hw, start, theta, contrast, p, m)
+        pad = scene.paddle(start, theta, contrast)
+        assert pad.line.dtype == pad.mask.dtype == np.float32
+        assert np.array_equal(pad.line, l_im[pad.win]) and np.array_equal(pad.mask, m_im[pad.win])
+        product = pg._paddle_patch(theta, *key)[0] * contrast  # float64, before the paste
+        rounded += not np.array_equal(pg._contrast_line(theta, *key, contrast), product)
+        image, mask = scene.img.copy(), scene.mask.copy()  # float64 accumulators, as snakes2's np.zeros
+        accept = np.max(mask + m_im) < 1.8  # extend_snake's test: float64 + float32 -> float64
+        assert (np.max(scene.mask[pad.win] + pad.mask) < 1.8) == accept  # the port's form of it
+        scene.draw(pad)
+        scene.keep_out(pad)
+        assert scene.img.dtype == scene.mask.dtype == np.float64
+        assert np.array_equal(scene.img, np.maximum(image, l_im))
+        assert np.array_equal(scene.mask, np.maximum(mask, m_im))
+    assert rounded  # the float32 paste is not a no-op
+    # 459/255 is 1.8 exactly: an existing 210/255 under a new paddle's 249/255 sums to just below 1.8 in float64
+    # (accepted by version 1) and to just above from snakes2's float32-rounded values (rejected)
+    assert 210 / 255 + 249 / 255 < 1.8 <= np.float64(np.float32(210 / 255)) + np.float32(249 / 255)
+    theta = next(t for t in np.arange(-180, 180) * math.pi / 180
+                 if (np.rint(pg._paddle_patch(t, *key)[1] * 255) == 249).any())
+    scene = pg._Scene(p, None, m)
+    l_im, m_im = _snakes2_paste(hw, (16, 16), theta, 2.0, p, m)
+    scene.mask[:] = np.where(np.rint(m_im * 255) == 249, np.float32(210 / 255), 0)  # as a keep_out leaves it
+    pad = scene.paddle((16, 16), theta, 2.0)
+    assert np.max(scene.mask + m_im) >= 1.8 and np.max(scene.mask[pad.win] + pad.mask) >= 1.8
+
+
+def _grey_levels(rounding: bool) -> set:
+    """Every grey level a 32 px image can show, derived from the sources of a pixel's value. A level is
+    bytescale(v) = floor(v * 255 / top + 0.5), background 0, with v the pixel's brightest source: a target
+    paddle (k / 255) * 1.5, a distractor paddle (k / 255) * 2.0 (k: a uint8 of a LANCZOS-shrunk patch;
+    rounded to float32 by snakes2's paste) or a marker k / 255 (float64 everywhere), and top the image's
+    brightest value: a marker's 1.0 or a distractor's above it. Targets may carry any patch (the second
+    target's seed angle is never checked); distractors only patches of seed angles that cv2's border leaves
+    usable and of growth steps; markers sit on tips >= 2 px from the border (the padding's keep-out, dilated
+    by the margin, leaves no growth weight within 1 px of it)."""
+    p = pg.PathfinderParams()
+    m = p.paddle_margin_list[0]
+
+    def ks(theta):
+        line = pg._paddle_patch(theta, p.paddle_length, p.paddle_thickness, m, p.antialias_scale)[0]
+        return set(np.rint(line * 255).astype(int).ravel().tolist())
+
+    dy, dx = pg._circle(p.paddle_length + m)
+    grow = set().union(*(ks(pg._flip(math.atan2(a, b))) for a, b in zip(np.floor(dy), np.floor(dx))))
+    seeds = {a: ks(a * math.pi / 180) for a in range(-180, 180)}
+    usable = [k for a, k in seeds.items() if pg._seed_info(p, m, a * math.pi / 180)[1]]
+    scene = pg._Scene(p, None, m)
+    markers = set().union(*(set(scene.marker((y, x)).ravel().tolist()) for y in range(2, 30) for x in range(2, 30)))
+    paste = (lambda v: float(np.float32(v))) if rounding else float
+    sources = ([paste(k / 255 * 1.5) for k in grow.union(*seeds.values())]
+               + [paste(k / 255 * 2.0) for k in grow.union(*usable)] + [k / 255 for k in markers])
+    tops = [1.0] + [v for v in sources if v > 1.0]
+    return {int(pg._bytescale(np.array([0.0, v, top]))[1]) for top in tops for v in sources if v <= top}
+
+
+def test_grey_levels_derived_from_the_float32_paste(samples):
+    snakes2, float64 = _grey_levels(rounding=True), _grey_levels(rounding=False)
+    assert snakes2 - float64 == {22} and float64 - snakes2 == {77, 158, 218}
+    # a few hundred images: 160 hard (the fixture) and 160 easy
+    rng, easy = pg.batch_rng(99, 0), pg.PathfinderParams.for_lra(32, "easy")
+    images = samples + [pg._render(easy, rng, debug=True) for _ in range(160)]
+    for _, _, _, info in images:  # stroke values are float32 numbers (held in the float64 image)
+        assert np.array_equal(info["strokes"], info["strokes"].astype(np.float32))
+    counts = np.bincount(np.concatenate([img.ravel() for img, *_ in images]), minlength=256)
+    assert set(np.flatnonzero(counts)) <= snakes2
+    assert counts[22] > 0 and counts[[77, 158, 218]].sum() == 0, counts[[22, 77, 158, 218]]
 
 
 def test_images_and_label_balance(samples):
@@ -146,10 +250,11 @@ def _lines(folder, k):
 
 
 def test_layout_workers_and_resume(tmp_path):
-    kw = dict(resolution=32, difficulty="easy", n=7, seed=3, batch_size=4, progress=False)
+    kw = {"resolution": 32, "difficulty": "easy", "n": 7, "seed": 3, "batch_size": 4, "progress": False}
     one = pg.generate(tmp_path / "w1", workers=1, **kw)
     two = pg.generate(tmp_path / "w2", workers=2, **kw)
     assert one == tmp_path / "w1" / "pathfinder32" / "curv_baseline"
+    assert json.loads((one / "pathfinder_gen.json").read_text())["version"] == pg.GENERATOR_VERSION == 2
     for folder in (one, two):
         assert sorted(p.name for p in (folder / "metadata").iterdir()) == ["0.npy", "1.npy"]
     for k, size in ((0, 4), (1, 3)):
@@ -183,3 +288,7 @@ def test_layout_workers_and_resume(tmp_path):
     assert filecmp.cmp(one / "imgs" / "1" / "sample_1.png", two / "imgs" / "1" / "sample_1.png", shallow=False)
     with pytest.raises(ValueError):  # other settings into the same folder would mix two datasets
         pg.generate(tmp_path / "w1", workers=1, **{**kw, "seed": 4})
+    manifest = one / "pathfinder_gen.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "version": 1}))
+    with pytest.raises(ValueError):  # ... and so would another generator version
+        pg.generate(tmp_path / "w1", workers=1, **{**kw, "n": 8})

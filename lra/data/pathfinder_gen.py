@@ -18,11 +18,34 @@ hard, ~2.8 at 128 px hard (a literal cv2 port of snakes2: ~1-3 and ~0.15). Memor
 
 Random calls mirror snakes2 one for one (``rng.integers`` for ``np.random.randint``, ``rng.random`` for
 ``np.random.rand``), so with a RandomState adapter this code reproduces a literal Python 3 + cv2 port of
-snakes2/snakes pixel for pixel (checked offline; cv2 is not a dependency). Differences from the original:
-numpy ``Generator`` seeded per batch from ``SeedSequence(seed, spawn_key=(k,))`` (the original seeds are
-unknown); ``random.shuffle`` of the doubled contrast list is skipped when its entries are equal (all LRA
-configs); metadata is written as the text lines of LRA.md 1.3, not ``np.save``; scipy.misc is replaced by
-its bytescale + PIL LANCZOS, cv2.dilate by a numpy shift-max.
+snakes2/snakes pixel for pixel (checked offline against ab9c130 under Python 3, cv2 5.0 and Pillow 13: 300 + 300
+32 px hard + easy and 20 64 px hard images and labels identical since version 2; cv2 is not a dependency).
+Differences from the original: numpy ``Generator`` seeded per batch from ``SeedSequence(seed, spawn_key=(k,))``
+(the original seeds are unknown); ``random.shuffle`` of the doubled contrast list is skipped when its entries are
+equal (all LRA configs); metadata is written as the text lines of LRA.md 1.3, not ``np.save``; scipy.misc is
+replaced by its bytescale + PIL LANCZOS, cv2.dilate by a numpy shift-max.
+
+Dtypes, step by step as in snakes ``draw_line_n_mask`` (version 2; ``GENERATOR_VERSION``):
+- the paddle is drawn on a PIL 'F' (float32) canvas holding 0 and 255 only, so its bytescale and its dilation
+  (cv2 keeps float32) are exact; both shrink to uint8 k, and ``k / 255`` and ``* contrast`` are float64;
+- line and mask are then pasted into ``np.array(Image.new('F', ...))``: float32, so each patch value is
+  rounded to float32 (``_contrast_line``; the mask of ``_paddle_patch``);
+- the image and the keep-out mask they join are ``np.zeros`` (float64) in snakes2, so ``np.maximum`` keeps the
+  float32 values exactly and the acceptance test ``max(mask + m_im) < 1.8`` adds them in float64; our canvases
+  are float64 for the same reason (a float32 sum would round a second time). The mask's float32 values also
+  feed the growth weights ``1 - dilate(mask)``;
+- markers never touch an 'F' canvas (float64 k / 255) and the final bytescale is float64, scaled by the
+  brightest value (1.0 for a marker, else float32(2k/255) of the brightest distractor pixel at 32 px).
+At 32 px the float32 rounding moves 3-4 % of hard (~1.7 % of easy) ink pixels one grey level, nearly all down:
+values exactly half-way between two levels (e.g. a target's 1.5k/255 for odd k when a marker is the brightest
+value) round the way float32 pushes them, so grey 22 occurs and 77, 158, 218 never do (float64: the reverse;
+the tests derive this). Two mask values summing to 459/255 (210 + 249, 211 + 248) pass the acceptance test in
+float64 but not in snakes2: 3 decisions in 300 hard images, none in 300 easy; each changes that image and,
+through the random stream, every later image of its batch.
+
+Versions (``GENERATOR_VERSION``; a change of any image for the same seed bumps it):
+1. up to 48aa47f: patches, masks and contrast kept in float64 (not the original's arithmetic, see above).
+2. line and mask patches rounded to float32 as snakes2 pastes them (images, labels and placements change).
 
 Uncertain points (LRA.md 3.3) and what we chose:
 1. num_distractor_snakes = K // distractor_length recomputed per level (32 px: 10 / 6 / 5 for easy /
@@ -30,7 +53,7 @@ Uncertain points (LRA.md 3.3) and what we chose:
 2. use_single_paddles = False (the wrapper body; the Args default says True). A field, so either can be run.
 3. paddle_length = 5 (the Args default) at 64/128/256; 2 at 32 (confirmed by released metadata).
 4. Seeds and the 2019 Pillow/scipy versions are unknown: bit-exact release images are impossible; we keep
-   np.unique ordering, ceil/int truncations, Python-2 integer divisions and float64 arithmetic.
+   np.unique ordering, ceil/int truncations, Python-2 integer divisions and the original's dtypes (above).
 5. Path-X (128) data were reported unlearnable (LRA #38); we generate it as specified, nothing is changed.
 Quirks of the original that we reproduce (each behind a field where it is a choice):
 - cv2.dilate on float images gives -DBL_MAX where every kernel sample falls outside the image, and
@@ -61,18 +84,23 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+GENERATOR_VERSION = 2  # what this code draws for a given seed; the versions are listed in the module docstring
 DIFFICULTIES = {"easy": "curv_baseline", "intermediate": "curv_contour_length_9", "hard": "curv_contour_length_14"}
 CONTOUR_LENGTHS = {"easy": 6, "intermediate": 9, "hard": 14}
 # resolution -> (LRA overrides of the snakes2 defaults, distractor numerator K)
 _LRA = {
-    32: (dict(padding=1, paddle_margin_list=(1,), seed_distance=7, marker_radius=1.5, paddle_length=2,
-              paddle_thickness=0.5, continuity=1.0, snake_contrast_list=(2.0,), paddle_contrast_list=(0.75,)), 20),
-    64: (dict(padding=1, paddle_margin_list=(1,), seed_distance=12, marker_radius=2.5, paddle_length=5,
-              paddle_thickness=1, continuity=1.8, snake_contrast_list=(0.8,), paddle_contrast_list=(1.0,)), 22),
-    128: (dict(padding=1, paddle_margin_list=(2, 3), seed_distance=20, marker_radius=3, paddle_length=5,
-               paddle_thickness=1.5, continuity=1.8, snake_contrast_list=(0.9,), paddle_contrast_list=(1.0,)), 35),
-    256: (dict(padding=22, paddle_margin_list=(3,), seed_distance=27, marker_radius=5, paddle_length=5,
-               paddle_thickness=2, continuity=1.8, snake_contrast_list=(1.0,), paddle_contrast_list=(1.0,)), 30),
+    32: ({"padding": 1, "paddle_margin_list": (1,), "seed_distance": 7, "marker_radius": 1.5, "paddle_length": 2,
+          "paddle_thickness": 0.5, "continuity": 1.0, "snake_contrast_list": (2.0,), "paddle_contrast_list": (0.75,)},
+         20),
+    64: ({"padding": 1, "paddle_margin_list": (1,), "seed_distance": 12, "marker_radius": 2.5, "paddle_length": 5,
+          "paddle_thickness": 1, "continuity": 1.8, "snake_contrast_list": (0.8,), "paddle_contrast_list": (1.0,)},
+         22),
+    128: ({"padding": 1, "paddle_margin_list": (2, 3), "seed_distance": 20, "marker_radius": 3, "paddle_length": 5,
+           "paddle_thickness": 1.5, "continuity": 1.8, "snake_contrast_list": (0.9,), "paddle_contrast_list": (1.0,)},
+          35),
+    256: ({"padding": 22, "paddle_margin_list": (3,), "seed_distance": 27, "marker_radius": 5, "paddle_length": 5,
+           "paddle_thickness": 2, "continuity": 1.8, "snake_contrast_list": (1.0,), "paddle_contrast_list": (1.0,)},
+          30),
 }
 
 
@@ -134,10 +162,10 @@ def _disk(r: int) -> np.ndarray:
 
 
 def _dilate(a: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """cv2.dilate with the kernel unreflected: out[p] = max over offsets d of a[p + d], samples outside the
-    image skipped; a pixel whose samples are all outside gets -inf (cv2's border for float images)."""
+    """cv2.dilate (float ``a``) with the kernel unreflected: out[p] = max over offsets d of a[p + d], samples
+    outside the image skipped; a pixel whose samples are all outside gets -inf (cv2's border for float images)."""
     h, w = a.shape
-    out = np.full((h, w), -np.inf)
+    out = np.full((h, w), -np.inf, a.dtype)  # cv2 keeps the input's float type
     for dy, dx in offsets:
         y0, y1, x0, x1 = max(0, -dy), min(h, h - dy), max(0, -dx), min(w, w - dx)
         if y0 < y1 and x0 < x1:
@@ -170,7 +198,10 @@ def _shrink(a: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
 
 @functools.cache
 def _paddle_patch(theta: float, length: int, thick: float, margin: int, aa: int):
-    """(line, mask) patches of side 2R+1 centred on the paddle's start; line peaks near 1, mask is <= 1."""
+    """(line, mask) patches of side 2R+1 centred on the paddle's start, as snakes2's ``draw_line_n_mask`` makes
+    them: line = ``miniline_im`` (float64 k/255, before contrast; ``_contrast_line`` applies contrast and the
+    float32 paste), mask = ``m_im`` (k/255 computed in float64, then rounded to float32 by the paste onto the
+    'F' canvas). line peaks near 1, mask is <= 1."""
     if round(thick * aa) != thick * aa:
         raise ValueError(f"paddle_thickness * antialias_scale must be integral, got {thick} * {aa}")
     r = length + math.ceil(thick) + margin
@@ -178,16 +209,19 @@ def _paddle_patch(theta: float, length: int, thick: float, margin: int, aa: int)
     big = Image.new("F", (2 * c + 1, 2 * c + 1), 0)
     head = _step((c, c), theta, length * aa)
     ImageDraw.Draw(big).line([(c, c), (head[1], head[0])], fill=255, width=round(thick * aa))
-    big = np.asarray(big)
+    big = np.asarray(big)  # float32, 0 or 255: its bytescale and dilation are exact
     line = _shrink(big, (2 * r + 1,) * 2).astype(np.float64) / 255
     mask = _shrink(_dilate(big, _disk(margin * aa)).astype(np.uint8), (2 * r + 1,) * 2).astype(np.float64) / 255
+    mask = mask.astype(np.float32)
     line.flags.writeable = mask.flags.writeable = False
     return line, mask
 
 
 @functools.cache
 def _contrast_line(theta: float, length: int, thick: float, margin: int, aa: int, contrast: float) -> np.ndarray:
-    line = _paddle_patch(theta, length, thick, margin, aa)[0] * contrast
+    """The line patch as snakes2 pastes it: ``miniline_im *= contrast`` in float64, then rounded to float32 by
+    the assignment into ``l_im = np.array(Image.new('F', ...))``."""
+    line = (_paddle_patch(theta, length, thick, margin, aa)[0] * contrast).astype(np.float32)
     line.flags.writeable = False
     return line
 
@@ -198,7 +232,7 @@ def _seed_kernel(theta: float, length: int, thick: float, margin: int, aa: int) 
     (2(L+m)+1)^2 canvas, where it is exactly 1 (cv2 casts the float kernel to uint8)."""
     _, mask = _paddle_patch(theta, length, thick, margin, aa)
     s, r = 2 * (length + margin) + 1, mask.shape[0] // 2
-    canvas = np.zeros((s + 2 * r, s + 2 * r))
+    canvas = np.zeros((s + 2 * r, s + 2 * r), np.float32)  # snakes2's 'F' canvas; cv2 casts it to uint8
     canvas[length + margin + 1:length + margin + 2 + 2 * r, length + margin + 1:length + margin + 2 + 2 * r] = mask
     return np.argwhere(canvas[r:r + s, r:r + s] >= 1.0) - (length + margin)
 
@@ -276,7 +310,7 @@ class _Scene:
     def __init__(self, p: PathfinderParams, rng, margin: int):
         self.p, self.rng, self.m = p, rng, margin
         self.hw = tuple(p.window_size)
-        self.img = np.zeros(self.hw)
+        self.img = np.zeros(self.hw)  # float64 like snakes2's np.zeros; the pasted patches are float32
         self.buf = np.zeros((self.hw[0] + 2 * margin, self.hw[1] + 2 * margin))  # zero rim: dilation gathers
         self.mask = self.buf[margin:margin + self.hw[0], margin:margin + self.hw[1]]  # (H, W) view
         self.flat = self.buf.reshape(-1)  # ((H + 2m) * (W + 2m),) view for gathers
@@ -478,8 +512,8 @@ def generate(out_dir, resolution: int = 32, difficulty: str = "hard", n: int = 2
         raise ValueError(f"params.window_size {params.window_size} does not match resolution {resolution}")
     folder = Path(out_dir).expanduser() / f"pathfinder{resolution}" / DIFFICULTIES[difficulty]
     (folder / "metadata").mkdir(parents=True, exist_ok=True)
-    manifest = {"generator": "lra.data.pathfinder_gen", "seed": seed, "batch_size": batch_size,
-                "params": asdict(params)}
+    manifest = {"generator": "lra.data.pathfinder_gen", "version": GENERATOR_VERSION, "seed": seed,
+                "batch_size": batch_size, "params": asdict(params)}  # a folder never mixes versions
     mpath = folder / "pathfinder_gen.json"
     if mpath.exists() and json.loads(mpath.read_text()) != json.loads(json.dumps(manifest)):
         raise ValueError(f"{folder} was generated with other settings ({mpath}); use a new --out")
