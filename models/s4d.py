@@ -1,0 +1,201 @@
+"""S4D: a diagonal state space model as the token mixer (Gu, Gupta, Goel, Ré, 2022, "On the Parameterization and
+Initialization of Diagonal State Space Models", https://arxiv.org/abs/2206.11893).
+
+Each of the H = d_model channels is its own linear time-invariant system with a diagonal complex state matrix:
+
+    x_k = Ab x_{k-1} + Bb u_k,   y_k = 2 Re(C x_k) + D u_k,     A = -exp(log_A_real) + i A_imag (Re A < 0),
+
+with N = ``d_state`` real state dimensions held as N/2 complex modes: the other half are the complex conjugates,
+which contribute the conjugate, hence ``2 Re`` (as the S4D code). dt = exp(log_dt), log_dt ~ U[log dt_min,
+log dt_max]. Discretisation (``discretization``): ``zoh`` Ab = exp(dt A), Bb = (exp(dt A) - 1) / A * B (default);
+``bilinear`` Ab = (1 + dt A/2) / (1 - dt A/2), Bb = dt B / (1 - dt A/2). The recurrence unrolls to a convolution
+with the kernel K_k = 2 Re(sum_n C_n Bb_n Ab_n^k), k = 0..L-1, a Vandermonde product, applied by FFT.
+
+Initialisation of A (``init``), C ~ complex N(0, 1), D ~ N(0, 1):
+* ``legs`` (default; the published S4D-LegS LRA numbers): the eigenvalues of the normal part of HiPPO-LegS,
+  S = A_LegS + P P^T with P_n = sqrt(n + 1/2), which is -1/2 I plus a skew-symmetric matrix: A_n = -1/2 + i w_n,
+  the N/2 eigenvalues with w_n > 0. B is HiPPO-derived, B = V^* B_LegS (V the unit eigenvectors, B_LegS_n =
+  sqrt(2n + 1)), which is what the S4 repository's diagonal mode does with ``init: legs``.
+* ``lin`` (S4D-Lin): A_n = -1/2 + i pi n; B = 1.        * ``inv`` (S4D-Inv): A_n = -1/2 + i (N/pi)(N/(2n+1) - 1); B = 1.
+
+The layer, as S4's: SSM (with the D skip) -> GELU -> dropout -> output projection, ``glu: true`` = Linear(H, 2H)
++ GLU (S4's default), else Linear(H, H). The backbone's ``dropout`` (the attention-dropout slot) is this dropout.
+``n_heads``, ``d_qkv`` and ``max_len`` have no meaning here and are unused (the kernel is built at each length).
+Bidirectional (``bidirectional: true``, S4's ``bidirectional=True``): a second C gives a second kernel K' that
+convolves the future, y_t = sum_{s<=t} K_{t-s} u_s + sum_{s>t} K'_{s-t-1} u_s + D u_t, both in one FFT (K' is
+reversed into the second half of the length-2L kernel). ``step`` decodes token by token with the recurrence
+(``bidirectional: false``). SSM parameters (log_dt, log_A_real, A_imag, B; not C, not D) carry ``_optim = {"lr":
+ssm_lr, "weight_decay": 0}`` (S4's convention); ``ssm_lr: null`` sets no ``_optim``.
+
+Complexity: O(H L log L) time for the FFT convolution plus O(H N L) for the kernel, O(H L) memory for the
+convolution; the Vandermonde product is factored (k = q R + r, R ~ sqrt L: Ab^k = Ab^(qR) Ab^r) into one batched
+complex matmul, so the kernel needs O(H N sqrt L) memory, not the (H, N/2, L) powers of the naive form.
+Precision: the kernel (complex64 at least) and the FFT convolution run in fp32 even under bf16 autocast (powers
+Ab^k over thousands of steps and FFT sums lose everything in bf16); the GELU and output projection follow autocast.
+Padding: padded inputs are zeroed before the convolution, so they reach no output; the FFT has length 2L, so
+nothing wraps around, and each K_k depends on k only, so appending padding leaves real outputs unchanged.
+Deviations from the S4D code: no kernel caching and no CUDA/keops Vandermonde kernel (the factored matmul
+instead); A, B are per channel (S4's LRA configs tie them across channels, ``n_ssm: 1``); dt is parameterised
+by exp (S4D's default, the S4 repo now defaults to softplus); plain element dropout (S4Block's default, not the
+tied DropoutNd of the minimal s4d.py); Linear instead of the equivalent Conv1d(kernel_size=1).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .registry import Taxonomy, register_model
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
+
+
+def legs_normal_part(N: int) -> torch.Tensor:
+    """The normal part of HiPPO-LegS, A + P P^T (float64, (N, N)): -1/2 on the diagonal, -sqrt((2n+1)(2k+1))/2
+    below it and the negation above it (A_nk = -sqrt((2n+1)(2k+1)) for n > k, -(n+1) on the diagonal)."""
+    r = torch.sqrt(2 * torch.arange(N, dtype=torch.float64) + 1)
+    lower = torch.tril(r[:, None] * r[None, :], -1) / 2  # (N, N)
+    return lower.T - lower - 0.5 * torch.eye(N, dtype=torch.float64)
+
+
+def init_diagonal(init: str, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The N/2 kept modes: (A, B), each complex128 (N/2,), Re A = -1/2 and Im A > 0 (or 0 for Lin's n = 0)."""
+    n = torch.arange(N // 2, dtype=torch.float64)
+    B = torch.ones(N // 2, dtype=torch.complex128)
+    if init == "lin":
+        imag = math.pi * n
+    elif init == "inv":
+        imag = (N / math.pi) * (N / (2 * n + 1) - 1)
+    elif init == "legs":
+        S = legs_normal_part(N)
+        # S + I/2 is real skew-symmetric, so -i (S + I/2) is Hermitian: eigh gives its real spectrum w and
+        # unitary V; S v = (-1/2 + i w) v. The w > 0 half is kept (the w < 0 half are the conjugates).
+        w, V = torch.linalg.eigh(-1j * (S + 0.5 * torch.eye(N, dtype=torch.float64)))  # (N,), (N, N)
+        imag, V = w[N // 2:], V[:, N // 2:]  # ascending: the positive half, (N/2,), (N, N/2)
+        B = V.conj().T @ torch.sqrt(2 * torch.arange(N, dtype=torch.float64) + 1).to(V.dtype)  # V^* B_LegS
+    else:
+        raise ValueError(f"init must be legs, lin or inv, got {init!r}")
+    return torch.complex(torch.full_like(imag, -0.5), imag), B
+
+
+def vandermonde(log_z: torch.Tensor, CB: torch.Tensor, L: int) -> torch.Tensor:
+    """sum_n CB[c, h, n] z[h, n]^k for k < L, with z = exp(log_z): (c, H, L) complex.
+
+    Factored as z^(qR + r) = z^(qR) z^r with R ~ sqrt(L): one (Q x n) @ (n x R) complex matmul per (c, h), and
+    O(H n sqrt L) memory instead of the (H, n, L) table of powers."""
+    R = math.isqrt(L - 1) + 1  # ceil(sqrt(L))
+    Q = -(-L // R)
+    r = torch.arange(R, device=log_z.device, dtype=log_z.real.dtype)
+    q = torch.arange(Q, device=log_z.device, dtype=log_z.real.dtype) * R
+    inner = torch.exp(log_z[..., None] * r)  # (H, n, R): z^r
+    outer = torch.exp(log_z[..., None] * q)  # (H, n, Q): z^(qR)
+    left = (CB[..., None] * outer).transpose(-1, -2)  # (c, H, Q, n)
+    return torch.matmul(left, inner).flatten(-2)[..., :L]  # (c, H, Q * R) -> (c, H, L)
+
+
+def fft_conv(u: torch.Tensor, k: torch.Tensor, k_future: torch.Tensor | None) -> torch.Tensor:
+    """y_t = sum_{s<=t} k_{t-s} u_s (+ sum_{s>t} k_future_{s-t-1} u_s). u (B, H, L), k and k_future (H, L)."""
+    L = u.shape[-1]
+    kernel = F.pad(k, (0, L))  # (H, 2L): causal taps at lags 0..L-1, zeros after, so nothing wraps around
+    if k_future is not None:  # lag -(j+1) sits at index 2L - 1 - j of the circular convolution
+        kernel = kernel + F.pad(k_future.flip(-1), (L, 0))  # (H, 2L)
+    y = torch.fft.irfft(torch.fft.rfft(u, n=2 * L) * torch.fft.rfft(kernel, n=2 * L), n=2 * L)  # (B, H, 2L)
+    return y[..., :L]  # (B, H, L)
+
+
+@register_model
+class S4D(nn.Module):
+    taxonomy = Taxonomy("Gu et al. 2022, arXiv 2206.11893", "N*log(N)", ("SSM",), decode=True)
+    accepts_no_mask = True  # mask=None: nothing to zero
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_qkv: int,
+        dropout: float,
+        max_len: int,
+        *,
+        d_state: int = 64,
+        init: Literal["legs", "lin", "inv"] = "legs",
+        discretization: Literal["zoh", "bilinear"] = "zoh",
+        bidirectional: bool = True,
+        glu: bool = True,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        ssm_lr: float | None = 0.001,
+    ):
+        super().__init__()
+        if d_state < 2 or d_state % 2:
+            raise ValueError(f"d_state must be even and >= 2 (N/2 complex conjugate pairs), got {d_state}")
+        if discretization not in ("zoh", "bilinear"):
+            raise ValueError(f"discretization must be zoh or bilinear, got {discretization!r}")
+        if not 0 < dt_min <= dt_max:
+            raise ValueError(f"need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
+        H, n = d_model, d_state // 2
+        self.discretization, self.bidirectional, self.glu = discretization, bool(bidirectional), bool(glu)
+        A, B = init_diagonal(init, d_state)  # (n,), (n,)
+        self.log_dt = nn.Parameter(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.log_A_real = nn.Parameter(torch.log(-A.real).float().repeat(H, 1))  # (H, n)
+        self.A_imag = nn.Parameter(A.imag.float().repeat(H, 1))  # (H, n)
+        self.B = nn.Parameter(torch.view_as_real(B.to(torch.complex64)).repeat(H, 1, 1))  # (H, n, 2): re, im
+        channels = 2 if self.bidirectional else 1  # past (and future) kernels share A, B, dt; each has its C
+        self.C = nn.Parameter(torch.view_as_real(torch.randn(channels, H, n, dtype=torch.complex64)))  # (c, H, n, 2)
+        self.D = nn.Parameter(torch.randn(H))
+        if ssm_lr is not None:
+            for p in (self.log_dt, self.log_A_real, self.A_imag, self.B):
+                p._optim = {"lr": float(ssm_lr), "weight_decay": 0.0}
+        self.dropout = nn.Dropout(dropout)
+        self.out = nn.Linear(H, 2 * H if self.glu else H)
+
+    def discretize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log Ab, Bb, C): (H, n), (H, n), (c, H, n) complex (complex64 at least)."""
+        dt = torch.exp(upcast(self.log_dt))[:, None]  # (H, 1)
+        A = torch.complex(-torch.exp(upcast(self.log_A_real)), upcast(self.A_imag))  # (H, n)
+        B, C = torch.view_as_complex(upcast(self.B)), torch.view_as_complex(upcast(self.C))  # (H, n), (c, H, n)
+        dtA = dt * A  # (H, n)
+        if self.discretization == "zoh":
+            return dtA, B * torch.expm1(dtA) / A, C
+        return torch.log((1 + dtA / 2) / (1 - dtA / 2)), B * dt / (1 - dtA / 2), C
+
+    def kernel(self, L: int) -> torch.Tensor:
+        """K (c, H, L), real: K[c, h, k] = 2 Re(sum_n C[c, h, n] Bb[h, n] Ab[h, n]^k); c = 1, or 2 (past, future)."""
+        with torch.autocast(device_type=self.D.device.type, enabled=False):
+            log_Ab, Bb, C = self.discretize()
+            return 2 * vandermonde(log_Ab, C * Bb, L).real  # (c, H, L)
+
+    def ssm(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The SSM with the D skip, (B, L, H) -> (B, L, H) in fp32 (fp64 stays), autocast off."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            u = upcast(x)
+            if mask is not None:
+                u = u * mask[..., None]  # padded inputs are zero: they reach no output, in either direction
+            u = u.transpose(1, 2)  # (B, H, L)
+            k = self.kernel(u.shape[-1]).to(u.dtype)  # (c, H, L)
+            y = fft_conv(u, k[0], k[1] if self.bidirectional else None) + u * upcast(self.D)[:, None]  # (B, H, L)
+            return y.transpose(1, 2)  # (B, L, H)
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.out(self.dropout(F.gelu(y)))  # (B, ..., H or 2H)
+        return F.glu(y, dim=-1) if self.glu else y  # (B, ..., H)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(self.ssm(x, mask))  # (B, L, D)
+
+    def step(self, x_t: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of the causal layer as the recurrence, for decoding: x_t (B, D) -> ((B, D), state), with
+        state (B, H, n) complex, None at the start. Equals ``forward`` position by position (bidirectional=False)."""
+        if self.bidirectional:
+            raise ValueError("step is the causal recurrence; build the model with bidirectional=False")
+        with torch.autocast(device_type=x_t.device.type, enabled=False):
+            log_Ab, Bb, C = self.discretize()  # (H, n), (H, n), (1, H, n)
+            u = upcast(x_t)  # (B, H)
+            update = Bb * u[..., None]  # (B, H, n)
+            state = update if state is None else torch.exp(log_Ab) * state + update
+            y = 2 * (C[0] * state).sum(-1).real + u * upcast(self.D)  # (B, H)
+        return self.output(y), state
