@@ -1,0 +1,163 @@
+"""image_local (models/image_local.py): the gathered-block computation equals full softmax attention under the 2-D
+block mask, built densely here as the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import create_model
+from models.registry import Grid
+
+D, H = 32, 2
+
+
+def make(max_len: int = 300, **options):
+    torch.manual_seed(0)
+    return create_model("image_local", d_model=D, n_heads=H, d_qkv=D, dropout=0.0, max_len=max_len, **options).eval()
+
+
+def block_mask(grid: Grid, qh: int, qw: int, f: int) -> torch.Tensor:
+    """(N, N) bool, True = query may see key: a pixel sees the pixels of its query block's memory block (the block
+    grown by f on every side); the prefix tokens see and are seen by everything."""
+    P = grid.prefix
+    pos = torch.arange(grid.height * grid.width)
+    row, col = pos // grid.width, pos % grid.width  # (HW,)
+    top, left = row // qh * qh - f, col // qw * qw - f  # (HW,): the memory block's first row and column
+    rows_in = (row[None, :] >= top[:, None]) & (row[None, :] < top[:, None] + qh + 2 * f)  # (HW, HW)
+    cols_in = (col[None, :] >= left[:, None]) & (col[None, :] < left[:, None] + qw + 2 * f)  # (HW, HW)
+    allowed = torch.ones(grid.length, grid.length, dtype=torch.bool)
+    allowed[P:, P:] = rows_in & cols_in
+    return allowed
+
+
+def reference(model, x: torch.Tensor, mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+    """Full softmax attention with the model's projections under ``allowed`` (N, N) and the key mask; a row with no
+    key gives 0."""
+    B, N, _ = x.shape
+    q, k, v = model.project(x)  # each (B, H, N, Dh)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, N, N)
+    see = allowed[None, None] if mask is None else allowed[None, None] & mask[:, None, None, :]  # (B or 1, 1, N, N)
+    weights = scores.masked_fill(~see, float("-inf")).softmax(-1).nan_to_num(0.0)  # (B, H, N, N)
+    return model.out((weights @ v).transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
+
+
+def batch(grid: Grid, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three samples: no padding, holes (30% of the pixels), every pixel masked (the prefix stays real)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, grid.length, D, generator=g)
+    mask = torch.ones(3, grid.length, dtype=torch.bool)
+    mask[1, grid.prefix:] = torch.rand(grid.length - grid.prefix, generator=g) > 0.3
+    mask[2, grid.prefix:] = False
+    return x, mask
+
+
+# (grid, options): the defaults with and without the CLS slot; grids the block does not divide; no flange; a
+# block and flange that divide the grid exactly (flange padding only); a flange wider than the block.
+CASES = [
+    (Grid(16, 16, prefix=1), {}),
+    (Grid(16, 16, prefix=0), {}),
+    (Grid(10, 13, prefix=1), {"query_height": 4, "query_width": 8, "memory_flange": 2}),
+    (Grid(10, 13, prefix=0), {"query_height": 3, "query_width": 5, "memory_flange": 0}),
+    (Grid(12, 12, prefix=0), {"query_height": 4, "query_width": 6, "memory_flange": 0}),
+    (Grid(9, 7, prefix=2), {"query_height": 2, "query_width": 3, "memory_flange": 5}),
+]
+IDS = [f"{g.height}x{g.width}+{g.prefix}-" + ("-".join(f"{k}{v}" for k, v in o.items()) or "default") for g, o in CASES]
+
+
+def settings(model) -> tuple[int, int, int]:
+    return model.query_height, model.query_width, model.memory_flange
+
+
+@pytest.mark.parametrize("grid,options", CASES, ids=IDS)
+def test_equals_full_attention_under_the_block_mask(grid, options):
+    """Outputs at every position (masked ones included) and input gradients match the dense reference, for a
+    batch with no padding, holes and an all-masked image."""
+    model = make(**options)
+    allowed = block_mask(grid, *settings(model))
+    x, mask = batch(grid)
+    x_model, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = model(x_model, mask, grid=grid), reference(model, x_ref, mask, allowed)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    weight = torch.randn_like(out) * mask[..., None]  # a loss on the real positions, as the encoder's
+    (out * weight).sum().backward()
+    (expected * weight).sum().backward()
+    torch.testing.assert_close(x_model.grad, x_ref.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("grid,options", CASES, ids=IDS)
+def test_no_mask_equals_an_all_true_mask_and_the_reference(grid, options):
+    """mask=None masks only the internal padding (flange, ragged edge)."""
+    model = make(**options)
+    x, _ = batch(grid)
+    with torch.no_grad():
+        free = model(x, None, grid=grid)
+        torch.testing.assert_close(free, model(x, torch.ones(x.shape[:2], dtype=torch.bool), grid=grid),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(free, reference(model, x, None, block_mask(grid, *settings(model))),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_a_block_covering_the_grid_is_the_transformer():
+    """One query block over the whole grid, no flange: exact full attention, the transformer with the same weights."""
+    grid = Grid(12, 10, prefix=1)
+    model, transformer = make(query_height=12, query_width=10, memory_flange=0), make_transformer()
+    transformer.load_state_dict(model.state_dict())
+    x, mask = batch(grid)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, mask, grid=grid)[:2], transformer(x, mask)[:2], atol=1e-5, rtol=1e-5)
+
+
+def make_transformer():
+    torch.manual_seed(0)
+    return create_model("transformer", d_model=D, n_heads=H, d_qkv=D, dropout=0.0, max_len=300).eval()
+
+
+def test_each_pixel_sees_exactly_its_memory_block():
+    """Without a prefix, perturbing one pixel changes exactly the pixels whose memory block holds it."""
+    grid = Grid(16, 16, prefix=0)
+    model = make()  # 8 x 8 query blocks, flange 4: block (i, j) remembers rows 8i-4..8i+11, cols 8j-4..8j+11
+    x = torch.randn(1, grid.length, D)
+    x2 = x.clone()
+    x2[0, 3 * 16 + 9] += 1.0  # pixel (3, 9): in the memory of blocks (0, 0) and (0, 1), not of (1, *) (rows 4..)
+    with torch.no_grad():
+        changed = (model(x2, None, grid=grid) - model(x, None, grid=grid)).abs().amax(-1)[0] > 1e-6  # (N,)
+    expected = torch.zeros(16, 16, dtype=torch.bool)
+    expected[0:8, 0:16] = True
+    assert torch.equal(changed.view(16, 16), expected)
+
+
+def test_all_masked_memory_blocks_give_zero_and_finite_gradients():
+    """Without a prefix, the queries of an all-masked memory block see no key: output 0, gradients finite."""
+    grid = Grid(16, 16, prefix=0)
+    model = make().train()  # dropout 0: deterministic, but the training path
+    x, mask = batch(grid)
+    x.requires_grad_()
+    out = model(x, mask, grid=grid)
+    out.sum().backward()
+    assert out.isfinite().all() and x.grad.isfinite().all()
+    assert all(p.grad.isfinite().all() for p in model.parameters())
+    assert (out[2] == 0).all()  # the all-masked image (no bias in the output projection)
+
+
+def test_bad_options_and_grids_are_refused():
+    with pytest.raises(ValueError, match="query block"):
+        make(query_height=0)
+    with pytest.raises(ValueError, match="memory_flange"):
+        make(memory_flange=-1)
+    model = make()
+    with pytest.raises(ValueError, match="grid 16x16"):
+        model(torch.randn(1, 250, D), None, grid=Grid(16, 16, prefix=1))
+    with pytest.raises(ValueError, match="2-D mixer"):
+        model(torch.randn(1, 257, D), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid,options", CASES[:3], ids=IDS[:3])
+def test_cuda_equals_cpu(grid, options):
+    """The same gather + SDPA code on CUDA (fused SDPA kernels over the batch of blocks) matches the CPU result."""
+    model = make(**options)
+    x, mask = batch(grid)
+    with torch.no_grad():
+        expected = model(x, mask, grid=grid)
+        out = model.cuda()(x.cuda(), mask.cuda(), grid=grid).cpu()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
