@@ -1,0 +1,140 @@
+"""ETC: global-local attention, a sliding window over the long input plus a few global tokens.
+
+Paper: Joshua Ainslie, Santiago Ontañón, Chris Alberti, Vaclav Cvicek, Zachary Fisher, Philip Pham, Anirudh Ravula,
+Sumit Sanghai, Qifan Wang, Li Yang, "ETC: Encoding Long and Structured Inputs in Transformers", EMNLP 2020,
+https://arxiv.org/abs/2004.08483.
+
+ETC splits the input into a long sequence and a small global one. Global tokens attend to everything (g2g,
+g2l); a long token attends to the long tokens within ``radius`` r on each side (l2l) and to every global token
+(l2g); each query's two parts share one softmax (ETC's "fused" attention). Relative positions enter as in ETC
+(Shaw et al.'s relative key embeddings): logit_ij = q_i . (k_j + a_{label(i,j)}) / sqrt(d), with one learned
+vector per head and label. Long-to-long pairs get label clip(j - i, -k, k) with k = ``max_distance`` (ETC's
+``relative_pos_max_distance``); every pair involving a global token gets one extra label, "global". In a long
+token's row that label weighs the globals against the window; in a global token's row every key has it, so
+it is a constant that the softmax cancels: global queries see plain content attention.
+
+Global tokens here: the ``global_tokens`` leading positions of the input (the encoder's CLS slot at position 0,
+ETC's global CLS for classification; without a CLS slot, the first token) and ``learned_globals`` learned vectors
+of this layer. The learned ones are projected to keys and values by the layer's own projection and seen by
+every query, as if prepended to the sequence; the mixer returns only its N input positions, so their outputs
+(their own global-to-all attention) would be dropped, and are therefore not computed. They are memory slots
+whose content is learned, not carried from layer to layer; content that does travel between layers goes through
+the leading input positions, whose outputs stay in the encoder's residual stream.
+
+Long-to-long attention runs blocked, as ETC's sparse implementation: the long sequence is cut into blocks of
+r + 1 tokens, each block's queries score the keys of the previous, own and next block (3(r + 1) slots, views of
+one padded tensor, no copy), and a band mask |i - j| <= r keeps the exact per-token window. The relative term
+is q . a for each of the 2k + 2 labels, computed once per query and looked up per slot.
+
+Complexity: O(N * (3(r + 1) + G) * d) time and O(N * (3(r + 1) + G)) memory for long queries, O(g * N * d) for
+the g global queries and O(N * (2k + 2) * d) for the relative terms: linear in N. No N x N tensor is built.
+
+Padding: padded keys are masked (fill -1e9, finite, so a fully masked padded row averages instead of making
+NaN). Blocks start at position g whatever the length, so appending padding only adds blocks after the last real
+token; real rows, long or global, see the same real keys with the same labels. Outputs at real positions do not
+change with appended padding or with what it holds (up to float rounding: the batched matmuls change shape).
+
+Deviations: one set of q/k/v projections shared by all four attention pieces (ETC has separate ones by default;
+its ``share_qkv_projections`` option matches this). No structure: ETC's hard g2l/l2g masks and segment labels
+(one global per sentence) need segment boundaries, which LRA's flat sequences do not have; globals attend to all
+long tokens (ETC's flat setting). No CPC pre-training loss. Learned globals as above. The softmax is explicit
+(fp32) rather than a fused kernel; no CUDA-only path. Defaults r = 84, k = 12 are ETC's base configuration.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import MultiHeadMixer
+from .registry import Taxonomy, register_model
+
+MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
+
+
+@register_model
+class ETC(MultiHeadMixer):
+    taxonomy = Taxonomy("Ainslie et al. 2020, arXiv 2004.08483", "N", ("FP", "M"), decode=False)
+
+    def __init__(
+        self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, radius: int = 84,
+        max_distance: int | None = 12, global_tokens: int = 1, learned_globals: int = 0,
+    ):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        max_distance = radius if max_distance is None else max_distance
+        for name, value in (("radius", radius), ("max_distance", max_distance), ("global_tokens", global_tokens),
+                            ("learned_globals", learned_globals)):
+            if value < 0:
+                raise ValueError(f"etc: {name} must be >= 0, got {value}")
+        self.radius, self.max_distance = radius, max_distance
+        self.global_tokens, self.learned_globals = global_tokens, learned_globals
+        self.block = radius + 1  # a window of +-r lies within the previous, own and next block
+        self.global_label = 2 * max_distance + 1  # labels 0..2k: clipped distance + k; 2k + 1: "global"
+        # ETC's relative key embeddings a_label, per head (initializer_range 0.02 as ETC)
+        self.rel = nn.Parameter(torch.randn(n_heads, 2 * max_distance + 2, self.d_head) * 0.02)  # (H, V, Dh)
+        if learned_globals:
+            # in the residual stream's scale: the encoder feeds the mixer layer-normed tokens
+            self.globals = nn.Parameter(torch.randn(learned_globals, d_model))  # (Gl, D)
+
+    def global_keys(self, k, v, mask, g):
+        """Keys, values (B, H, G, Dh) and key mask (B, G) of all global tokens: learned ones, then input ones."""
+        B, H, _, Dh = k.shape
+        gk, gv, real = k[:, :, :g], v[:, :, :g], mask[:, :g]
+        if self.learned_globals:
+            G = self.learned_globals
+            lk, lv = self.qkv(self.globals).view(G, 3, H, Dh).permute(1, 2, 0, 3)[1:]  # each (H, Gl, Dh)
+            gk = torch.cat([lk.expand(B, -1, -1, -1).to(k.dtype), gk], dim=2)  # (B, H, G, Dh)
+            gv = torch.cat([lv.expand(B, -1, -1, -1).to(v.dtype), gv], dim=2)  # (B, H, G, Dh)
+            real = torch.cat([mask.new_ones(B, G), real], dim=1)  # (B, G): learned globals are always there
+        return gk, gv, real
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        self.check_length(N)
+        g = min(self.global_tokens, N)
+        q, k, v = self.project(x)  # each (B, H, N, Dh)
+        gk, gv, g_real = self.global_keys(k, v, mask, g)  # (B, H, G, Dh) x 2, (B, G)
+        parts = []
+        if g:  # global queries: every key, global and long (the label term is constant over the row: omitted)
+            keys, values = torch.cat([gk, k[:, :, g:]], dim=2), torch.cat([gv, v[:, :, g:]], dim=2)  # (B, H, G+L, Dh)
+            real = torch.cat([g_real, mask[:, g:]], dim=1)  # (B, G+L)
+            bias = torch.zeros_like(real, dtype=q.dtype).masked_fill(~real, MASKED)[:, None, None]  # (B, 1, 1, G+L)
+            parts.append(F.scaled_dot_product_attention(q[:, :, :g], keys, values, attn_mask=bias,
+                                                        dropout_p=self.dropout_p))  # (B, H, g, Dh)
+        if g < N:
+            parts.append(self.long_attention(q[:, :, g:], k[:, :, g:], v[:, :, g:], mask[:, g:], gk, gv, g_real))
+        o = torch.cat(parts, dim=2)  # (B, H, N, Dh)
+        return self.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
+
+    def long_attention(self, q, k, v, real, gk, gv, g_real) -> torch.Tensor:
+        """Long queries (B, H, L, Dh): blocked window of +-radius over the long keys, plus every global key."""
+        B, H, L, Dh = q.shape
+        b, G = self.block, gk.shape[2]
+        NB = math.ceil(L / b)
+        pad = NB * b - L
+        qb = F.pad(q, (0, 0, 0, pad)).view(B, H, NB, b, Dh)  # (B, H, NB, b, Dh)
+        # One empty block before the first and after the last: block j's window is padded blocks j .. j+2.
+        kw = F.pad(k, (0, 0, b, b + pad)).unfold(2, 3 * b, b).transpose(-1, -2)  # (B, H, NB, 3b, Dh), a view
+        vw = F.pad(v, (0, 0, b, b + pad)).unfold(2, 3 * b, b).transpose(-1, -2)  # (B, H, NB, 3b, Dh), a view
+        w_real = F.pad(real, (b, b + pad), value=False).unfold(1, 3 * b, b)  # (B, NB, 3b)
+
+        # Query s of a block and window slot t are t - b - s positions apart, in every block alike.
+        dist = torch.arange(3 * b, device=q.device)[None, :] - b - torch.arange(b, device=q.device)[:, None]  # (b, 3b)
+        band = dist.abs() <= self.radius  # (b, 3b)
+        label = dist.clamp(-self.max_distance, self.max_distance) + self.max_distance  # (b, 3b)
+
+        q_rel = torch.einsum("bhnsd,hvd->bhnsv", qb, self.rel.to(qb.dtype))  # (B, H, NB, b, V): q . a_label
+        win = torch.einsum("bhnsd,bhntd->bhnst", qb, kw)  # (B, H, NB, b, 3b)
+        win = win + q_rel.gather(-1, label.expand(B, H, NB, b, 3 * b))  # (B, H, NB, b, 3b)
+        glob = torch.einsum("bhnsd,bhgd->bhnsg", qb, gk) + q_rel[..., self.global_label, None]  # (B, H, NB, b, G)
+
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            logits = torch.cat([glob, win], dim=-1).float() * Dh**-0.5  # (B, H, NB, b, G+3b)
+            see = torch.cat([g_real[:, None, None, :].expand(B, NB, b, G),
+                             band & w_real[:, :, None, :]], dim=-1)  # (B, NB, b, G+3b)
+            p = torch.softmax(logits.masked_fill(~see[:, None], MASKED), dim=-1)  # (B, H, NB, b, G+3b)
+        p = F.dropout(p.to(v.dtype), self.dropout_p, training=self.training)
+        o = torch.einsum("bhnsg,bhgd->bhnsd", p[..., :G], gv) + torch.einsum("bhnst,bhntd->bhnsd", p[..., G:], vw)
+        return o.reshape(B, H, NB * b, Dh)[:, :, :L]  # (B, H, L, Dh)

@@ -1,0 +1,136 @@
+"""ETC (models/etc.py): the blocked global-local attention against a dense N x N reference with the same relative
+terms, the window's edge, and padding with global tokens. CPU, small sizes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import create_model
+
+D, H = 32, 2
+
+
+def build(max_len: int = 80, **options):
+    torch.manual_seed(0)
+    model = create_model("etc", d_model=D, n_heads=H, d_qkv=D, dropout=0.0, max_len=max_len, **options).eval()
+    with torch.no_grad():
+        model.rel.normal_()  # relative terms as large as the content ones, so that a wrong label shows
+    return model
+
+
+def lengths_mask(lengths: list[int], n: int) -> torch.Tensor:
+    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # (B, n)
+
+
+def dense_reference(model, x, mask):
+    """ETC's attention written densely from its definition: keys = learned globals then the N positions; query i
+    may see key j iff either is global (learned, or one of the ``global_tokens`` leading positions) or
+    |i - j| <= radius; logit = q_i . (k_j + a[label]) / sqrt(d), label = clip(j - i, +-k) + k between long tokens and
+    the "global" label 2k + 1 for every pair with a global. Padded keys never contribute."""
+    B, N, _ = x.shape
+    q, k, v = model.project(x)  # (B, H, N, Dh)
+    Gl, g, r, kmax = model.learned_globals, min(model.global_tokens, N), model.radius, model.max_distance
+    if Gl:
+        lk, lv = model.qkv(model.globals).view(Gl, 3, H, -1).permute(1, 2, 0, 3)[1:]  # (H, Gl, Dh)
+        k = torch.cat([lk.expand(B, -1, -1, -1), k], dim=2)  # (B, H, Gl+N, Dh)
+        v = torch.cat([lv.expand(B, -1, -1, -1), v], dim=2)
+    key_pos = torch.arange(-Gl, N)  # learned globals at negative positions
+    i, j = torch.arange(N)[:, None], key_pos[None, :]  # (N, 1), (1, Gl+N)
+    is_global = (i < g) | (j < g)  # (N, Gl+N): j < 0 are the learned globals
+    allowed = is_global | ((i - j).abs() <= r)
+    label = torch.where(is_global, 2 * kmax + 1, (j - i).clamp(-kmax, kmax) + kmax)  # (N, Gl+N)
+    rel = model.rel[:, label]  # (H, N, Gl+N, Dh): a[label(i, j)] per head, N x N as the reference may be
+    logits = (q @ k.transpose(-1, -2) + torch.einsum("bhid,hijd->bhij", q, rel)) * q.shape[-1] ** -0.5
+    keep = allowed & torch.cat([torch.ones(B, Gl, dtype=torch.bool), mask], dim=1)[:, None, None, :]
+    o = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v  # (B, H, N, Dh)
+    return model.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
+
+
+CASES = {
+    "window covers everything": {"radius": 80, "max_distance": 12, "global_tokens": 1},
+    "two input + three learned globals": {"radius": 80, "max_distance": None, "global_tokens": 2, "learned_globals": 3},
+    "real window, clipped labels": {"radius": 4, "max_distance": 2, "global_tokens": 1, "learned_globals": 2},
+    "no globals, labels beyond the window": {"radius": 6, "max_distance": 12, "global_tokens": 0},
+    "radius 0: self and globals only": {"radius": 0, "max_distance": 3, "global_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
+def test_blocked_attention_equals_the_dense_reference(options):
+    model = build(**options)
+    x = torch.randn(2, 71, D)
+    mask = lengths_mask([71, 50], 71)
+    torch.testing.assert_close(model(x, mask)[mask], dense_reference(model, x, mask)[mask], atol=1e-5, rtol=1e-4)
+
+
+def test_a_window_over_everything_is_full_attention_with_relative_keys():
+    """With no clipping and a window longer than the input, long tokens see everything: the dense reference has no
+    zero in its mask, so ETC is full softmax attention plus the relative key terms."""
+    model = build(radius=80, max_distance=None, global_tokens=1)
+    x = torch.randn(1, 60, D)
+    mask = lengths_mask([60], 60)
+    with torch.no_grad():
+        model.rel.zero_()  # no relative terms: exactly full attention
+    q, k, v = model.project(x)
+    o = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v  # (1, H, N, Dh)
+    full = model.out(o.transpose(1, 2).reshape(1, 60, -1))
+    torch.testing.assert_close(model(x, mask), full, atol=1e-5, rtol=1e-4)
+
+
+def test_long_tokens_outside_the_window_get_no_weight():
+    model = build(radius=5, global_tokens=1, learned_globals=1)
+    x = torch.randn(1, 64, D)
+    mask = lengths_mask([64], 64)
+    j = 40  # change one long token: every query within 5 of it, and the global, may change; no other one
+    x2 = x.clone()
+    x2[0, j] = torch.randn(D) * 5
+    y, y2 = model(x, mask), model(x2, mask)
+    far = (torch.arange(64) - j).abs() > 5
+    far[0] = False  # the global CLS slot sees everything
+    torch.testing.assert_close(y2[0, far], y[0, far], atol=1e-6, rtol=1e-5)
+    near = ~far
+    assert ((y2[0, near] - y[0, near]).abs().amax(-1) > 1e-4).all()
+
+
+@pytest.mark.parametrize("options", [{"global_tokens": 2, "learned_globals": 2, "radius": 3},
+                                     {"global_tokens": 1, "radius": 84}, {"global_tokens": 0, "radius": 7}])
+def test_padding_with_global_tokens_leaves_real_outputs_unchanged(options):
+    model = build(max_len=128, **options)
+    lengths, n, extra = [40, 23], 40, 37
+    x = torch.randn(2, n, D)
+    y = model(x, lengths_mask(lengths, n))
+    x_long = torch.cat([x, torch.randn(2, extra, D)], dim=1)  # new padding with junk in it
+    x_long[1, lengths[1]:] = torch.randn(n + extra - lengths[1], D) * 10  # and other junk in the old padding
+    y_long = model(x_long, lengths_mask(lengths, n + extra))
+    for b, length in enumerate(lengths):
+        torch.testing.assert_close(y_long[b, :length], y[b, :length], atol=1e-5, rtol=1e-4)
+
+
+def test_fully_padded_rows_stay_finite():
+    """A padded query whose window holds only padding, with no global token, must not make NaN (it would reach the
+    next layer's values)."""
+    model = build(radius=2, global_tokens=0)
+    x = torch.randn(1, 30, D)
+    y = model(x, lengths_mask([5], 30))
+    assert torch.isfinite(y).all()
+
+
+def test_learned_globals_are_seen_and_dropped_from_the_output():
+    model = build(radius=3, global_tokens=0, learned_globals=2)
+    x = torch.randn(1, 20, D)
+    mask = lengths_mask([20], 20)
+    y = model(x, mask)
+    assert y.shape == (1, 20, D)
+    with torch.no_grad():
+        model.globals.mul_(3.0)
+    assert not torch.allclose(model(x, mask), y)  # every long token reads the learned globals
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu():
+    model = build(max_len=160, radius=9, global_tokens=1, learned_globals=2)
+    x = torch.randn(2, 150, D)
+    mask = lengths_mask([150, 90], 150)
+    expected = model(x, mask)
+    got = model.cuda()(x.cuda(), mask.cuda()).cpu()
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=1e-3)
