@@ -1,0 +1,107 @@
+"""cosFormer: linear attention with a ReLU kernel and a cosine re-weighting of distances (Qin, Sun, Deng, Li, Wei,
+Lv, Yan, Kong, Zhong, 2022, "cosFormer: Rethinking Softmax in Attention", ICLR 2022,
+https://arxiv.org/abs/2202.08791).
+
+softmax(q . k) is replaced by a non-negative similarity that decays with distance: with positions i, j in
+1..M,
+
+    s_ij = relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M),      out_i = sum_j s_ij v_j / max(sum_j s_ij, eps),
+
+eps = 1e-6 (the official code's clamp). Since |i - j| < M the cosine is positive, so s_ij >= 0: the ReLU
+kernel's non-negativity is kept and nearby tokens weigh more (the paper's locality bias). The cosine of a
+difference splits, cos(a_i - a_j) = cos a_i cos a_j + sin a_i sin a_j with a_i = pi i / (2 M), so with
+
+    q~_i = [relu(q_i) cos a_i, relu(q_i) sin a_i],   k~_j = [relu(k_j) cos a_j, relu(k_j) sin a_j]   (2 Dh each)
+
+s_ij = q~_i . k~_j and the sums over keys factorise as in linear attention: one (2 Dh x (Dh + 1)) summary
+sum_j k~_j [v_j, 1]^T (values and the normaliser in one matmul), then one matmul applies it to every query.
+
+M, and padding. The official code takes M = the (padded) batch length, so appending padding changes every
+real output. Here ``reweight_length: real`` (default) takes M per example as the position of its last real
+token (its real length when padding is appended, as in LRA): appending padding changes nothing, an example
+is re-weighted the same way whatever batch it is in, and an unpadded sequence gets the paper's M (its
+length). ``reweight_length: max_len`` takes M = max_len for all: also exact under padding, and a fixed M is
+what token-by-token decoding needs, but short sequences then see almost no decay (cos ~ 1). Padded keys
+are zeroed in k~, so they never contribute; padded queries are zeroed in q~ and output exactly 0 (past M their
+cosines would turn negative and the normaliser could approach 0).
+
+Complexity: O(N Dh^2) time and O(N Dh) memory per head (the features are 2 Dh wide); nothing N x N.
+Precision: features, angles, summaries and the normaliser run in fp32 even under bf16 autocast (a bf16 key
+sum over thousands of tokens loses the normaliser's precision), as ``linear``.
+Deviations from the official code (``OpenNLPLab/cosFormer``): M per example (above) and a padding mask (it
+has none); the harness's projections have no bias. Attention dropout is not applied (no attention matrix;
+the official code has none either). Only the bidirectional form is registered (the paper's causal form is a
+prefix sum of the same summaries; decoding token by token would need M fixed in advance, e.g. max_len).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .base import MultiHeadMixer
+from .registry import Taxonomy, register_model
+
+EPS = 1e-6  # lower clamp of the normaliser, as the official code
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
+
+
+def reweighting_angles(mask: torch.Tensor, length: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
+    """a_i = pi/2 * i / M for positions i = 1..N: (B, N). ``length`` is M, an int or a (B,) tensor."""
+    position = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=dtype)  # (N,): 1-based, as the paper
+    if isinstance(length, torch.Tensor):
+        length = length.to(dtype)[:, None]  # (B, 1)
+    return (math.pi / 2) * position[None, :] / length  # (B, N)
+
+
+def cos_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, angle: torch.Tensor):
+    """q, k, v (B, H, N, Dh), mask (B, N), angle (B, N) -> (B, H, N, Dh) in fp32 (fp64 stays fp64)."""
+    cos, sin = angle.cos()[:, None, :, None], angle.sin()[:, None, :, None]  # each (B, 1, N, 1)
+    keep = mask[:, None, :, None]  # (B, 1, N, 1)
+    # padded keys contribute nothing; padded queries (past M their cosines turn negative, so their normaliser
+    # could cross 0) get exactly 0
+    fq, fk = F.relu(upcast(q)) * keep, F.relu(upcast(k)) * keep  # (B, H, N, Dh)
+    fq = torch.cat([fq * cos, fq * sin], dim=-1)  # (B, H, N, 2 Dh)
+    fk = torch.cat([fk * cos, fk * sin], dim=-1)  # (B, H, N, 2 Dh)
+    v1 = F.pad(upcast(v), (0, 1), value=1.0)  # (B, H, N, Dh + 1): [v, 1] gives the normaliser too
+    summary = fk.transpose(-1, -2) @ v1  # (B, H, 2 Dh, Dh + 1): [sum k~ v^T | sum k~]
+    o1 = fq @ summary  # (B, H, N, Dh + 1): [numerator | normaliser]
+    return o1[..., :-1] / o1[..., -1:].clamp_min(EPS)  # (B, H, N, Dh)
+
+
+@register_model
+class CosFormer(MultiHeadMixer):
+    taxonomy = Taxonomy("Qin et al. 2022, arXiv 2202.08791", "N", ("KR",), decode=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_qkv: int,
+        dropout: float,
+        max_len: int,
+        *,
+        reweight_length: Literal["real", "max_len"] = "real",
+    ):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        if reweight_length not in ("real", "max_len"):
+            raise ValueError(f"reweight_length must be 'real' or 'max_len', got {reweight_length!r}")
+        self.reweight_length = reweight_length
+
+    def reweight_m(self, mask: torch.Tensor) -> torch.Tensor | int:
+        """M: the 1-based position of each example's last real token (B,), or max_len."""
+        if self.reweight_length == "max_len":
+            self.check_length(mask.shape[1])  # positions past M would get negative weights
+            return self.max_len
+        position = torch.arange(1, mask.shape[1] + 1, device=mask.device)  # (N,)
+        return (position * mask).amax(-1).clamp_min(1)  # (B,): an all-padding row still gets a finite angle
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            angle = reweighting_angles(mask, self.reweight_m(mask), upcast(q).dtype)  # (B, N)
+            return cos_attention(q, k, v, mask, angle).to(q.dtype)  # (B, H, N, Dh)

@@ -1,0 +1,136 @@
+"""Nystromformer: softmax attention through the Nystrom method (Xiong, Zeng, Chakraborty, Tan, Fung, Li, Singh,
+2021, "Nystromformer: A Nystrom-Based Algorithm for Approximating Self-Attention", AAAI 2021,
+https://arxiv.org/abs/2102.03902).
+
+The N x N matrix S = softmax(Q K^T / sqrt(Dh)) is approximated from m landmarks: the landmark queries Q~ and
+keys K~ are segment means of Q and K (m contiguous segments), and
+
+    F = softmax(Q K~^T),   A = softmax(Q~ K~^T),   B = softmax(Q~ K^T)   (each scaled by 1 / sqrt(Dh)),
+    out = F A^+ (B V)  [+ conv(V), the paper's depthwise-convolution skip on the values],
+
+evaluated right to left (B V, then A^+ (B V), then F times that), so nothing N x N is formed. A^+ is the
+Moore-Penrose pseudo-inverse by the paper's iteration (Razavi et al. 2014), from Z_0 = A^T / (|A|_1 |A|_inf):
+
+    Z <- Z (13 I - A Z (15 I - A Z (7 I - A Z))) / 4,   ``pinv_iterations`` times (paper: 6).
+
+The norms are taken per matrix (per example and head): the public code's default divides by one maximum
+over the whole batch, which couples examples and converges more slowly (its later "exact" option is
+per-matrix, as here). The skip is a convolution over the sequence with one kernel per head, shared by the head's Dh value
+channels (the public code's Conv2d with groups = heads and a (kernel, 1) window), zero-padded at the ends.
+
+Complexity: O(N m Dh + m^2 Dh + iterations m^3) time and O(N m) memory per head (F and B), plus the
+(N x m) segment-mean matrix shared by the heads; O(N Dh kernel) for the convolution.
+Precision: everything after the projections (landmarks, the three softmaxes, the pinv iteration and the
+products) runs in fp32 even under bf16 autocast: the iteration's Z can have large entries that cancel in
+the products, which bf16 cannot carry. The convolution follows autocast.
+Padding (exact, and never NaN): segments are laid over each example's REAL tokens (token i is the r-th real
+one; it belongs to segment floor(r m' / L) of L real tokens, m' = min(m, L)), so appending padding moves no
+segment boundary and padded tokens enter no landmark mean. An example with fewer real tokens than m gets one
+landmark per token; its m - L empty landmarks are masked out of F (their columns are exactly 0) and given
+identity rows in A, which keeps A block-diagonal, its real block's pseudo-inverse unchanged, and the
+iteration finite. Padded keys are masked out of B, padded values are zeroed before the convolution (its
+zero padding then looks the same at a real end and at a padded one). Masking uses the dtype's most negative
+finite value, not -inf, so even a row with nothing real gives finite (ignored) outputs, never 0/0.
+Limit case: with m >= L every real token is its own landmark, F = A = B over the real tokens and
+F A^+ B = S: exact softmax attention once the iteration has converged (tested).
+
+Deviations from the paper's code (``mlpen/Nystromformer``): segments need not divide N (lengths differ by at
+most one; the public LRA code required N divisible by m and averaged zeroed padding into the landmarks,
+diluting them; xformers' port gave NaN on key padding, facebookresearch/xformers#360); per-matrix pinv
+init (above); no separate exact path when m = N (the same result, by the limit case above). Attention
+dropout is not applied (there is no attention matrix; the public code applies none to the Nystrom path
+either). The paper's LRA runs used 64 landmarks and a kernel of 35 (``LRA/code/lra_config.py``; 33 is its
+BERT pre-training setting).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import MultiHeadMixer
+from .registry import Taxonomy, register_model
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
+
+
+def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask (B, N) -> the (B, m, N) matrix whose row s averages segment s of each example's real tokens, and
+    the (B, m) flags of non-empty segments (the first min(m, L) of an example with L real tokens)."""
+    length = mask.sum(-1, keepdim=True)  # (B, 1): real tokens per example
+    rank = mask.cumsum(-1) - 1  # (B, N): the r-th real token has rank r (padding repeats its neighbour's)
+    segment = rank * length.clamp(max=m) // length.clamp_min(1)  # (B, N), in [0, min(m, L))
+    member = (segment[:, None, :] == torch.arange(m, device=mask.device)[None, :, None]) & mask[:, None, :]
+    count = member.sum(-1, keepdim=True)  # (B, m, 1): tokens per segment, 0 for the empty ones
+    return member.to(dtype) / count.clamp_min(1).to(dtype), count.squeeze(-1) > 0  # (B, m, N), (B, m)
+
+
+def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
+    """(..., m, m) -> the Moore-Penrose pseudo-inverse by the paper's iteration, initialised per matrix."""
+    norm_1 = a.abs().sum(-2).amax(-1)  # (...): max column sum
+    norm_inf = a.abs().sum(-1).amax(-1)  # (...): max row sum (1 for a softmax; computed, not assumed)
+    z = a.transpose(-1, -2) / (norm_1 * norm_inf)[..., None, None]  # (..., m, m): the paper's Z_0
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)  # (m, m)
+    for _ in range(iterations):
+        az = a @ z  # (..., m, m)
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))  # (..., m, m)
+    return z
+
+
+def nystrom_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_landmarks: int, iterations: int
+) -> torch.Tensor:
+    """q, k, v (B, H, N, Dh), mask (B, N) -> F A^+ (B V), (B, H, N, Dh) in fp32 (fp64 stays fp64)."""
+    q, k, v = upcast(q), upcast(k), upcast(v)
+    dtype, scale = q.dtype, q.shape[-1] ** -0.5
+    never = torch.finfo(dtype).min  # masked logits: exp gives exactly 0 beside any real logit, and no 0/0
+    means, landmark = segment_means(mask, n_landmarks, dtype)  # (B, m, N), (B, m)
+    q_land = means[:, None] @ q  # (B, H, m, Dh): segment means over real tokens only
+    k_land = means[:, None] @ k  # (B, H, m, Dh)
+    empty = ~landmark[:, None, None, :]  # (B, 1, 1, m)
+    f = (q @ k_land.transpose(-1, -2) * scale).masked_fill(empty, never).softmax(-1)  # (B, H, N, m)
+    a = (q_land @ k_land.transpose(-1, -2) * scale).masked_fill(empty, never).softmax(-1)  # (B, H, m, m)
+    eye = torch.eye(n_landmarks, dtype=dtype, device=q.device)  # (m, m)
+    a = torch.where(landmark[:, None, :, None], a, eye)  # (B, H, m, m): an empty landmark's row is e_s
+    padded_key = ~mask[:, None, None, :]  # (B, 1, 1, N)
+    b = (q_land @ k.transpose(-1, -2) * scale).masked_fill(padded_key, never).softmax(-1)  # (B, H, m, N)
+    z = iterative_pinv(a, iterations)  # (B, H, m, m)
+    return f @ (z @ (b @ v))  # (B, H, N, Dh): right to left, never N x N
+
+
+@register_model
+class Nystromformer(MultiHeadMixer):
+    taxonomy = Taxonomy("Xiong et al. 2021, arXiv 2102.03902", "N", ("LR",), decode=False)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_qkv: int,
+        dropout: float,
+        max_len: int,
+        *,
+        n_landmarks: int = 64,
+        pinv_iterations: int = 6,
+        conv_kernel: int = 35,
+    ):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        if n_landmarks < 1:
+            raise ValueError(f"n_landmarks must be >= 1, got {n_landmarks}")
+        if pinv_iterations < 1:
+            raise ValueError(f"pinv_iterations must be >= 1, got {pinv_iterations}")
+        if conv_kernel < 0 or (conv_kernel and conv_kernel % 2 == 0):
+            raise ValueError(f"conv_kernel must be 0 (no skip) or odd (centred window), got {conv_kernel}")
+        self.n_landmarks, self.pinv_iterations = int(n_landmarks), int(pinv_iterations)
+        # one kernel per head over the sequence, shared by the head's Dh channels (the public code's layout)
+        self.conv = None if conv_kernel == 0 else nn.Conv2d(
+            n_heads, n_heads, (conv_kernel, 1), padding=(conv_kernel // 2, 0), groups=n_heads, bias=False
+        )
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations).to(q.dtype)
+        if self.conv is not None:
+            o = o + self.conv(v * mask[:, None, :, None].to(v.dtype))  # (B, H, N, Dh): padded values are zero
+        return o  # (B, H, N, Dh)
