@@ -1,0 +1,139 @@
+"""DeBERTa: disentangled attention over content and relative position (He, Liu, Gao, Chen, 2021, "DeBERTa:
+Decoding-enhanced BERT with Disentangled Attention", https://arxiv.org/abs/2006.03654), in the form of
+DeBERTa-v2/v3 (log-bucketed distances, relative embeddings projected by the layer's own W_q and W_k).
+
+Each pair (i, j) scores content against content and each content against the other's relative position
+(paper eq. 4-5). With Q = H W_q, K = H W_k, V = H W_v the content projections, P the (2k, d) relative
+embedding table (layer-normed, as v2/v3), Q_r = P W_q and K_r = P W_k its projections, and delta(i, j) the row
+of P for the distance i - j:
+
+    A_ij = Q_i . K_j  (c2c)  +  Q_i . K_r[delta(i, j)]  (c2p)  +  K_j . Q_r[delta(j, i)]  (p2c),
+    out  = softmax(A / sqrt(3 Dh)) V        (3 = the number of terms, the v2 code's scale_factor).
+
+c2p and p2c are computed as the paper's Algorithm 1 does, without an N x N x d tensor: Q K_r^T (N x 2k) and
+Q_r K^T (2k x N) are small tables, and one (N x N) index delta gathers from them, along the rows for
+c2p[i, j] = (Q K_r^T)[i, delta(i, j)] and down the columns for p2c[i, j] = (Q_r K^T)[delta(j, i), j]. The scale
+is applied to Q_r and K_r, and padded keys are masked in the p2c table, both before anything is N x N. The sum
+of the two terms is the float mask of ``scaled_dot_product_attention``, which adds the scaled Q K^T and
+differentiates through the mask too (on CUDA it can pick the memory-efficient kernel, which takes such a bias).
+
+delta: v2's ``make_log_bucket_position`` then ``clamp(. + k, 0, 2k - 1)``, k = ``position_buckets``:
+distances |d| <= k / 2 keep their own bucket; beyond, bucket sign(d) (k/2 + ceil(log(|d| / (k/2)) /
+log((m - 1) / (k/2)) (k/2 - 1))) with m = ``max_relative_positions``, so |d| = m - 1 lands on k - 1 and
+farther ones share the last rows of P. ``position_buckets: 0`` is DeBERTa v1: k = m, distances clipped at +-k.
+
+Complexity: O(N^2 d) time and O(N^2) memory (the N x N bias and index, and the scores on CPU); O(N k d) for
+the two tables. It is exact attention with relative terms: the N^2 member of the relative-position family.
+Padding: padded keys get the dtype's finite minimum (in the p2c table; adding c2p, many orders of magnitude
+smaller, leaves it there), so their weight is exactly 0 and a row of only padding stays finite. The terms
+depend on i - j only, so appending padding leaves real outputs unchanged. Padded queries get an output the
+encoder ignores.
+
+Deviations:
+* p2c index: the paper's eq. 4 uses delta(j, i). The released code indexes p2c with delta(i, j), c2p's index
+  (microsoft/DeBERTa reuses c2p's index down the columns; HuggingFace gathers with -delta and transposes, to
+  the same effect; discussed in microsoft/DeBERTa#162). Both are learned tables; this file follows the paper.
+* P belongs to each layer: DeBERTa shares one table (and its LayerNorm) across layers, which a mixer built
+  per layer cannot (2k x d parameters per layer more, 512 d at the defaults).
+* The projections have no bias (the harness's shared W_qkv); DeBERTa's have, so its P W_q carries one.
+* DeBERTa's released models add no absolute positions at the input (``position_biased_input: false``) and use
+  them in the enhanced mask decoder, a pretraining head; both belong to the harness here (its ``positions``).
+* No position-to-position term, as the paper (with relative positions it adds little).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import MultiHeadMixer, pad_head_dim
+from .registry import Taxonomy, register_model
+
+
+def log_bucket(distance: torch.Tensor, buckets: int, max_distance: int) -> torch.Tensor:
+    """DeBERTa-v2's ``make_log_bucket_position``: integer distances -> signed buckets, exact for
+    |d| <= buckets // 2, log-spaced beyond (|d| = max_distance - 1 -> buckets - 1). fp32 logs, as the original,
+    so the bucket edges match it."""
+    mid = buckets // 2
+    far = distance.abs().clamp_min(mid).float()  # the log branch only matters where |d| > mid
+    log_pos = mid + torch.ceil(torch.log(far / mid) / math.log((max_distance - 1) / mid) * (mid - 1))
+    return torch.where(distance.abs() <= mid, distance, (torch.sign(distance) * log_pos).long())
+
+
+@register_model
+class DeBERTa(MultiHeadMixer):
+    taxonomy = Taxonomy("He et al. 2021, arXiv 2006.03654", "N^2", (), decode=False)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_qkv: int,
+        dropout: float,
+        max_len: int,
+        *,
+        position_buckets: int = 256,
+        max_relative_positions: int = 512,
+    ):
+        super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        if max_relative_positions < 1:
+            raise ValueError(f"max_relative_positions must be >= 1, got {max_relative_positions}")
+        if position_buckets < 0 or position_buckets == 1:
+            raise ValueError(f"position_buckets must be >= 2 (log buckets) or 0 (clip), got {position_buckets}")
+        if position_buckets and max_relative_positions <= position_buckets // 2 + 1:
+            raise ValueError(f"max_relative_positions={max_relative_positions} must exceed position_buckets // 2 + 1 "
+                             f"= {position_buckets // 2 + 1}: the log buckets start there")
+        self.buckets, self.max_relative = int(position_buckets), int(max_relative_positions)
+        self.span = self.buckets or self.max_relative  # k: P has 2k rows, relative positions -k ... k - 1
+        # P: N(0, 0.02) as DeBERTa's initializer_range, then LayerNorm (v2/v3's norm_rel_ebd)
+        self.rel_embeddings = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
+        self.rel_norm = nn.LayerNorm(d_model)
+
+    def relative_index(self, n: int, device: torch.device) -> torch.Tensor:
+        """delta(i, j) for i, j < n: the row of P for distance i - j. -> (n, n) long."""
+        d = torch.arange(1 - n, n, device=device)  # (2n - 1,): every distance i - j
+        if self.buckets:
+            d = log_bucket(d, self.buckets, self.max_relative)
+        rows = (d + self.span).clamp(0, 2 * self.span - 1)  # (2n - 1,)
+        i = torch.arange(n, device=device)
+        return rows[i[:, None] - i[None, :] + n - 1]  # (n, n)
+
+    def relative_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q_r = P W_q and K_r = P W_k: one table P for both terms, through the layer's own projections.
+        -> (H, 2k, Dh) each."""
+        d_qkv = self.n_heads * self.d_head
+        p = self.rel_norm(self.rel_embeddings)  # (2k, D)
+        qk_r = F.linear(p, self.qkv.weight[: 2 * d_qkv]).view(-1, 2, self.n_heads, self.d_head)  # (2k, 2, H, Dh)
+        q_r, k_r = qk_r.permute(1, 2, 0, 3)  # each (H, 2k, Dh)
+        return q_r, k_r
+
+    def c2p_p2c(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0):
+        """The two position terms gathered from (N x 2k) tables: q, k (B, H, N, Dh) -> (B, H, N, N) each,
+        c2p[i, j] = q_i . K_r[delta(i, j)] and p2c[i, j] = k_j . Q_r[delta(j, i)], times ``scale``. With a
+        ``mask`` (B, N), p2c is the dtype's minimum at padded keys j (masked in its 2k x N table, not N x N)."""
+        B, H, N, _ = q.shape
+        q_r, k_r = (t * scale for t in self.relative_projections())  # (H, 2k, Dh): scaled while still small
+        delta = self.relative_index(N, q.device)  # (N, N): delta(i, j)
+        c2p = torch.gather(q @ k_r.transpose(-1, -2), -1, delta.expand(B, H, N, N))  # from (B, H, N, 2k)
+        table = q_r @ k.transpose(-1, -2)  # (B, H, 2k, N): Q_r[r] . k_j, one column per key
+        if mask is not None:
+            table = table.masked_fill(~mask[:, None, None, :], torch.finfo(table.dtype).min)
+        # down the columns: out[i, j] = table[delta(j, i), j], laid out (i, j) already (no transposed N x N
+        # copy); the transposed index made contiguous, which gathers about twice as fast on CPU
+        p2c = torch.gather(table, -2, delta.t().contiguous().expand(B, H, N, N))  # (B, H, N, N)
+        return c2p, p2c
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        d_head = q.shape[-1]
+        scale = (3 * d_head) ** -0.5
+        c2p, p2c = self.c2p_p2c(q, k, mask, scale)  # (B, H, N, N) each, scaled; p2c carries the padding mask
+        # in place on the gather's fresh output (its backward needs only the index): one N x N bias. At padded
+        # keys it is min + c2p, which rounds back to about min (c2p is far below min's rounding step), so
+        # padding gets weight exactly 0, and a row of only padding stays finite (uniform)
+        bias = c2p.add_(p2c)  # (B, H, N, N)
+        # head sizes off a multiple of 8 are zero-padded for the fused CUDA kernels (see models/transformer.py)
+        q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.dropout_p, scale=scale)
+        return o[..., :d_head]  # (B, H, N, Dh)
