@@ -1,0 +1,148 @@
+"""The gated linear recurrence under ``mamba`` (Mamba-2's SSD) and ``gla`` (Gated Linear Attention), in three
+interchangeable forms. Per head, with a (K x V) state S and S_0 = 0:
+
+    S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t,      o_t = scale * q_t S_t,      g_t <= 0 (log-space decay).
+
+``g`` is (B, H, N, 1), one decay per head and step (Mamba-2: g = A dt), or (B, H, N, K), one per key dimension
+(GLA: g = log alpha). A step with g_t = 0 and k_t = 0 leaves S unchanged: that is how both models make padding
+an exact no-op, in either direction, wherever the padding sits.
+
+* ``recurrent``: the definition, one Python step per position (the readable reference; slow).
+* ``chunked``: the same sums in chunks of C steps, vectorised over all chunks (the layout of Mamba-2's
+  ``ssd_minimal``). Inside a chunk, C x C scores q_i . k_j weighted by the decay between the steps,
+  exp(G_i - G_j), G the cumulative log decay from the chunk's start: one per head, a C x C weight; per key
+  dim, factorised as (q_i exp(G_i)) . (k_j exp(-G_j)) (the GLA paper's chunkwise form) while every
+  chunk's total log decay stays under ``FACTOR_LIMIT``, else the exact C x C x K weights (what the paper's
+  secondary chunking does in log space), so nothing overflows however fast a gate forgets. Across chunks,
+  the chunk summaries are combined by one (N/C x N/C) decay-weighted product from segment sums (no exp of a
+  positive number). O(N C (K + V) + (N/C)^2 K V) time per head. The default off CUDA (the per-key branch
+  test reads one number off the device).
+* ``fla``: flash-linear-attention's Triton kernels (``pip install lra[ssm]``, fla-core 0.6.0): ``chunk_simple_gla``
+  for the scalar decay, ``chunk_gla`` for the per-key one. Layout (B, N, H, K); ``g`` is the same log decay;
+  ``scale`` is passed explicitly (its default is K^-0.5). Head sizes are zero-padded to a multiple of 16 first
+  (Triton's tl.dot needs >= 16 and bf16 tiles need even sizes): zero q, k columns add nothing to q S, a zero g
+  column keeps a zero state row at zero, zero v columns give zero outputs, which are cut off. Padding needs no
+  ``cu_seqlens`` (variable-length packing): padded steps are no-ops wherever they sit. CUDA only.
+
+Everything except the fla kernels (which take bf16 q, k, v under autocast and keep their states in fp32) runs
+in fp32 at least (fp64 stays, for tests).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .base import pad_head_dim
+
+Scan = Literal["auto", "chunked", "recurrent"]
+# Per-key decays inside a chunk are factorised, exp(G_i - G_j) = exp(G_i) * exp(-G_j), while a chunk's total log
+# decay stays within this bound: exp(40) = 2e17 leaves fp32 ample room for the products and their gradients.
+FACTOR_LIMIT = 40.0
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def orient(t: torch.Tensor) -> torch.Tensor:
+    """(2, B, N, ...), a forward and a reversed pass stacked: the second's rows flipped in time, so both passes
+    run the same causal scan (and their outputs come back in place). Its own inverse."""
+    return torch.stack((t[0], t[1].flip(1)))
+
+
+def recurrent(q, k, v, g, scale: float = 1.0, state: torch.Tensor | None = None):
+    """q, k (B, H | 1, N, K); v (B, H, N, V); g (B, H, N, 1 | K) -> (o (B, H, N, V), final state (B, H, K, V))."""
+    q, k, v, g = map(upcast, (q, k, v, g))
+    B, H, N, V = v.shape
+    S = v.new_zeros(B, H, k.shape[-1], V) if state is None else state  # (B, H, K, V)
+    out = []
+    for t in range(N):
+        S = g[:, :, t, :, None].exp() * S + k[:, :, t, :, None] * v[:, :, t, None, :]  # (B, H, K, V)
+        out.append(scale * (q[:, :, t, :, None] * S).sum(-2))  # (B, H, V)
+    return torch.stack(out, 2), S  # (B, H, N, V)
+
+
+def segsum(x: torch.Tensor) -> torch.Tensor:
+    """x (..., T) -> (..., T, T): entry [i, j] = x_{j+1} + ... + x_i for i >= j, -inf above the diagonal
+    (Mamba-2's ``segsum``: masked cumulative sums, no difference of two long cumulative sums)."""
+    T = x.shape[-1]
+    ones = torch.ones(T, T, dtype=torch.bool, device=x.device)
+    x = x[..., :, None].expand(*x.shape, T).masked_fill(~ones.tril(-1), 0.0)  # (..., T, T): [i, j] = x_i, i > j
+    s = x.cumsum(-2)  # (..., T, T): [i, j] = sum_{j < m <= i} x_m
+    return s.masked_fill(~ones.tril(), float("-inf"))
+
+
+def chunked(q, k, v, g, chunk: int, scale: float = 1.0) -> torch.Tensor:
+    """The recurrence's outputs, vectorised over chunks of ``chunk`` steps. Shapes as ``recurrent``."""
+    q, k, v, g = map(upcast, (q, k, v, g))
+    N = v.shape[2]
+    pad = -N % chunk
+    if pad:  # trailing steps with g = 0, k = 0 leave the state unchanged; their outputs are cut below
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+    n, C = (N + pad) // chunk, chunk
+    q, k, v, g = (t.unflatten(2, (n, C)) for t in (q, k, v, g))  # (B, H, n, C, .)
+    q = q * scale
+    G = g.cumsum(3)  # (B, H, n, C, 1 | K): log decay from the chunk's start through step i (inclusive), <= 0
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C): j <= i
+    if g.shape[-1] == 1:  # one decay per head: weight the C x C scores by exp(G_i - G_j)
+        L = (G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")).exp()  # (B, H, n, C, C)
+        scores = (q @ k.transpose(-1, -2)) * L  # (B, H, n, C, C)
+    elif -G[:, :, :, -1].min() <= FACTOR_LIMIT:  # per key dim: exp(G_i - G_j) = exp(G_i) exp(-G_j), both finite
+        scores = ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).masked_fill(~causal, 0.0)  # (B, H, n, C, C)
+    else:  # a chunk forgets too fast to factorise: the exact per-key weights, C x C x K
+        L = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
+        scores = (q[..., :, None, :] * k[..., None, :, :] * L).sum(-1)  # (B, H, n, C, C); L (B, H, n, C, C, K)
+    out = scores @ v  # (B, H, n, C, V): contributions from inside the chunk
+    to_end = (G[:, :, :, -1:] - G).exp()  # (B, H, n, C, 1 | K): decay from step j to the chunk's end, <= 1
+    summary = (k * to_end).transpose(-1, -2) @ v  # (B, H, n, K, V): the chunk's own state at its end
+    total = G[:, :, :, -1].transpose(-1, -2)  # (B, H, 1 | K, n): each chunk's whole log decay
+    across = segsum(total).exp()  # (B, H, 1 | K, n, n): decay from the end of chunk c' to the end of chunk c
+    ends = torch.einsum("bhkcd,bhdkv->bhckv", across, summary)  # (B, H, n, K, V): state at each chunk's end
+    starts = F.pad(ends[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, n, K, V): state entering each chunk
+    out = out + (q * G.exp()) @ starts  # (B, H, n, C, V): the entering state, decayed to step i
+    return out.flatten(2, 3)[:, :, :N]  # (B, H, N, V)
+
+
+@functools.cache
+def fla_ops():
+    """(chunk_simple_gla, chunk_gla), imported on first CUDA use; a clear error when fla-core is missing."""
+    try:
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as e:
+        raise ImportError(
+            "mamba and gla run their scan on CUDA through flash-linear-attention's Triton kernels: "
+            "`pip install lra[ssm]` (fla-core 0.6.0), or set model.scan=chunked for the pure-PyTorch form "
+            f"(slow on a GPU). Import failed: {e}"
+        ) from e
+    return chunk_simple_gla, chunk_gla
+
+
+def fla(q, k, v, g, scale: float = 1.0) -> torch.Tensor:
+    """The recurrence's outputs from fla's chunked Triton kernels. Shapes as ``recurrent``."""
+    chunk_simple_gla, chunk_gla = fla_ops()
+    B, H, N, V = v.shape
+    lowp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.float32
+    size_k, size_v = (-(-d // 16) * 16 for d in (q.shape[-1], V))  # multiples of 16, >= 16
+    q, k = (t.expand(B, H, N, t.shape[-1]) for t in (q, k))  # (B, H, N, K): heads sharing q, k (Mamba-2)
+    q, k, v = (t.transpose(1, 2).to(lowp) for t in (q, k, v))  # each (B, N, H, .)
+    q, k = (t.contiguous() for t in pad_head_dim(size_k, q, k))  # each (B, N, H, size_k)
+    v = pad_head_dim(size_v, v)[0].contiguous()  # (B, N, H, size_v)
+    g = upcast(g).transpose(1, 2)  # (B, N, H, 1 | K)
+    if g.shape[-1] == 1:
+        o, _ = chunk_simple_gla(q, k, v, g=g[..., 0].contiguous(), scale=scale)  # (B, N, H, size_v)
+    else:
+        o, _ = chunk_gla(q, k, v, g=pad_head_dim(size_k, g)[0].contiguous(), scale=scale)  # (B, N, H, size_v)
+    return o[..., :V].transpose(1, 2).float()  # (B, H, N, V)
+
+
+def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0) -> torch.Tensor:
+    """``mode`` "auto": fla on CUDA, ``chunked`` elsewhere; "chunked" / "recurrent": that form anywhere."""
+    if mode == "auto" and q.is_cuda:
+        return fla(q, k, v, g, scale)
+    if mode == "recurrent":
+        return recurrent(q, k, v, g, scale)[0]
+    return chunked(q, k, v, g, chunk, scale)

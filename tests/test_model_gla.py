@@ -1,0 +1,155 @@
+"""``gla``: the chunked form (both of its per-key branches) against the recurrence with padding, the whole
+bidirectional mixer against the paper's equations step by step, and the fla (CUDA) path against the reference
+(its wrapper also on CPU, with a stand-in kernel)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import _scan, create_model
+
+BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len": 128}  # heads: Dk 4, Dv 8
+
+
+def make(**options):
+    torch.manual_seed(0)
+    m = create_model("gla", **BACKBONE, **options).double().eval()
+    with torch.no_grad():  # gate logits spread over [-8, 3]: decays from ~1 down to ~0.6 per step
+        for f in m.forget:
+            f[1].bias.uniform_(-8.0, 3.0)
+    return m
+
+
+def ragged(lengths, N):
+    return torch.arange(N)[None, :] < torch.tensor(lengths)[:, None]  # (B, N)
+
+
+def reference_mixer(m, u):
+    """One example's real tokens u (n, D), from the paper's equations, one step at a time: alpha_t =
+    sigmoid(x_t W1 W2 + b)^(1/tau), S_t = diag(alpha_t) S_{t-1} + k_t^T v_t, o_t = q_t S_t / sqrt(Dk), the
+    reversed pass the same from the last token back; y = out(RMSNorm_head(o_fwd + o_rev) * swish(x W_r))."""
+    n = u.shape[0]
+    H, Dk, Dv = m.n_heads, m.d_hk, m.d_hv
+    qk = (u @ m.qk.weight.T).view(n, 2, 2, H, Dk)  # (n, direction, q | k, H, Dk)
+    v = (u @ m.v.weight.T).view(n, H, Dv)
+    o = torch.zeros(n, H, Dv, dtype=u.dtype)
+    for d, steps in ((0, range(n)), (1, reversed(range(n)))):
+        alpha = torch.sigmoid(m.forget[d](u)).pow(1.0 / m.tau).view(n, H, Dk)  # in (0, 1), not log space
+        S = torch.zeros(H, Dk, Dv, dtype=u.dtype)
+        for t in steps:
+            S = alpha[t][..., None] * S + qk[t, d, 1][..., None] * v[t][:, None]
+            o[t] += torch.einsum("hk,hkv->hv", qk[t, d, 0], S) / Dk ** 0.5
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.norm.eps) * m.norm.weight
+    r = F.silu(u @ m.gate.weight.T).view(n, H, Dv)
+    return (o * r).reshape(n, -1) @ m.out.weight.T  # (n, D)
+
+
+@pytest.mark.parametrize("factorised", [True, False])
+def test_bidirectional_mixer_equals_the_equations_step_by_step(factorised, monkeypatch):
+    """Both passes (the reversed one over each example's real tokens only), their sum, norm and output gate."""
+    if not factorised:
+        monkeypatch.setattr(_scan, "FACTOR_LIMIT", -1.0)  # the exact C x C x K branch
+    m = make(chunk_size=8)
+    u = torch.randn(2, 29, 16, dtype=torch.float64)
+    mask = ragged([29, 13], 29)
+    with torch.no_grad():
+        out = m(u, mask)
+        for b, n in enumerate((29, 13)):
+            torch.testing.assert_close(out[b, :n], reference_mixer(m, u[b, :n]), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+def test_chunked_equals_recurrent_with_padding(chunk):
+    m = make(chunk_size=chunk)
+    u = torch.randn(3, 37, 16, dtype=torch.float64)
+    mask = ragged([37, 21, 6], 37)
+    mask[0, 4:9] = False  # a hole too
+    with torch.no_grad():
+        out = m(u, mask)
+        m.scan = "recurrent"
+        torch.testing.assert_close(out, m(u, mask), rtol=1e-10, atol=1e-10)
+
+
+def test_junk_at_masked_positions_anywhere_changes_no_real_output():
+    """Holes, not only right padding: a masked step neither writes nor decays the state (k = 0, log alpha = 0)."""
+    m = make(chunk_size=8)
+    u = torch.randn(2, 40, 16, dtype=torch.float64)
+    mask = torch.rand(2, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    u2 = u.clone()
+    u2[~mask] = torch.randn(int((~mask).sum()), 16, dtype=torch.float64) * 10
+    with torch.no_grad():
+        torch.testing.assert_close(m(u2, mask)[mask], m(u, mask)[mask], rtol=1e-10, atol=1e-10)
+
+
+def scan_inputs(B=2, H=3, N=45, K=8, V=6, gate_scale=1.0, seed=0):
+    """Random q, k, v, per-key log decays, the last 10 steps of row 1 padded (k = 0, g = 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, H, N, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, N, V, generator=gen, dtype=torch.float64)
+    g = F.logsigmoid(gate_scale * torch.randn(B, H, N, K, generator=gen, dtype=torch.float64)) / 16
+    k[1, :, -10:], g[1, :, -10:] = 0.0, 0.0
+    return q, k, v, g
+
+
+@pytest.mark.parametrize("gate_scale", [1.0, 2000.0])  # gentle gates: factorised; alpha ~ 0 at times: exact branch
+def test_chunked_scan_is_exact_and_finite_however_fast_it_forgets(gate_scale):
+    q, k, v, g = scan_inputs(gate_scale=gate_scale)
+    G = g.unflatten(2, (3, 15)).sum(3)  # (B, H, 3, K): each chunk's total log decay
+    assert (-G.min() > _scan.FACTOR_LIMIT) == (gate_scale > 1)  # each case takes the branch it names
+    want, S = _scan.recurrent(q, k, v, g, 0.5)
+    torch.testing.assert_close(_scan.chunked(q, k, v, g, 15, 0.5), want, rtol=1e-10, atol=1e-10)
+    got = _scan.chunked(*(t.float() for t in (q, k, v, g)), 15, 0.5)  # fp32: no overflow, no 0 * inf
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-4)
+    # the padded steps left row 1's state as it was after its last real step
+    torch.testing.assert_close(S[1], _scan.recurrent(*(t[1:, :, :-10] for t in (q, k, v, g)), 0.5)[1][0])
+
+
+def fake_chunk_gla(q, k, v, g, scale):
+    """fla's chunk_gla per its documented semantics ((B, T, H, K) layout, g (B, T, H, K) log decay), from its
+    naive recurrence, so the wrapper's layout, padding and scale can be checked on CPU."""
+    assert q.is_contiguous() and g.is_contiguous() and q.shape == k.shape == g.shape
+    assert q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0
+    o, S = _scan.recurrent(*(t.transpose(1, 2) for t in (q, k, v, g)), scale)
+    return o.transpose(1, 2), S
+
+
+def test_fla_wrapper_layout_padding_and_scale_on_cpu(monkeypatch):
+    monkeypatch.setattr(_scan, "fla_ops", lambda: (None, fake_chunk_gla))
+    q, k, v, g = scan_inputs(K=4, V=8)  # padded to 16 for the kernel
+    torch.testing.assert_close(_scan.fla(q, k, v, g, 0.5).double(), _scan.chunked(q, k, v, g, 16, 0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "options", [{"d_model": 64, "n_heads": 2, "d_qkv": 64}, {"d_model": 32, "n_heads": 4, "d_qkv": 16}]
+)
+def test_fla_path_equals_the_reference_on_cuda(options):
+    """fla's chunk_gla (TF32 dots inside) against the fp32 chunked form: outputs and every gradient."""
+    pytest.importorskip("fla.ops.gla")
+    torch.manual_seed(0)
+    d = options["d_model"]
+    m = create_model("gla", dropout=0.0, max_len=512, **options).cuda()
+    ref = copy.deepcopy(m)
+    ref.scan = "chunked"
+    x = torch.randn(2, 300, d, device="cuda", requires_grad=True)
+    mask = ragged([300, 170], 300).cuda()
+    cot = torch.randn(2, 300, d, device="cuda") * mask[..., None]
+    outs, grads = [], []
+    for model in (m, ref):
+        out = model(x, mask)
+        grads.append(torch.autograd.grad((out * cot).sum(), [x, *model.parameters()]))
+        outs.append(out[mask])
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(outs[0], outs[1]) < 1e-2
+    for name, a, b in zip(["x", *(n for n, _ in m.named_parameters())], *grads):
+        assert rel(a, b) < 2e-2, name
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert rel(m(x, mask)[mask].float(), outs[1]) < 5e-2

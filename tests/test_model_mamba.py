@@ -1,0 +1,197 @@
+"""``mamba``: the chunked SSD form against the sequential recurrence, the whole mixer against a step-by-step
+selective SSM written from the papers' equations, the reversed pass over real tokens only, padded steps as
+exact no-ops, and the fla (CUDA) path against the reference (its wrapper also on CPU, with a stand-in kernel)."""
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import _scan, create_model
+from models._scan import orient
+
+BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len": 128}
+
+
+def make(**options):
+    torch.manual_seed(0)
+    m = create_model("mamba", **BACKBONE, **{"d_state": 8, **options}).double().eval()
+    with torch.no_grad():  # spread dt, so the decays are far from 1 and mistakes in them show
+        m.dt_bias.add_(torch.randn_like(m.dt_bias))
+        m.D.normal_()
+    return m
+
+
+def ragged(lengths, N):
+    return torch.arange(N)[None, :] < torch.tensor(lengths)[:, None]  # (B, N)
+
+
+def keep_of(mask):
+    return orient(mask[None, ..., None].double().expand(2, *mask.shape, 1))  # (2, B, N, 1), passes' order
+
+
+def reference_mixer(m, u):
+    """The mixer on one example's real tokens u (n, D), from the equations, one step at a time:
+    h_t = exp(A dt_t) h_{t-1} + dt_t B_t x_t^T, y_t = C_t h_t + D x_t per head, the reversed pass the same
+    over the reversed tokens, then out(RMSNorm((y_fwd + y_rev) * silu(z)))."""
+    n = u.shape[0]
+    E, S, H, P = m.d_inner, m.d_state, m.n_heads, m.headdim
+    proj = u @ m.in_proj.weight.T  # (n, 2E + 2(2S + H))
+    z, x = proj[:, :E], proj[:, E : 2 * E]
+    total = torch.zeros(n, E, dtype=u.dtype)
+    for d in (0, 1):
+        b, c, dt = proj[:, 2 * E + d * (2 * S + H) :][:, : 2 * S + H].split([S, S, H], -1)
+        seq = torch.cat([x, b, c], -1)  # (n, E + 2S); dt (n, H)
+        if d == 1:
+            seq, dt = seq.flip(0), dt.flip(0)
+        K = m.conv_weight.shape[-1]
+        conv = F.conv1d(seq.T[None], m.conv_weight[d][:, None], m.conv_bias[d], padding=K - 1, groups=E + 2 * S)
+        xs, bs, cs = F.silu(conv[0, :, :n].T).split([E, S, S], -1)  # causal: the first n outputs
+        dt = F.softplus(dt + m.dt_bias[d])  # (n, H)
+        A = -torch.exp(m.A_log[d])  # (H,)
+        h = torch.zeros(H, S, P, dtype=u.dtype)
+        ys = []
+        for t in range(n):
+            xt = xs[t].view(H, P)
+            h = torch.exp(A * dt[t])[:, None, None] * h + dt[t][:, None, None] * bs[t][None, :, None] * xt[:, None]
+            ys.append((torch.einsum("s,hsp->hp", cs[t], h) + m.D[d][:, None] * xt).reshape(E))
+        ys = torch.stack(ys)
+        total = total + (ys.flip(0) if d == 1 else ys)
+    y = total * F.silu(z)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + m.norm.eps) * m.norm.weight
+    return y @ m.out_proj.weight.T  # (n, D)
+
+
+def test_mixer_equals_the_selective_ssm_step_by_step():
+    """SSD's mapping (q = C, k = B, v = x dt, g = A dt, scale 1), both passes, D, gate and norm, with padding."""
+    m = make()
+    u = torch.randn(2, 23, 16, dtype=torch.float64)
+    mask = ragged([23, 14], 23)
+    with torch.no_grad():
+        out = m(u, mask)
+        for b, n in enumerate((23, 14)):
+            torch.testing.assert_close(out[b, :n], reference_mixer(m, u[b, :n]), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+def test_chunked_equals_the_recurrence_in_both_directions_with_padding(chunk):
+    m = make(chunk_size=chunk)
+    u = torch.randn(3, 37, 16, dtype=torch.float64)
+    mask = ragged([37, 20, 9], 37)
+    mask[0, 10:13] = False  # a hole, not only right padding
+    with torch.no_grad():
+        _, xbcdt = m.project(u)
+        q, k, v, g, _ = m.scan_inputs(orient(xbcdt), keep_of(mask))  # (2B, ...): forward rows, then reversed
+        want, _ = _scan.recurrent(q, k, v, g)
+        torch.testing.assert_close(_scan.chunked(q, k, v, g, chunk), want, rtol=1e-10, atol=1e-10)
+        out = m(u, mask)
+        m.scan = "recurrent"
+        torch.testing.assert_close(out, m(u, mask), rtol=1e-10, atol=1e-10)
+
+
+def test_reversed_pass_runs_over_real_tokens_only():
+    """Flipping a padded row puts the padding first; the reversed pass must equal one over the reversed real
+    tokens alone, and see the future only."""
+    m = make()
+    u = torch.randn(2, 30, 16, dtype=torch.float64)
+    mask = ragged([30, 17], 30)
+    with torch.no_grad():
+        _, xbcdt = m.project(u)
+        y = orient(m.ssm(orient(xbcdt), keep_of(mask)))  # (2, B, N, E): each pass's output, in place
+        for b, n in enumerate((30, 17)):
+            real = xbcdt[:, b : b + 1, :n]  # (2, 1, n, .): no padding at all
+            alone = orient(m.ssm(orient(real), None))  # (2, 1, n, E)
+            torch.testing.assert_close(y[:, b, :n], alone[:, 0], rtol=1e-10, atol=1e-10)
+        u2 = u.clone()
+        u2[:, 8] += 1.0
+        y2 = orient(m.ssm(orient(m.project(u2)[1]), keep_of(mask)))
+    assert torch.equal(y2[0, :, :8], y[0, :, :8]) and not torch.allclose(y2[0, :, 8:12], y[0, :, 8:12])
+    assert torch.equal(y2[1, :, 9:], y[1, :, 9:]) and not torch.allclose(y2[1, :, 5:9], y[1, :, 5:9])
+
+
+def test_padded_steps_leave_the_state_unchanged():
+    m = make()
+    u = torch.randn(1, 24, 16, dtype=torch.float64) * 3
+    mask = torch.ones(1, 24, dtype=torch.bool)
+    mask[0, 8:12] = False  # a hole
+    mask[0, 18:] = False  # right padding (leading, in the reversed pass)
+    with torch.no_grad():
+        q, k, v, g, _ = m.scan_inputs(orient(m.project(u)[1]), keep_of(mask))  # rows: forward, reversed
+    for row, pads in ((0, [*range(8, 12), *range(18, 24)]), (1, [*range(6), *range(12, 16)])):  # reversed: 23 - t
+        assert not v[row, :, pads].any() and not g[row, :, pads].any()  # no write, decay exp(0) = 1
+
+    def state(t):  # the state after the first t steps
+        return _scan.recurrent(q[:, :, :t], k[:, :, :t], v[:, :, :t], g[:, :, :t])[1]
+
+    assert torch.equal(state(12)[0], state(8)[0])  # through the hole
+    assert torch.equal(state(24)[0], state(18)[0])  # through the right padding
+    assert torch.equal(state(6)[1], torch.zeros_like(state(6)[1]))  # the reversed pass starts on padding
+    assert state(9)[1].abs().sum() > 0
+
+
+def test_junk_at_masked_positions_anywhere_changes_no_real_output():
+    """Holes, not only right padding: a masked step enters the convolution as zeros and leaves the state as it
+    was (dt = 0), in both passes."""
+    m = make()
+    u = torch.randn(2, 40, 16, dtype=torch.float64)
+    mask = torch.rand(2, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    u2 = u.clone()
+    u2[~mask] = torch.randn(int((~mask).sum()), 16, dtype=torch.float64) * 10
+    with torch.no_grad():
+        torch.testing.assert_close(m(u2, mask)[mask], m(u, mask)[mask], rtol=1e-10, atol=1e-10)
+
+
+def fake_chunk_simple_gla(q, k, v, g, scale):
+    """fla's chunk_simple_gla per its documented semantics ((B, T, H, K) layout, g (B, T, H) log decay), from
+    its naive recurrence, so the wrapper's layout, padding and scale can be checked on CPU."""
+    assert q.is_contiguous() and q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and g.dim() == 3
+    o, S = _scan.recurrent(*(t.transpose(1, 2) for t in (q, k, v)), g.transpose(1, 2)[..., None], scale)
+    return o.transpose(1, 2), S
+
+
+def test_fla_wrapper_layout_padding_and_scale_on_cpu(monkeypatch):
+    monkeypatch.setattr(_scan, "fla_ops", lambda: (fake_chunk_simple_gla, None))
+    m = make(headdim=8)  # head size 8, d_state 8: both padded to 16 for the kernel
+    u = torch.randn(2, 21, 16, dtype=torch.float64)
+    mask = ragged([21, 12], 21)
+    with torch.no_grad():
+        q, k, v, g, _ = m.scan_inputs(orient(m.project(u)[1]), keep_of(mask))
+        torch.testing.assert_close(_scan.fla(q, k, v, g).double(), _scan.chunked(q, k, v, g, 8), rtol=1e-5, atol=1e-5)
+
+
+def test_missing_fla_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # as if fla-core were not installed
+    with pytest.raises(ImportError, match=r"pip install lra\[ssm\]"):
+        _scan.fla_ops.__wrapped__()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{"d_model": 64, "n_heads": 2}, {"d_model": 16, "n_heads": 4, "d_state": 8}])
+def test_fla_path_equals_the_reference_on_cuda(options):
+    """fla's chunk_simple_gla (TF32 dots inside) against the fp32 chunked form: outputs and every gradient."""
+    pytest.importorskip("fla.ops.simple_gla")
+    torch.manual_seed(0)
+    d = options["d_model"]
+    m = create_model("mamba", d_qkv=d, dropout=0.0, max_len=512, **options).cuda()
+    ref = copy.deepcopy(m)
+    ref.scan = "chunked"
+    x = torch.randn(2, 300, d, device="cuda", requires_grad=True)
+    mask = ragged([300, 170], 300).cuda()
+    cot = torch.randn(2, 300, d, device="cuda") * mask[..., None]
+    outs, grads = [], []
+    for model in (m, ref):
+        out = model(x, mask)
+        grads.append(torch.autograd.grad((out * cot).sum(), [x, *model.parameters()]))
+        outs.append(out[mask])
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(outs[0], outs[1]) < 1e-2
+    for name, a, b in zip(["x", *(n for n, _ in m.named_parameters())], *grads):
+        assert rel(a, b) < 2e-2, name
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert rel(m(x, mask)[mask].float(), outs[1]) < 5e-2
