@@ -52,7 +52,7 @@ def cfgs(tmp_path: Path, n: int, *overrides: str) -> list:
 
 def test_eight_listops_runs_on_a_cold_cache_see_one_dataset_and_write_eight_rows(tmp_path):
     results = start_together(cfgs(tmp_path, 8, "data.limit.train=64", "data.limit.val=16", "data.limit.test=16",
-                                  "backbone.n_layers=1"), train=True)
+                                  "backbone.n_layers=1", "task.seq_len=256"), train=True)
     assert all(r[0] == "ok" for r in results), [r for r in results if r[0] != "ok"]
     assert len({r[1] for r in results}) == 1  # eight identical datasets
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")

@@ -158,7 +158,7 @@ def test_smoke_generates_only_its_slice(smoke_cfg, tmp_path):
     from lra.data import load_task
 
     data = load_task(smoke_cfg())
-    assert (len(data.train), len(data.val), len(data.test)) == (240, 32, 32)
+    assert (len(data.train), len(data.val), len(data.test)) == (160, 32, 32)
     assert data.info["cache"] == "miss"
     generated = list((tmp_path / "cache" / "listops").glob("*/listops-1000/basic_train.tsv"))
-    assert len(generated) == 1 and generated[0].read_text().count("\n") == 241
+    assert len(generated) == 1 and generated[0].read_text().count("\n") == 161

@@ -21,7 +21,8 @@ from lra.data import DataError
 from lra.results import RUN_COLUMNS
 from tests.conftest import ROOT
 
-SHORT = ("schedule.steps=12", "schedule.eval_every=6")
+TINY = ("task.seq_len=256", "backbone.n_layers=1")  # the runner's behaviour, not the model's: short and shallow
+SHORT = (*TINY, "schedule.steps=12", "schedule.eval_every=6")
 
 
 def rows(tmp_path) -> pd.DataFrame:
@@ -34,12 +35,12 @@ def test_smoke_run_writes_a_valid_row(smoke_cfg, tmp_path):
     assert list(df.columns) == RUN_COLUMNS and len(df) == 1
     got = df.iloc[0]
     assert (got.task, got.model, got.experiment, got.status, got.steps, got.seq_len) == \
-        ("listops", "transformer", "smoke", "ok", 30, 2000)
+        ("listops", "transformer", "smoke", "ok", 20, 2000)
     for col in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "val_majority"):
         assert 0.0 <= got[col] <= 1.0
     assert got.train_steps_per_s > 0 and math.isclose(got.examples_per_s, got.train_steps_per_s * 8, rel_tol=1e-4)
-    assert got.peak_mem_mb > 0 and got.params == row["params"] > 0 and got.eval_every == 15 and got.devices == 1
-    assert got.best_step in (15, 30) and got.device.startswith("cpu") and got.precision == "fp32"
+    assert got.peak_mem_mb > 0 and got.params == row["params"] > 0 and got.eval_every == 10 and got.devices == 1
+    assert got.best_step in (10, 20) and got.device.startswith("cpu") and got.precision == "fp32"
     assert len(str(got.config_hash)) == 12 and (tmp_path / "run" / "result.json").exists()
 
 
@@ -69,7 +70,7 @@ def stop_during_step(monkeypatch, n: int, signum: int | None = None) -> dict:
 
 
 def test_resume_after_interrupt_equals_uninterrupted(smoke_cfg, tmp_path, monkeypatch):
-    overrides = ("schedule.steps=16", "schedule.eval_every=4", "trainer.ckpt_every=100")
+    overrides = (*TINY, "schedule.steps=16", "schedule.eval_every=4", "trainer.ckpt_every=100")
     reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
     real_step = engine.train_step
     calls = stop_during_step(monkeypatch, 7)
@@ -94,15 +95,15 @@ def interrupt_after_one_step(cfg, monkeypatch) -> None:
 
 
 def test_resume_refuses_a_different_config(smoke_cfg, monkeypatch):
-    interrupt_after_one_step(smoke_cfg("schedule.steps=8"), monkeypatch)
+    interrupt_after_one_step(smoke_cfg(*TINY, "schedule.steps=8"), monkeypatch)
     with pytest.raises(ConfigError, match="different configuration"):
-        runner.run(smoke_cfg("schedule.steps=8", "optim.lr=0.01"))
+        runner.run(smoke_cfg(*TINY, "schedule.steps=8", "optim.lr=0.01"))
     with pytest.raises(ConfigError, match="resume=true"):
-        runner.run(smoke_cfg("schedule.steps=8", "resume=true", "run_dir=/tmp/lra-test-no-such-run/x"))
+        runner.run(smoke_cfg(*TINY, "schedule.steps=8", "resume=true", "run_dir=/tmp/lra-test-no-such-run/x"))
 
 
 def test_a_truncated_checkpoint_falls_back_to_the_previous_one(smoke_cfg, tmp_path, monkeypatch, caplog):
-    overrides = ("schedule.steps=12", "schedule.eval_every=4", "trainer.ckpt_every=4")
+    overrides = (*TINY, "schedule.steps=12", "schedule.eval_every=4", "trainer.ckpt_every=4")
     reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
     real_step = engine.train_step
     stop_during_step(monkeypatch, 10)  # checkpoints at 4 and 8; the stop at 10 writes the latest
@@ -128,12 +129,12 @@ def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     torch.save({"state": Exploit()}, run_dir / "checkpoint.pt", pickle_protocol=pickle.DEFAULT_PROTOCOL)
-    row = runner.run(smoke_cfg("schedule.steps=2", "schedule.eval_every=2"))  # starts over, saying so
+    row = runner.run(smoke_cfg(*TINY, "schedule.steps=2", "schedule.eval_every=2"))  # starts over, saying so
     assert not marker.exists() and row["steps"] == 2
 
 
 def test_a_nan_loss_is_recorded_as_diverged_without_accuracies(smoke_cfg, tmp_path):
-    row = runner.run(smoke_cfg("optim.lr=1e30", "schedule.steps=40", "schedule.eval_every=20"))
+    row = runner.run(smoke_cfg(*TINY, "optim.lr=1e30", "schedule.steps=40", "schedule.eval_every=20"))
     assert row["status"] == "diverged" and row["steps"] < 40
     got = rows(tmp_path).iloc[0]
     assert got.status == "diverged"
@@ -151,7 +152,7 @@ def test_an_empty_split_fails_at_start(smoke_cfg, tmp_path, monkeypatch):
 
     monkeypatch.setattr(listops, "read_tsv", empty_val)
     with pytest.raises(DataError, match="the val split is empty"):
-        runner.run(smoke_cfg())
+        runner.run(smoke_cfg(*TINY))
     assert not (tmp_path / "results" / "runs.csv").exists()
 
 
@@ -187,15 +188,15 @@ def test_wandb_offline_logging(smoke_cfg, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional; install the [wandb] extra to test its logger")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    runner.run(smoke_cfg("logger=wandb", "logger.mode=offline", "schedule.steps=4", "schedule.eval_every=2"))
+    runner.run(smoke_cfg(*TINY, "logger=wandb", "logger.mode=offline", "schedule.steps=4", "schedule.eval_every=2"))
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
 def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cfg, monkeypatch):
-    interrupt_after_one_step(smoke_cfg("schedule.steps=6", "schedule.eval_every=3"), monkeypatch)
+    interrupt_after_one_step(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"), monkeypatch)
     monkeypatch.setattr(runner, "device_name", lambda device: "Other GPU")
     monkeypatch.setenv("LRA_GIT_SHA", "0123456789ab")
-    row = runner.run(smoke_cfg("schedule.steps=6", "schedule.eval_every=3", "resume=true"))
+    row = runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3", "resume=true"))
     first, second = row["device"].split(" + ")
     assert first.startswith("cpu") and second == "Other GPU"
     assert row["git_sha"].endswith(" + 0123456789ab") and not row["git_sha"].startswith("0123456789ab")

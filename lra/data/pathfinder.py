@@ -114,16 +114,29 @@ def generated_folder(data, res: int, difficulty: str, limits: dict, progress: bo
     """Generate into the cache (once, whatever the number of concurrent runs) and return the difficulty folder."""
     from . import pathfinder_gen
 
-    n, seed = images_needed(limits, int(data.generate.n)), int(data.generate.seed)
-    out = Path(data.cache_dir).expanduser() / "pathfinder_gen" / f"{res}px-{difficulty}-n{n}-seed{seed}"
+    n, seed, version = images_needed(limits, int(data.generate.n)), int(data.generate.seed), \
+        pathfinder_gen.GENERATOR_VERSION
+    out = Path(data.cache_dir).expanduser() / "pathfinder_gen" / f"{res}px-{difficulty}-n{n}-seed{seed}-v{version}"
 
     def run_generator():  # resumes an interrupted run: finished batches are kept
         log.info("generating %d Pathfinder images (%dpx, %s, seed %d) into %s", n, res, difficulty, seed, out)
         pathfinder_gen.generate(out, resolution=res, difficulty=difficulty, n=n, seed=seed,
                                 workers=data.get("workers"), progress=progress)
 
-    generate_once(out, run_generator, {"n": n, "seed": seed, "resolution": res, "difficulty": difficulty})
+    generate_once(out, run_generator, {"n": n, "seed": seed, "resolution": res, "difficulty": difficulty,
+                                       "version": version})
     return out / f"pathfinder{res}" / FOLDERS[difficulty]
+
+
+def data_version(folder: Path) -> str:
+    """What the rows record as the data: the generator's version for generated images, else the release."""
+    import json
+
+    manifest = folder / "pathfinder_gen.json"
+    if manifest.exists():
+        info = json.loads(manifest.read_text())
+        return f"pathfinder_gen v{info.get('version', 1)} seed {info.get('seed')}"
+    return f"release {folder}"
 
 
 def source_folder(data, res: int, difficulty: str, limits: dict, progress: bool) -> Path:
@@ -200,7 +213,8 @@ def load(task, data, *, seed: int, progress: bool) -> TaskData:
     recipe = (f"{FOLDERS[difficulty]} {res}px, {n} usable images, random_split 80/10/10 seed {split_seed}"
               + limit_recipe(limits, seed))
     out = TaskData(**splits, vocab_size=vocab, n_classes=N_CLASSES, seq_len=res * res, grid=(res, res),
-                   info={"task": task.name, "source": str(folder), "cache": "hit" if hit else "miss",
+                   info={"task": task.name, "source": str(folder), "data": data_version(folder),
+                         "cache": "hit" if hit else "miss",
                          "skipped": empty + missing + unreadable, "split": recipe,
                          "pixels": "raw, 0 = pad (LRA quirk)" if zero_is_pad else "pixel + 1"})
     log.info("%s: %s, %s, cache %s, skipped %d empty, %d missing, %d unreadable images", task.name, folder,
