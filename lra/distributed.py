@@ -41,6 +41,14 @@ class World:
         if self.distributed:
             dist.barrier()
 
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-rank value over the ranks (each rank's training loss covers its share of the batch)."""
+        if self.distributed:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= self.size
+        return value
+
     def any(self, flags: torch.Tensor) -> torch.Tensor:
         """Elementwise OR of a small flag tensor over the ranks (stop requested, non-finite loss)."""
         if self.distributed:

@@ -202,3 +202,42 @@ def config_hash(cfg_dict: dict) -> str:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_rows(source: str | Path, dest: str | Path) -> int:
+    """Append the rows of ``source`` (a runs.csv or bench.csv, e.g. brought back from another machine) that
+    ``dest`` does not hold yet (same timestamp, model, and config hash or length); returns how many were added."""
+    import pandas as pd
+
+    src, dest = Path(source), Path(dest)
+    rows = pd.read_csv(src, dtype=str, keep_default_na=False)
+    columns = BENCH_COLUMNS if "seq_len" in rows and "status" in rows and "task" in rows and "seed" not in rows \
+        else RUN_COLUMNS
+    key = [c for c in ("timestamp", "model", "config_hash", "seq_len", "run_dir") if c in rows]
+    seen = set()
+    if dest.exists() and dest.stat().st_size:
+        old = pd.read_csv(dest, dtype=str, keep_default_na=False)
+        seen = {tuple(r) for r in old.reindex(columns=key).itertuples(index=False)}
+    added = 0
+    for r in rows.to_dict("records"):
+        if tuple(r.get(k, "") for k in key) in seen:
+            continue
+        append_row(dest, {k: v for k, v in r.items() if k in columns and v != ""}, columns)
+        added += 1
+    return added
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m lra.results",
+                                 description="Merge result rows from another results folder (e.g. a GPU machine's).")
+    ap.add_argument("sources", nargs="+", help="runs.csv / bench.csv files to merge")
+    ap.add_argument("--into", required=True, help="the CSV to append the new rows to (e.g. results/runs.csv)")
+    args = ap.parse_args(argv)
+    for source in args.sources:
+        print(f"{source}: {merge_rows(source, args.into)} new rows appended to {args.into}")
+
+
+if __name__ == "__main__":
+    main()

@@ -306,7 +306,7 @@ class Trainer:
                     return "diverged"
                 if step % every == 0 or last:
                     timer.pause()
-                    self.validate_and_log(loss_sum.item() / n_loss, bar)
+                    self.validate_and_log(world.mean(loss_sum / n_loss).item(), bar)
                     loss_sum.zero_()
                     n_loss = 0
                     engine.reset_peak_memory(device)

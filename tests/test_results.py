@@ -52,3 +52,16 @@ def test_git_sha_names_this_checkout_and_the_override_wins(monkeypatch):
         assert sha.removesuffix("+dirty") == head.stdout.strip()[:12]
     monkeypatch.setenv("LRA_GIT_SHA", "0123456789ab")
     assert git_sha() == "0123456789ab"
+
+
+def test_merge_appends_only_new_rows(tmp_path):
+    from lra.results import merge_rows
+
+    remote, local = tmp_path / "remote.csv", tmp_path / "runs.csv"
+    for i in range(3):
+        append_row(remote, {"task": "listops", "model": f"m{i}", "seed": 0, "status": "ok", "config_hash": f"h{i}",
+                            "timestamp": f"2026-01-0{i + 1}T00:00:00Z", "run_dir": f"/r/{i}", "test_acc": 0.5}, RUN_COLUMNS)
+    append_row(local, pd.read_csv(remote).iloc[0].dropna().to_dict(), RUN_COLUMNS)
+    assert merge_rows(remote, local) == 2 and merge_rows(remote, local) == 0
+    merged = pd.read_csv(local)
+    assert list(merged.model) == ["m0", "m1", "m2"] and list(merged.columns) == RUN_COLUMNS

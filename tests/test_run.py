@@ -221,3 +221,24 @@ def test_sigterm_saves_and_exits_with_one_line_and_code_75(tmp_path):
     assert proc.returncode == 75, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("interrupted: stopped at step") and "Traceback" not in err
     assert (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_sigusr2_checkpoints_then_hands_over_to_the_previous_handler(smoke_cfg, tmp_path, monkeypatch):
+    """Slurm (through submitit) signals SIGUSR2 before a timeout: the step finishes, the checkpoint is written, and
+    only then submitit's own handler (which requeues the job) is called."""
+    seen = []
+
+    def submitit_handler(signum, frame):
+        seen.append((signum, (tmp_path / "run" / "checkpoint.pt").exists()))
+
+    old = signal.signal(signal.SIGUSR2, submitit_handler)
+    try:
+        real_step = engine.train_step
+        stop_during_step(monkeypatch, 3, signum=signal.SIGUSR2)
+        with pytest.raises(runner.RunInterrupted):
+            runner.run(smoke_cfg(*TINY, "schedule.steps=8", "schedule.eval_every=4"))
+        monkeypatch.setattr(engine, "train_step", real_step)
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+    assert seen == [(signal.SIGUSR2, True)]
+    assert runner.run(smoke_cfg(*TINY, "schedule.steps=8", "schedule.eval_every=4"))["steps"] == 8  # resumes

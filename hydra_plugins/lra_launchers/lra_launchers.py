@@ -100,9 +100,8 @@ if JoblibLauncher is not None:
             ret = _core.execute_job(idx, list(overrides) + extra, hydra_context, config, task_function, singleton_state)
         finally:
             lock.release()
-        if ret.working_dir:
-            Path(ret.working_dir, "gpu_slot.json").write_text(json.dumps({"slot": slot, "start": start,
-                                                                           "end": time.time()}))
+        out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir))  # the job's folder: which GPU it held, and when
+        (out / "gpu_slot.json").write_text(json.dumps({"slot": slot, "start": start, "end": time.time()}))
         return ret
 
 

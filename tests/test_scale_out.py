@@ -1,0 +1,116 @@
+"""Running many jobs: the GPU launcher (jobs in parallel, never two on one GPU, each with its share of the cores),
+stable and resumable sweep folders, data-parallel runs (DDP over gloo on CPU equals one process), and a real Slurm
+cluster when one runs (CI starts one)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import lra.run as runner
+from hydra_plugins.lra_launchers.lra_launchers import claim_gpu, job_state
+from lra.checkpoint import RunFiles
+from lra.config import sweep_slug
+from tests.conftest import ROOT
+
+FAST = ["experiment=smoke", "task.seq_len=200", "backbone.n_layers=1", "schedule.steps=4", "schedule.eval_every=2",
+        "data.limit.train=32", "data.limit.val=8", "data.limit.test=8"]
+
+
+def lra_cli(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results"),
+           "LRA_GPU_LOCKS": str(tmp_path / "locks")}
+    env.pop("LRA_SWEEP_NAME", None)
+    proc = subprocess.run([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_the_gpu_launcher_runs_in_parallel_never_two_jobs_on_one_gpu_and_resumes(tmp_path):
+    args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", *FAST, "model=transformer,linear,local,sparse"]
+    first = lra_cli(args, tmp_path)
+    assert "4 jobs: 0 already finished (skipped, no new row), 0 resume from a checkpoint, 4 new" in first.stdout
+    slots = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "multirun").rglob("gpu_slot.json")]
+    assert len(slots) == 4 and {s["slot"] for s in slots} <= {0, 1}
+    for a in slots:
+        for b in slots:
+            if a is not b and a["slot"] == b["slot"]:
+                assert a["end"] <= b["start"] or b["end"] <= a["start"], "two jobs held one GPU at once"
+    assert any(a["start"] < b["end"] and b["start"] < a["end"] for a in slots for b in slots if a is not b)
+    assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 4
+    again = lra_cli(args, tmp_path)  # the same command: a stable folder, nothing rerun, no new row
+    assert "4 jobs: 4 already finished" in again.stdout
+    assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 4
+    sweeps = list((tmp_path / "outputs" / "multirun").iterdir())
+    assert [p.name for p in sweeps] == [sweep_slug([*FAST, "model=transformer,linear,local,sparse"])]
+
+
+def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
+    proc = lra_cli(["-m", *FAST, "model=transformer,linear", "sweep=my_grid"], tmp_path)
+    assert "2 jobs: 0 already finished" in proc.stdout
+    assert sorted(p.parent.parent.name for p in (tmp_path / "outputs" / "multirun" / "my_grid").rglob("result.json")) == \
+        ["linear", "transformer"]
+
+
+def test_job_states_from_the_run_folder(tmp_path):
+    files = RunFiles(tmp_path / "job")
+    assert job_state(files.dir) == "new"
+    files.save_checkpoint({"state": {"step": 1}})
+    assert job_state(files.dir) == "resume"
+    files.write_result({"status": "ok"}, [])
+    assert job_state(files.dir) == "finished"
+
+
+def test_a_held_gpu_is_never_claimed_twice(tmp_path):
+    slot, lock = claim_gpu(tmp_path, 2)
+    other = subprocess.run([sys.executable, "-c", "import sys; from hydra_plugins.lra_launchers.lra_launchers import "
+                            f"claim_gpu; print(claim_gpu(__import__('pathlib').Path(r'{tmp_path}'), 2)[0])"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert other.stdout.strip() == str(1 - slot)
+    lock.release()
+
+
+def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke_cfg, tmp_path):
+    same = ("task.seq_len=200", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
+            "schedule.steps=6", "schedule.eval_every=3", "data.limit.train=64")
+    one = runner.run(smoke_cfg(*same, f"run_dir={tmp_path / 'one'}"))
+    two = runner.run(smoke_cfg(*same, "trainer.devices=2", f"run_dir={tmp_path / 'two'}"))
+    assert two["devices"] == 2 and one["devices"] == 1 and two["config_hash"] == one["config_hash"]
+    for key in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step"):
+        assert two[key] == pytest.approx(one[key], abs=1e-6), key
+    history = [json.loads((tmp_path / d / "history.json").read_text()) for d in ("one", "two")]
+    for a, b in zip(*history, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)  # the same updates, up to sum order
+    rows = pd.read_csv(tmp_path / "results" / "runs.csv")
+    assert len(rows) == 2 and sorted(rows.devices) == [1, 2]
+
+
+def slurm_available() -> str | None:
+    """None when a Slurm cluster answers, else why not."""
+    if not shutil.which("sinfo"):
+        return "no Slurm client here (CI installs slurm-wlm and starts a one-node cluster: .ci/slurm.sh)"
+    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0 or "idle" not in proc.stdout and "mix" not in proc.stdout:
+        return f"Slurm does not answer with an idle node: {proc.stderr.strip() or proc.stdout.strip()}"
+    return None
+
+
+@pytest.mark.slurm
+def test_a_sweep_through_slurm_writes_two_intact_rows(tmp_path):
+    reason = slurm_available()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Slurm test: {reason}")
+        pytest.skip(reason)
+    proc = lra_cli(["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
+                    "hydra.launcher.timeout_min=10", *FAST, "model=transformer,linear"], tmp_path, timeout=1200)
+    assert "2 jobs: 0 already finished" in proc.stdout
+    rows = pd.read_csv(tmp_path / "results" / "runs.csv")
+    assert len(rows) == 2 and set(rows.model) == {"transformer", "linear"} and (rows.status == "ok").all()
