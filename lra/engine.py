@@ -59,7 +59,8 @@ def cpu_threads(requested: int | None, local_processes: int = 1) -> int:
 def configure(device: torch.device, threads: int) -> None:
     torch.set_num_threads(threads)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device.index)
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
 
 

@@ -260,6 +260,7 @@ class Trainer:
 
             train_model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda"
                                                   else None)
+        self.eager_train_fn = train_model
         self.train_fn = torch.compile(train_model) if self.compiled else train_model
         self.eval_fn = self.train_fn if not self.world.distributed else (
             torch.compile(self.model) if self.compiled else self.model)
@@ -292,8 +293,7 @@ class Trainer:
                 tokens = to_device(self.data.train.tokens[idx], device)
                 labels = self.data.train.labels[idx].to(device, non_blocking=True)
                 timer.before_step()
-                loss_sum += engine.train_step(self.train_fn, self.optimizer, tokens, labels, autocast=self.autocast,
-                                              grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
+                loss_sum += self.step(tokens, labels)
                 timer.after_step()
                 n_loss += 1
                 state["step"] += 1
@@ -317,6 +317,25 @@ class Trainer:
         return "ok"
 
     # -- pieces of the loop -------------------------------------------------------------------------------------
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One training step. With ``trainer.compile=auto``, a model that torch.compile cannot compile (an error
+        while compiling, before any update) runs eagerly instead, saying so; the row then says compiled=False."""
+        cfg = self.cfg
+        try:
+            return engine.train_step(self.train_fn, self.optimizer, tokens, labels, autocast=self.autocast,
+                                     grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
+        except Exception as e:
+            if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(e)):
+                raise
+            log.warning("torch.compile failed for %s (%s: %s); running it eagerly", cfg.model.name, type(e).__name__,
+                        str(e).splitlines()[0][:200])
+            torch._dynamo.reset()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.compiled, self.train_fn = False, self.eager_train_fn
+            self.eval_fn = self.model
+            return engine.train_step(self.train_fn, self.optimizer, tokens, labels, autocast=self.autocast,
+                                     grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
+
     def finite(self, loss_sum: torch.Tensor) -> bool:
         bad = torch.stack([torch.zeros((), device=self.device), (~torch.isfinite(loss_sum)).float()])
         return not bool(self.world.any(bad)[1] > 0)
@@ -412,6 +431,11 @@ class Trainer:
                 self.logger.finish()
         self.world.barrier()
         return out
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """An error raised while torch.compile traced or compiled (Dynamo, Inductor), not by the model's own code."""
+    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
 def _overrides() -> str:

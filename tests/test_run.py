@@ -242,3 +242,23 @@ def test_sigusr2_checkpoints_then_hands_over_to_the_previous_handler(smoke_cfg, 
         signal.signal(signal.SIGUSR2, old)
     assert seen == [(signal.SIGUSR2, True)]
     assert runner.run(smoke_cfg(*TINY, "schedule.steps=8", "schedule.eval_every=4"))["steps"] == 8  # resumes
+
+
+def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, monkeypatch, caplog):
+    class InductorError(RuntimeError):
+        pass
+
+    InductorError.__module__ = "torch._inductor.exc"  # what torch raises when lowering fails
+
+    def broken_compile(model, **kwargs):
+        def fn(*args, **kw):
+            raise InductorError("LoweringException: cannot lower this")
+        return fn
+
+    monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    row = runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=auto"))
+    assert row["status"] == "ok" and row["compiled"] is False and "running it eagerly" in caplog.text
+    with pytest.raises(InductorError):  # asked for explicitly: the failure is the user's to see
+        runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=true",
+                             "resume=false"))

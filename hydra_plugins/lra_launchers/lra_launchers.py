@@ -100,6 +100,9 @@ if JoblibLauncher is not None:
             ret = _core.execute_job(idx, list(overrides) + extra, hydra_context, config, task_function, singleton_state)
         finally:
             lock.release()
+        if isinstance(getattr(ret, "_return_value", None), BaseException):  # back to the launcher, picklable
+            error = ret._return_value
+            ret._return_value = RuntimeError(f"{type(error).__name__}: {error}")
         out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir))  # the job's folder: which GPU it held, and when
         (out / "gpu_slot.json").write_text(json.dumps({"slot": slot, "start": start, "end": time.time()}))
         return ret
