@@ -46,7 +46,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     empty = None
     if keep is not None:
         empty = ~keep.any(-1)  # (G,): no real key at all
-        keep = (keep | empty[:, None])[:, None, None, :]  # (G, 1, 1, Lk): such a group attends to its junk, zeroed below
+        # (G, 1, 1, Lk): such a group attends to its junk, zeroed below
+        keep = (keep | empty[:, None])[:, None, None, :]
     d_head = q.shape[-1]
     # The fused CUDA kernels take head sizes in multiples of 8 (see models/transformer.py); zero columns are exact.
     q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (G, H, L, multiple of 8)

@@ -15,8 +15,9 @@ Moore-Penrose pseudo-inverse by the paper's iteration (Razavi et al. 2014), from
 
 The norms are taken per matrix (per example and head): the public code's default divides by one maximum
 over the whole batch, which couples examples and converges more slowly (its later "exact" option is
-per-matrix, as here). The skip is a convolution over the sequence with one kernel per head, shared by the head's Dh value
-channels (the public code's Conv2d with groups = heads and a (kernel, 1) window), zero-padded at the ends.
+per-matrix, as here). The skip is a convolution over the sequence with one kernel per head, shared by the
+head's Dh value channels (the public code's Conv2d with groups = heads and a (kernel, 1) window), zero-padded
+at the ends.
 
 Complexity: O(N m Dh + m^2 Dh + iterations m^3) time and O(N m) memory per head (F and B), plus the
 (N x m) segment-mean matrix shared by the heads; O(N Dh kernel) for the convolution.

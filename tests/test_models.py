@@ -195,7 +195,8 @@ def test_smoke_run(name, smoke_cfg):
     """A few training steps through the runner: ListOps, or generated Pathfinder for a 2-D mixer."""
     task = ("task=pathfinder",) if name in GRID_MODELS else ("task=listops", "task.seq_len=512")
     row = runner.run(smoke_cfg(*task, f"model={name}", "backbone.n_layers=1", "schedule.steps=6",
-                               "schedule.eval_every=3", "data.limit.train=48", "data.limit.val=16", "data.limit.test=16"))
+                               "schedule.eval_every=3", "data.limit.train=48", "data.limit.val=16",
+                               "data.limit.test=16"))
     assert row["model"] == name and row["steps"] == 6 and 0 <= row["test_acc"] <= 1
 
 

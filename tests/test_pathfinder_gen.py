@@ -164,14 +164,14 @@ def test_images_and_label_balance(samples):
     labels = np.array([s[1] for s in samples])
     assert set(labels) == {0, 1}
     assert 0.35 < labels.mean() < 0.65, labels.mean()  # 160 fair coins: sd 0.04
-    for img, label, margin, info in samples:
+    for img, _label, margin, _info in samples:
         assert img.dtype == np.uint8 and img.shape == (32, 32)
         assert img.min() == 0 and img.max() == 255  # bytescaled: background 0, brightest stroke 255
         assert margin == 1
 
 
 def test_both_markers_present(samples):
-    for img, label, _, info in samples:
+    for img, _, _, info in samples:
         strokes, markers = info["strokes"], info["marker_layer"]
         assert np.array_equal(img, pg._bytescale(np.maximum(strokes, markers)))  # what the image is made of
         blobs, n = ndimage.label(markers > 0.5, structure=EIGHT)

@@ -60,7 +60,8 @@ def test_merge_appends_only_new_rows(tmp_path):
     remote, local = tmp_path / "remote.csv", tmp_path / "runs.csv"
     for i in range(3):
         append_row(remote, {"task": "listops", "model": f"m{i}", "seed": 0, "status": "ok", "config_hash": f"h{i}",
-                            "timestamp": f"2026-01-0{i + 1}T00:00:00Z", "run_dir": f"/r/{i}", "test_acc": 0.5}, RUN_COLUMNS)
+                            "timestamp": f"2026-01-0{i + 1}T00:00:00Z", "run_dir": f"/r/{i}", "test_acc": 0.5},
+                   RUN_COLUMNS)
     append_row(local, pd.read_csv(remote).iloc[0].dropna().to_dict(), RUN_COLUMNS)
     assert merge_rows(remote, local) == 2 and merge_rows(remote, local) == 0
     merged = pd.read_csv(local)

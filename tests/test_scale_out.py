@@ -55,8 +55,8 @@ def test_the_gpu_launcher_runs_in_parallel_never_two_jobs_on_one_gpu_and_resumes
 def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
     proc = lra_cli(["-m", *FAST, "model=transformer,linear", "sweep=my_grid"], tmp_path)
     assert "2 jobs: 0 already finished" in proc.stdout
-    assert sorted(p.parent.parent.name for p in (tmp_path / "outputs" / "multirun" / "my_grid").rglob("result.json")) == \
-        ["linear", "transformer"]
+    done = (tmp_path / "outputs" / "multirun" / "my_grid").rglob("result.json")
+    assert sorted(p.parent.parent.name for p in done) == ["linear", "transformer"]
 
 
 def test_job_states_from_the_run_folder(tmp_path):
@@ -97,7 +97,7 @@ def slurm_available() -> str | None:
     if not shutil.which("sinfo"):
         return "no Slurm client here (CI installs slurm-wlm and starts a one-node cluster: .ci/slurm.sh)"
     proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
-    if proc.returncode != 0 or "idle" not in proc.stdout and "mix" not in proc.stdout:
+    if proc.returncode != 0 or ("idle" not in proc.stdout and "mix" not in proc.stdout):
         return f"Slurm does not answer with an idle node: {proc.stderr.strip() or proc.stdout.strip()}"
     return None
 
@@ -114,3 +114,39 @@ def test_a_sweep_through_slurm_writes_two_intact_rows(tmp_path):
     assert "2 jobs: 0 already finished" in proc.stdout
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert len(rows) == 2 and set(rows.model) == {"transformer", "linear"} and (rows.status == "ok").all()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow  # Slurm takes minutes to start a requeued job again
+def test_a_slurm_job_signalled_before_its_end_checkpoints_is_requeued_and_resumes(tmp_path):
+    """What Slurm does before a timeout or a preemption (SIGUSR2, through submitit's --signal): the runner finishes
+    its step and checkpoints, submitit requeues the job, and the requeued job resumes from the checkpoint: one row."""
+    reason = slurm_available()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Slurm test: {reason}")
+        pytest.skip(reason)
+    env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results")}
+    env.pop("LRA_SWEEP_NAME", None)
+    args = ["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
+            "hydra.launcher.timeout_min=10", "hydra.launcher.name=lra-requeue-test", *FAST, "schedule.steps=3000",
+            "schedule.eval_every=3000", "trainer.ckpt_every=100000", "sweep=requeue", "model=transformer"]
+    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    job_log = None
+    for _ in range(300):  # wait for training to start in the Slurm job
+        logs = list((tmp_path / "outputs" / "multirun" / "requeue").rglob("__main__.log"))
+        if logs and "parameters" in logs[0].read_text():
+            job_log = logs[0]
+            break
+        subprocess.run(["sleep", "1"])
+    assert job_log is not None, "the Slurm job never started training"
+    jobs = subprocess.run(["squeue", "-h", "-n", "lra-requeue-test", "-o", "%i"], capture_output=True, text=True)
+    job_id = jobs.stdout.split()[0]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    out, _ = sweep.communicate(timeout=900)
+    assert sweep.returncode == 0, out[-3000:]
+    text = job_log.read_text()
+    assert "SIGUSR2: finishing this step and saving a checkpoint" in text and "resuming" in text
+    rows = pd.read_csv(tmp_path / "results" / "runs.csv")
+    assert len(rows) == 1 and rows.status[0] == "ok" and rows.steps[0] == 3000
