@@ -8,6 +8,7 @@ import torch
 
 from models import create_model
 from models.registry import Grid
+from tests.mixer_checks import assert_fully_masked_rows_are_zero_with_finite_gradients, dense_masked_attention
 
 D, H = 32, 2
 
@@ -28,15 +29,7 @@ def axis_mask(grid: Grid, axis: str) -> torch.Tensor:
     return allowed
 
 
-def reference(step, x: torch.Tensor, mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
-    """Full softmax attention with the step's projections under ``allowed`` (N, N) and the key mask; a row with no
-    key gives 0."""
-    B, N, _ = x.shape
-    q, k, v = step.project(x)  # each (B, H, N, Dh)
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, N, N)
-    see = allowed[None, None] if mask is None else allowed[None, None] & mask[:, None, None, :]  # (B or 1, 1, N, N)
-    weights = scores.masked_fill(~see, float("-inf")).softmax(-1).nan_to_num(0.0)  # (B, H, N, N)
-    return step.out((weights @ v).transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
+reference = dense_masked_attention
 
 
 def composed_reference(model, x, mask, grid):
@@ -123,12 +116,7 @@ def test_all_masked_lines_give_zero_and_finite_gradients():
     grid = Grid(16, 16, prefix=0)
     model = make().train()  # dropout 0: deterministic, but the training path
     x, mask = batch(grid)
-    x.requires_grad_()
-    out = model(x, mask, grid=grid)
-    out.sum().backward()
-    assert out.isfinite().all() and x.grad.isfinite().all()
-    assert all(p.grad.isfinite().all() for p in model.parameters())
-    assert (out[3] == 0).all()  # the all-masked image (no bias in the output projections)
+    assert_fully_masked_rows_are_zero_with_finite_gradients(model, x, mask, 3, grid=grid)
 
 
 def test_bad_grids_are_refused():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from models import create_model
+from tests.mixer_checks import assert_appended_padding_changes_nothing, lengths_mask
 
 D, H = 32, 2
 
@@ -18,8 +19,6 @@ def build(max_len: int = 80, **options):
     return model
 
 
-def lengths_mask(lengths: list[int], n: int) -> torch.Tensor:
-    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # (B, n)
 
 
 def dense_reference(model, x, mask):
@@ -96,14 +95,7 @@ def test_long_tokens_outside_the_window_get_no_weight():
                                      {"global_tokens": 1, "radius": 84}, {"global_tokens": 0, "radius": 7}])
 def test_padding_with_global_tokens_leaves_real_outputs_unchanged(options):
     model = build(max_len=128, **options)
-    lengths, n, extra = [40, 23], 40, 37
-    x = torch.randn(2, n, D)
-    y = model(x, lengths_mask(lengths, n))
-    x_long = torch.cat([x, torch.randn(2, extra, D)], dim=1)  # new padding with junk in it
-    x_long[1, lengths[1]:] = torch.randn(n + extra - lengths[1], D) * 10  # and other junk in the old padding
-    y_long = model(x_long, lengths_mask(lengths, n + extra))
-    for b, length in enumerate(lengths):
-        torch.testing.assert_close(y_long[b, :length], y[b, :length], atol=1e-5, rtol=1e-4)
+    assert_appended_padding_changes_nothing(model, [40, 23], 40, 37, D)
 
 
 def test_fully_padded_rows_stay_finite():

@@ -3,7 +3,6 @@ selective SSM written from the papers' equations, the reversed pass over real to
 exact no-ops, and the fla (CUDA) path against the reference (its wrapper also on CPU, with a stand-in kernel)."""
 from __future__ import annotations
 
-import copy
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 
 from models import _scan, create_model
 from models._scan import orient
+from tests.mixer_checks import assert_fast_scan_matches_chunked
 
 BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len": 128}
 
@@ -176,22 +176,4 @@ def test_fla_path_equals_the_reference_on_cuda(options):
     torch.manual_seed(0)
     d = options["d_model"]
     m = create_model("mamba", d_qkv=d, dropout=0.0, max_len=512, **options).cuda()
-    ref = copy.deepcopy(m)
-    ref.scan = "chunked"
-    x = torch.randn(2, 300, d, device="cuda", requires_grad=True)
-    mask = ragged([300, 170], 300).cuda()
-    cot = torch.randn(2, 300, d, device="cuda") * mask[..., None]
-    outs, grads = [], []
-    for model in (m, ref):
-        out = model(x, mask)
-        grads.append(torch.autograd.grad((out * cot).sum(), [x, *model.parameters()]))
-        outs.append(out[mask])
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
-    assert rel(outs[0], outs[1]) < 1e-2
-    for name, a, b in zip(["x", *(n for n, _ in m.named_parameters())], *grads):
-        assert rel(a, b) < 2e-2, name
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert rel(m(x, mask)[mask].float(), outs[1]) < 5e-2
+    assert_fast_scan_matches_chunked(m, d, ragged)

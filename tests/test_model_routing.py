@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from models import create_model
 from models.routing import SELF_LOGIT
+from tests.mixer_checks import assert_appended_padding_changes_nothing, lengths_mask
 
 D, H = 32, 2
 
@@ -17,8 +18,6 @@ def build(max_len: int, seed: int = 0, **options):
     return create_model("routing", d_model=D, n_heads=H, d_qkv=D, dropout=0.0, max_len=max_len, **options).eval()
 
 
-def lengths_mask(lengths: list[int], n: int) -> torch.Tensor:
-    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # (B, n)
 
 
 def dense_attention(model, x, mask, allowed):
@@ -91,14 +90,7 @@ def test_tokens_attend_within_their_cluster_in_neighbouring_chunks():
 @pytest.mark.parametrize("options", [{"n_clusters": 4}, {"n_clusters": 1}, {}])
 def test_appended_or_changed_padding_leaves_real_outputs_unchanged(options):
     model = build(max_len=128, **options)
-    lengths, n, extra = [40, 27], 40, 29
-    x = torch.randn(2, n, D)
-    y = model(x, lengths_mask(lengths, n))
-    x_long = torch.cat([x, torch.randn(2, extra, D)], dim=1)  # new padding with junk in it
-    x_long[1, lengths[1]:] = torch.randn(n + extra - lengths[1], D) * 10  # and other junk in the old padding
-    y_long = model(x_long, lengths_mask(lengths, n + extra))
-    for b, length in enumerate(lengths):
-        torch.testing.assert_close(y_long[b, :length], y[b, :length], atol=1e-5, rtol=1e-4)
+    assert_appended_padding_changes_nothing(model, [40, 27], 40, 29, D)
 
 
 def expected_centroids(model, old, x, mask):
