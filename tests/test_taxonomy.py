@@ -1,0 +1,46 @@
+"""python -m lra.taxonomy: the survey's table from the registry, with exponents fitted from the bench; the README's
+copy is the generated one."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from lra import taxonomy
+from models import list_models
+from models.registry import COMPLEXITIES
+from tests.conftest import ROOT
+
+
+def test_slope_recovers_a_power_law():
+    lengths = [4096, 8192, 16384]
+    assert taxonomy.slope(lengths, [n**2 * 3e-7 for n in lengths]) == pytest.approx(2.0)
+    assert taxonomy.slope(lengths, [n * 5e-3 for n in lengths]) == pytest.approx(1.0)
+    assert math.isnan(taxonomy.slope([4096, 4096], [1.0, 2.0]))
+
+
+def bench(model, ms, lengths=(4096, 8192, 16384), batch=8, device="GPU", status="ok"):
+    return [dict(model=model, seq_len=n, batch_size=batch, ms_per_step=m, peak_mem_mb=m * 10, status=status,
+                 device=device, timestamp=f"2026-01-01T00:00:{i:02d}Z") for i, (n, m) in enumerate(zip(lengths, ms))]
+
+
+def test_measured_exponents_use_one_batch_size_from_4k_up():
+    rows = pd.DataFrame(bench("transformer", [1.0, 4.0, 16.0]) + bench("linear", [1.0, 2.0, 4.0])
+                        + bench("linear", [50.0], lengths=(1024,)) + bench("local", [1.0, 2.0], batch=32)
+                        + bench("local", [1.0], lengths=(4096,), batch=8) + bench("sparse", [1.0, 9.0, 9.0],
+                                                                                   status="oom"))
+    exps = taxonomy.measured_exponents(rows)
+    assert exps["transformer"][0] == pytest.approx(2.0) and exps["linear"][0] == pytest.approx(1.0)
+    assert exps["local"][0] == pytest.approx(1.0)  # the batch with two lengths, not the one with one
+    assert "sparse" not in exps  # failed rows measure nothing
+
+
+def test_the_table_covers_the_registry_and_the_readme_holds_the_generated_one():
+    results = ROOT / "results"
+    table = taxonomy.taxonomy_table(pd.read_csv(results / "bench.csv"), pd.read_csv(results / "leaderboard.csv"))
+    assert list(table.model) == list_models() and set(table.complexity) <= set(COMPLEXITIES)
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(taxonomy.BEGIN, 1)[1].split(taxonomy.END, 1)[0].strip()
+    assert block == taxonomy.markdown(table), "README's model table is stale: python -m lra.taxonomy --results " \
+                                               "results --readme README.md"
