@@ -205,3 +205,9 @@ class StepTimer:
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.seconds if self.seconds else float("nan")
+
+    def running(self) -> tuple[int, float]:
+        """(timed steps, seconds) so far, the open segment included (not synchronised: an estimate)."""
+        if self._start is None:
+            return self.steps, self.seconds
+        return self.steps + self._open, self.seconds + time.perf_counter() - self._start

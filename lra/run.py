@@ -299,7 +299,7 @@ class Trainer:
                 state["step"] += 1
                 bar.update(1)
                 step, last = state["step"], state["step"] == steps
-                if not warned and device.type == "cpu" and timer.steps >= 3 and cfg.experiment != "smoke":
+                if not warned and device.type == "cpu" and timer.running()[0] >= 3 and cfg.experiment != "smoke":
                     warned = self.warn_cpu(timer, steps)
                 if (step % every == 0 or last or step % 100 == 0) and not self.finite(loss_sum):
                     log.error("non-finite training loss by step %d: the run diverged (status=diverged)", step)
@@ -341,11 +341,13 @@ class Trainer:
         return not bool(self.world.any(bad)[1] > 0)
 
     def warn_cpu(self, timer: engine.StepTimer, steps: int) -> bool:
-        left = (steps - self.state["step"]) / timer.steps_per_s
+        done, seconds = timer.running()
+        per_step = seconds / done
+        left = (steps - self.state["step"]) * per_step
         if left > CPU_WARN_AFTER_S:
             log.warning("training on the CPU: %d steps at %.2f s/step is about %.1f hours. For a short run use "
-                        "experiment=smoke (or schedule.steps=...); for the LRA schedule use a GPU", steps,
-                        1 / timer.steps_per_s, left / 3600)
+                        "experiment=smoke (or schedule.steps=...); for the LRA schedule use a GPU", steps, per_step,
+                        left / 3600)
         return True
 
     def validate_and_log(self, train_loss: float, bar) -> None:

@@ -262,3 +262,23 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, 
     with pytest.raises(InductorError):  # asked for explicitly: the failure is the user's to see
         runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=true",
                              "resume=false"))
+
+
+def test_a_long_schedule_on_the_cpu_warns_with_its_estimate(smoke_cfg, monkeypatch, caplog):
+    monkeypatch.setattr(runner, "CPU_WARN_AFTER_S", 0.0)  # any run counts as long here
+    runner.run(smoke_cfg(*TINY, "experiment=lra", "device=cpu", "trainer.timing_warmup=1", "schedule.steps=6",
+                         "schedule.eval_every=6", "data.limit.train=64", "data.limit.val=8", "data.limit.test=8"))
+    assert "training on the CPU: 6 steps" in caplog.text and "experiment=smoke" in caplog.text
+    caplog.clear()
+    runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=6", "resume=false"))  # the smoke preset
+    assert "training on the CPU" not in caplog.text
+
+
+def test_out_of_memory_is_a_row_without_accuracies(smoke_cfg, tmp_path, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(engine, "train_step", oom)
+    row = runner.run(smoke_cfg(*TINY))
+    got = rows(tmp_path).iloc[0]
+    assert row["status"] == got.status == "oom" and pd.isna(got.test_acc) and pd.isna(got.train_steps_per_s)
