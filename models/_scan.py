@@ -107,6 +107,13 @@ def chunked(q, k, v, g, chunk: int, scale: float = 1.0) -> torch.Tensor:
 
 
 @functools.cache
+def warn_once(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, stacklevel=3)
+
+
+@functools.cache
 def fla_ops():
     """(chunk_simple_gla, chunk_gla), imported on first CUDA use; a clear error when fla-core is missing."""
     try:
@@ -139,10 +146,29 @@ def fla(q, k, v, g, scale: float = 1.0) -> torch.Tensor:
     return o[..., :V].transpose(1, 2).float()  # (B, H, N, V)
 
 
+@functools.cache
+def fla_refused(device_index: int) -> str | None:
+    """Why fla's gated kernels cannot run on this GPU (None when they can). fla 0.6 refuses its gated backward on
+    Hopper with Triton 3.4.0 up to 3.7.1, which computes it wrongly there; the chunked form runs instead, said
+    once, since no extra package fixes it short of another Triton."""
+    import triton
+
+    major = torch.cuda.get_device_capability(device_index)[0]
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    if major == 9 and (3, 4, 0) <= version < (3, 7, 1):
+        return (f"flash-linear-attention's gated kernels give wrong gradients on Hopper GPUs with Triton "
+                f"{triton.__version__} (3.7.1 or later is needed)")
+    return None
+
+
 def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0) -> torch.Tensor:
-    """``mode`` "auto": fla on CUDA, ``chunked`` elsewhere; "chunked" / "recurrent": that form anywhere."""
+    """``mode`` "auto": fla on CUDA (the chunked form where fla's kernels are known to be wrong), ``chunked``
+    elsewhere; "chunked" / "recurrent": that form anywhere."""
     if mode == "auto" and q.is_cuda:
-        return fla(q, k, v, g, scale)
+        reason = fla_refused(q.device.index or 0)
+        if reason is None:
+            return fla(q, k, v, g, scale)
+        warn_once(f"{reason}: running the scan in its chunked PyTorch form (model.scan=chunked)")
     if mode == "recurrent":
         return recurrent(q, k, v, g, scale)[0]
     return chunked(q, k, v, g, chunk, scale)

@@ -177,3 +177,22 @@ def test_fla_path_equals_the_reference_on_cuda(options):
     d = options["d_model"]
     m = create_model("mamba", d_qkv=d, dropout=0.0, max_len=512, **options).cuda()
     assert_fast_scan_matches_chunked(m, d, ragged)
+
+
+def test_a_triton_known_to_break_fla_on_hopper_falls_back_to_the_chunked_form(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    _scan.fla_refused.cache_clear()
+    try:
+        assert "3.7.1" in _scan.fla_refused(0)
+        monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.7.1"))
+        _scan.fla_refused.cache_clear()
+        assert _scan.fla_refused(0) is None
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
+        monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+        _scan.fla_refused.cache_clear()
+        assert _scan.fla_refused(0) is None  # the bug is Hopper's
+    finally:
+        _scan.fla_refused.cache_clear()
