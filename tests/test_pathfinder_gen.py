@@ -42,7 +42,7 @@ def test_lra_parameters():
     p = pg.PathfinderParams.for_lra(32, "hard")
     assert p == pg.PathfinderParams()  # the defaults are LRA's Pathfinder set
     assert (p.contour_length, p.distractor_length, p.num_distractor_snakes) == (14, 4, 5)
-    expected = {32: (10, 6, 5), 64: (11, 7, 5), 128: (17, 11, 8), 256: (15, 10, 7)}  # LRA.md 3.1
+    expected = {32: (10, 6, 5), 64: (11, 7, 5), 128: (17, 11, 8), 256: (15, 10, 7)}  # LRA's per-resolution parameters
     for res, counts in expected.items():
         got = tuple(pg.PathfinderParams.for_lra(res, d).num_distractor_snakes for d in pg.DIFFICULTIES)
         assert got == counts, res
@@ -264,7 +264,7 @@ def test_layout_workers_and_resume(tmp_path):
         for i, f in enumerate(rows):
             assert len(f) == 11
             assert f[:3] == [f"imgs/{k}", f"sample_{i}.png", str(i)] and f[3] in ("0", "1")
-            assert f[4:] == ["1.0", "6", "2", "2", "0.5", "1", "1"]  # LRA.md 1.3 example, pathfinder32 easy
+            assert f[4:] == ["1.0", "6", "2", "2", "0.5", "1", "1"]  # a release metadata line, pathfinder32 easy
             png = one / f[0] / f[1]
             with Image.open(png) as im:
                 assert im.mode == "L" and im.size == (32, 32)

@@ -1,4 +1,4 @@
-"""Pathfinder / Path-X generator: a seeded, parallel port of ``snakes2`` with LRA's parameters (LRA.md section 3).
+"""Pathfinder / Path-X generator: a seeded, parallel port of ``snakes2`` with LRA's parameters.
 
 Papers: Linsley, Kim, Veerabadran, Windolf, Serre, "Learning long-range spatial dependencies with horizontal
 gated recurrent units", NeurIPS 2018, https://arxiv.org/abs/1805.08315 (the Pathfinder challenge); Kim*, Linsley*,
@@ -22,7 +22,7 @@ snakes2/snakes pixel for pixel (checked offline against ab9c130 under Python 3, 
 32 px hard + easy and 20 64 px hard images and labels identical since version 2; cv2 is not a dependency).
 Differences from the original: numpy ``Generator`` seeded per batch from ``SeedSequence(seed, spawn_key=(k,))``
 (the original seeds are unknown); ``random.shuffle`` of the doubled contrast list is skipped when its entries are
-equal (all LRA configs); metadata is written as the text lines of LRA.md 1.3, not ``np.save``; scipy.misc is
+equal (all LRA configs); metadata is written as the release's text lines, not ``np.save``; scipy.misc is
 replaced by its bytescale + PIL LANCZOS, cv2.dilate by a numpy shift-max.
 
 Dtypes, step by step as in snakes ``draw_line_n_mask`` (version 2; ``GENERATOR_VERSION``):
@@ -47,7 +47,7 @@ Versions (``GENERATOR_VERSION``; a change of any image for the same seed bumps i
 1. up to 48aa47f: patches, masks and contrast kept in float64 (not the original's arithmetic, see above).
 2. line and mask patches rounded to float32 as snakes2 pastes them (images, labels and placements change).
 
-Uncertain points (LRA.md 3.3) and what we chose:
+Uncertain points (bit-exact reproduction of the release is impossible) and what we chose:
 1. num_distractor_snakes = K // distractor_length recomputed per level (32 px: 10 / 6 / 5 for easy /
    intermediate / hard), as in the LRA docstrings; the original wrapper may have used 10 at every level.
 2. use_single_paddles = False (the wrapper body; the Args default says True). A field, so either can be run.
@@ -140,7 +140,7 @@ class PathfinderParams:
                    num_distractor_snakes=k // (contour // 3), **overrides)
 
     def metadata_line(self, batch: int, i: int, label: int, margin: int) -> str:
-        """The 11 fields of LRA.md 1.3, formatted like the original's str() of each value."""
+        """The 11 fields of a release metadata line, formatted like the original's str() of each value."""
         return " ".join(str(v) for v in (f"imgs/{batch}", f"sample_{i}.png", i, label, self.continuity,
                                           self.contour_length, self.distractor_length, self.paddle_length,
                                           self.paddle_thickness, margin, len(self.paddle_contrast_list)))
