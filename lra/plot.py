@@ -1,16 +1,24 @@
-"""Charts drawn from the result CSVs alone: the LRA bubble chart and speed / memory against sequence length.
+"""Charts drawn from the result CSVs alone: the LRA bubble chart, one task's accuracy over seeds, and speed / memory
+against sequence length.
 
-(a) ``bubble_chart``: LRA Figure 3 (Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers",
+Every chart is two steps: a pure function returns a DataFrame of what is drawn (the tests check those), and a
+drawing function turns it into a figure.
+
+(a) The bubble chart, LRA Figure 3 (Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers",
 https://arxiv.org/abs/2011.04006): x = training examples/s at one length (4K) from ``bench.csv``, y = the 5-task
-LRA average from ``leaderboard.csv``, bubble *area* = peak memory at that length. Optionally the paper's own
-points (Table 1 average, Table 2 4K steps/s x 32, 4K memory on TPU v3) in a hollow style beside ours.
-(b), (c) ``length_chart``: steps/s or peak memory against N, one line per model, log-log.
+LRA average (or the mean over chosen tasks) from ``leaderboard.csv``, bubble *area* = peak memory at that length.
+``bubble_points`` (ours), ``paper_points`` (the paper's Table 1 score, Table 2 4K steps/s x 32 and 4K memory on
+TPU v3, drawn hollow beside ours), ``draw_bubbles``.
+(b) The accuracy chart of one task: our mean test accuracy per model with the std over seeds as error bars, LRA
+Table 1's value beside. ``accuracy_points``, ``draw_accuracy``.
+(c) Steps/s or peak memory against N, one line per model, log-log. ``length_points``, ``draw_lengths``.
 
-Figures are plain ``matplotlib.figure.Figure`` objects on the Agg canvas (no pyplot, no display needed).
+Only the leaderboard's ``experiment == lra`` rows count (LRA's protocol; a leaderboard without the column is all
+``lra``). Figures are plain ``matplotlib.figure.Figure`` objects on the Agg canvas (no pyplot, no display needed).
 
-    python -m lra.plot [--bench results/bench.csv] [--leaderboard results/leaderboard.csv] [--length 4096]
-                       [--out results/charts] [--published [results/published.csv]] [--device NAME]
-                       [--tasks listops,text,image,pathfinder]
+    python -m lra.plot [--results DIR] [--bench FILE] [--leaderboard FILE] [--length 4096] [--out DIR]
+                       [--published [results/published.csv]] [--device NAME]
+                       [--tasks listops,text,image,pathfinder] [--errorbars-task listops]
 """
 from __future__ import annotations
 
@@ -20,11 +28,13 @@ import math
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from lra.leaderboard import DEFAULT_RESULTS
+from lra.leaderboard import DEFAULT_RESULTS, TASKS5
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
@@ -34,6 +44,17 @@ MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
 METRIC_LABELS = {"steps_per_s": "training steps/s", "examples_per_s": "training examples/s",
                  "peak_mem_mb": "peak memory (MB)", "rel_speed": "speed relative to transformer"}
+POINT_COLUMNS = ["model", "x", "y", "mem_gb"]
+ACCURACY_COLUMNS = ["model", "mean", "std", "n_seeds", "n_stalled", "paper"]
+
+PAPER_BATCH = 32  # LRA Table 2's batch: Figure 3's x positions fit 4K steps/s x 32
+LOG_SPAN = 8.0  # an axis whose values span more than this factor is drawn log
+COINCIDE_TOL = 0.02  # series within 2 % of each other at every shared length are drawn side by side
+DODGE_STEP, DODGE_SPAN = 0.05, 0.3  # octaves between side-by-side series, and at most across a whole group
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading the CSVs
 
 
 def _numeric(bench: pd.DataFrame) -> pd.DataFrame:
@@ -52,18 +73,212 @@ def pick_device(bench: pd.DataFrame, device: str | None = None) -> str:
     return str(rows["device"].iloc[-1])
 
 
-def latest_ok(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
-    """The latest ok row per (model, seq_len, batch_size) on one device (rows are appended, never edited)."""
+def _on_device(bench: pd.DataFrame, device: str | None) -> pd.DataFrame:
+    """Numeric rows of one device, oldest first (rows are appended, never edited: the last one is the latest)."""
     bench = _numeric(bench)
     bench = bench[bench["device"].astype(str) == pick_device(bench, device)]
-    if "timestamp" in bench:
-        bench = bench.sort_values("timestamp", kind="stable")
-    ok = bench[bench["status"].astype(str) == "ok"]
+    return bench.sort_values("timestamp", kind="stable") if "timestamp" in bench else bench
+
+
+def latest_ok(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
+    """The latest ok row per (model, seq_len, batch_size) on one device."""
+    rows = _on_device(bench, device)
+    ok = rows[rows["status"].astype(str) == "ok"]
     return ok.drop_duplicates(["model", "seq_len", "batch_size"], keep="last").reset_index(drop=True)
 
 
 def length_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def lra_rows(leaderboard: pd.DataFrame) -> pd.DataFrame:
+    """The leaderboard rows of LRA's protocol: recipes, variants and smoke runs are other experiments. A leaderboard
+    written before the ``experiment`` column existed holds LRA rows only."""
+    if "experiment" not in leaderboard:
+        return leaderboard
+    return leaderboard[leaderboard["experiment"].fillna("lra").astype(str) == "lra"]
+
+
+def task_average(accuracy: pd.DataFrame, tasks: list[str]) -> pd.Series:
+    """Mean ``test_acc`` per model over ``tasks`` (rows ``model, task, test_acc``), for the models that have a
+    number on every one of them."""
+    cells = accuracy[accuracy["task"].isin(tasks)].copy()
+    cells["test_acc"] = pd.to_numeric(cells["test_acc"], errors="coerce")
+    wide = cells.dropna(subset=["test_acc"]).pivot_table(index="model", columns="task", values="test_acc",
+                                                         aggfunc="last")
+    wide = wide.reindex(columns=tasks).dropna()
+    return wide.mean(axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) The bubble chart: what is drawn
+
+
+def no_score_reason(tasks: list[str] | None) -> str:
+    """Why a model with a bench row has no y: the note under the chart groups such models under this."""
+    return "no 5-task LRA average" if tasks is None else f"no result on all of {', '.join(tasks)}"
+
+
+def our_scores(leaderboard: pd.DataFrame, tasks: list[str] | None = None) -> pd.Series:
+    """y per model: the ``avg5`` rows (LRA's score), or the mean over ``tasks`` of the per-task rows."""
+    board = lra_rows(leaderboard)
+    if tasks is not None:
+        return task_average(board, tasks)
+    avg = board[board["task"] == "avg5"]
+    return pd.to_numeric(avg.set_index("model")["test_acc"], errors="coerce").dropna()
+
+
+def bench_at(bench: pd.DataFrame, length: int, device: str | None = None) -> pd.DataFrame:
+    """The latest ok row per model at ``length`` on one device, indexed by model."""
+    ok = latest_ok(bench, device)
+    return ok[ok["seq_len"] == length].drop_duplicates("model", keep="last").set_index("model")
+
+
+def _bench_failures(bench: pd.DataFrame, length: int, device: str | None) -> dict[str, str]:
+    """model -> "OOM" or "error": the status of its latest row at ``length``, for models whose latest row failed."""
+    rows = _on_device(bench, device)
+    last = rows[rows["seq_len"] == length].drop_duplicates("model", keep="last")
+    failed = last[last["status"].astype(str) != "ok"]
+    return {m: "OOM" if s == "oom" else "error" for m, s in zip(failed["model"], failed["status"].astype(str))}
+
+
+def _why_missing(model: str, speed: pd.DataFrame, scores: pd.Series, failed: dict[str, str], length: int,
+                 tasks: list[str] | None) -> str | None:
+    """None for a model with a score and an ok bench row, else the reason it is not drawn: the score first, so a
+    model listed under a bench reason has a score."""
+    if model not in scores.index:
+        return no_score_reason(tasks)
+    if model not in speed.index:
+        return f"{failed.get(model, 'no bench row')} at {length_label(length)}"
+    return None
+
+
+def bubble_points(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4096, device: str | None = None,
+                  tasks: list[str] | None = None) -> tuple[pd.DataFrame, dict[str, list[str]]]:
+    """Our bubbles: (``model, x, y, mem_gb`` per model with a speed and a score, sorted by model; reason -> models
+    for every other model of the bench or the leaderboard).
+
+    x = training examples/s of the model's latest ok bench row at ``length`` on one device, y = its score
+    (``our_scores``), mem_gb = that bench row's peak memory. A model is missing when it has no score, or no ok row
+    there (its latest row failed, or there is none)."""
+    device = pick_device(_numeric(bench), device)
+    speed = bench_at(bench, length, device)
+    scores = our_scores(leaderboard, tasks)
+    failed = _bench_failures(bench, length, device)
+    rows, missing = [], {}
+    for m in sorted(set(speed.index) | set(scores.index) | set(failed)):
+        reason = _why_missing(m, speed, scores, failed, length, tasks)
+        if reason:
+            missing.setdefault(reason, []).append(m)
+        else:
+            rows.append(dict(model=m, x=float(speed.at[m, "examples_per_s"]), y=float(scores[m]),
+                             mem_gb=float(speed.at[m, "peak_mem_mb"]) / 1024))
+    return pd.DataFrame(rows, columns=POINT_COLUMNS), missing
+
+
+def _table2_at(published: pd.DataFrame, length: int) -> pd.DataFrame:
+    """LRA Table 2 at ``length``: ``steps_per_s`` and ``peak_mem_gb`` columns, indexed by model."""
+    t2 = published[(published["source"] == "lra_table2")
+                   & (pd.to_numeric(published["seq_len"], errors="coerce") == length)].copy()
+    t2["value"] = pd.to_numeric(t2["value"], errors="coerce")
+    wide = t2.pivot_table(index="model", columns="metric", values="value", aggfunc="last")
+    return wide.reindex(columns=["steps_per_s", "peak_mem_gb"]).dropna()
+
+
+def paper_points(published: pd.DataFrame, length: int = 4096, tasks: list[str] | None = None) -> pd.DataFrame:
+    """The paper's bubbles (``model, x, y, mem_gb``, sorted by model): x = Table 2 steps/s at ``length`` x 32
+    examples, y = Table 1's 5-task average, or its mean over ``tasks`` as for ours, mem_gb = Table 2 memory."""
+    t1 = published[published["source"] == "lra_table1"].copy()
+    t1["value"] = pd.to_numeric(t1["value"], errors="coerce")
+    if tasks is None:
+        scores = t1[t1["metric"] == "avg5"].set_index("model")["value"].dropna()
+    else:
+        scores = task_average(t1[t1["metric"] == "test_acc"].rename(columns={"value": "test_acc"}), tasks)
+    t2 = _table2_at(published, length).join(scores.rename("y"), how="inner").sort_index()
+    return pd.DataFrame({"model": t2.index, "x": t2["steps_per_s"].to_numpy() * PAPER_BATCH,
+                         "y": t2["y"].to_numpy(), "mem_gb": t2["peak_mem_gb"].to_numpy()}, columns=POINT_COLUMNS)
+
+
+def speed_range(bench: pd.DataFrame, length: int = 4096, device: str | None = None,
+                published: pd.DataFrame | None = None) -> tuple[float, float] | None:
+    """The x range of every bubble chart at ``length``: the speed of every model with an ok bench row there, scored
+    or not, and of the paper's Table 2. The speeds do not depend on the tasks, so the 5-task chart and a task subset's
+    share one x axis, and it does not jump as scores arrive."""
+    xs = list(bench_at(bench, length, device)["examples_per_s"])
+    if published is not None:
+        xs += list(_table2_at(published, length)["steps_per_s"] * PAPER_BATCH)
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return (min(xs), max(xs)) if xs else None
+
+
+def axis_scale(lo: float, hi: float) -> str:
+    """One rule for every chart: log when the values span more than a factor of ``LOG_SPAN``, else linear."""
+    return "log" if lo > 0 and hi / lo > LOG_SPAN else "linear"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Label placement: pure geometry in points, no matplotlib
+
+# Directions tried in order: below first (the paper's figure), then above, beside, and the diagonals.
+DIRECTIONS = [(0, -1), (0, 1), (1, 0), (-1, 0), (1, -1), (-1, -1), (1, 1), (-1, 1)]
+
+
+def _candidates(r: float, w: float, h: float, gap: float, centre_first: bool) -> list[tuple[float, float]]:
+    """Offsets of a w x h label's centre from its bubble's: just outside the bubble (radius r) in each direction,
+    then one label height further out."""
+    out = [(0.0, 0.0)] if centre_first else []
+    for ring in (0, 1):
+        d = r + gap + ring * (h + gap)
+        for dx, dy in DIRECTIONS:
+            k = math.sqrt(0.5) if dx and dy else 1.0  # a diagonal puts the label's corner at distance d
+            out.append((dx * (d * k + w / 2), dy * (d * k + h / 2)))
+    return out
+
+
+def _boxes_overlap(a: tuple, b: tuple) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _box_hits_circle(box: tuple, circle: tuple) -> bool:
+    x, y, r = circle
+    nearest_x, nearest_y = min(max(x, box[0]), box[2]), min(max(y, box[1]), box[3])
+    return (nearest_x - x) ** 2 + (nearest_y - y) ** 2 < r * r
+
+
+def _label_box(x: float, y: float, size: tuple[float, float], offset: tuple[float, float]) -> tuple:
+    """(x0, y0, x1, y1) of a label of ``size`` whose centre is ``offset`` away from (x, y)."""
+    cx, cy, (w, h) = x + offset[0], y + offset[1], size
+    return (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)
+
+
+def _collisions(box: tuple, labels: list[tuple], bubbles: list[tuple], bounds: tuple) -> int:
+    """How badly a label box sits: over a label counts most, then outside the axes, then over a bubble."""
+    outside = box[0] < bounds[0] or box[1] < bounds[1] or box[2] > bounds[2] or box[3] > bounds[3]
+    return (4 * sum(_boxes_overlap(box, b) for b in labels) + 2 * outside
+            + sum(_box_hits_circle(box, c) for c in bubbles))
+
+
+def place_labels(bubbles: list[tuple[float, float, float]], sizes: list[tuple[float, float]],
+                 bounds: tuple[float, float, float, float], centre_first: list[bool] | None = None,
+                 gap: float = 2.0) -> list[tuple[float, float]]:
+    """Greedy placement of one label per bubble, all in points: ``bubbles`` are (x, y, radius), ``sizes`` the labels'
+    (width, height), ``bounds`` the axes (x0, y0, x1, y1). In order, each label takes the first candidate offset
+    (its bubble's centre when ``centre_first``, then around the bubble) that overlaps no label placed before, no other
+    bubble and stays inside ``bounds``; when none does, the candidate with the fewest collisions. Returns the offset
+    of each label's centre from its bubble's centre."""
+    centre_first = centre_first or [False] * len(bubbles)
+    placed, offsets = [], []
+    for i, ((x, y, r), size) in enumerate(zip(bubbles, sizes)):
+        others = bubbles[:i] + bubbles[i + 1:]
+        options = [(o, _label_box(x, y, size, o)) for o in _candidates(r, *size, gap, centre_first[i])]
+        offset, box = min(options, key=lambda ob: _collisions(ob[1], placed, others, bounds))  # first of the best
+        offsets.append(offset)
+        placed.append(box)
+    return offsets
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) The bubble chart: drawing
 
 
 def _new_figure(w: float, h: float) -> Figure:
@@ -80,152 +295,278 @@ def _nice(v: float) -> float:
     return round(v / p) * p
 
 
-def task_average(accuracy: pd.DataFrame, tasks: list[str]) -> pd.Series:
-    """Mean ``test_acc`` per model over ``tasks`` (rows ``model, task, test_acc``), for the models that have a
-    number on every one of them."""
-    cells = accuracy[accuracy["task"].isin(tasks)].copy()
-    cells["test_acc"] = pd.to_numeric(cells["test_acc"], errors="coerce")
-    wide = cells.dropna(subset=["test_acc"]).pivot_table(index="model", columns="task", values="test_acc",
-                                                         aggfunc="last")
-    wide = wide.reindex(columns=tasks).dropna()
-    return wide.mean(axis=1)
+def _plain(v: float, _pos=None) -> str:
+    """A tick label without powers of ten: 2,000 rather than 2x10^3."""
+    return f"{v:,.0f}" if v >= 1000 else f"{v:g}"
+
+
+def log_ticks(lo: float, hi: float, min_ticks: int = 3) -> list[float]:
+    """Tick values in [lo, hi] for a log axis: the powers of ten, or 1-2-5 per decade, or 1-9 per decade, whichever
+    first gives ``min_ticks`` (a log axis over a narrow range otherwise labels a single tick)."""
+    ticks: list[float] = []
+    for mantissas in ((1,), (1, 2, 5), tuple(range(1, 10))):
+        decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        ticks = [m * 10.0 ** e for e in decades for m in mantissas if lo <= m * 10.0 ** e <= hi]
+        if len(ticks) >= min_ticks:
+            break
+    return ticks
+
+
+def _label_log_axis(axis, lo: float, hi: float) -> None:
+    axis.set_major_locator(FixedLocator(log_ticks(lo, hi)))
+    axis.set_major_formatter(FuncFormatter(_plain))
+    axis.set_minor_locator(NullLocator())
+
+
+def _set_speed_axis(ax, x_range: tuple[float, float] | None, length: int) -> None:
+    """x scale by ``axis_scale``, limits = ``x_range`` with room for the bubbles, and the axis label says which."""
+    scale = axis_scale(*x_range) if x_range else "linear"
+    ax.set_xscale(scale)
+    if x_range:
+        lo, hi = x_range
+        if scale == "log":
+            ax.set_xlim(lo / 1.4, hi * 1.4)
+            _label_log_axis(ax.xaxis, lo / 1.4, hi * 1.4)
+        else:
+            pad = 0.12 * (hi - lo) or 0.12 * hi or 1.0
+            ax.set_xlim(lo - pad, hi + pad)
+    ax.set_xlabel(f"speed: training examples/s at N = {length_label(length)}" + (", log scale" if scale == "log"
+                                                                                 else ""))
+
+
+def _size_legend(ax, mems: list[float], scale: float, with_series: bool) -> None:
+    """Area is proportional to memory, the same scale for every bubble: three reference sizes, and the ours / paper
+    legend under it."""
+    refs = sorted({_nice(v) for v in (max(mems) / 4, max(mems) / 2, max(mems))})
+    handles = [ax.scatter([], [], s=v * scale, color="none", edgecolors="black") for v in refs]
+    size_legend = ax.legend(handles, [f"{v:g} GB" for v in refs], title="peak memory", loc="upper left",
+                            bbox_to_anchor=(1.02, 1), labelspacing=2.5, borderpad=1.4, handlelength=3.5,
+                            handletextpad=1.8, frameon=False)
+    if with_series:
+        ax.add_artist(size_legend)
+        ax.legend(loc="lower left", bbox_to_anchor=(1.02, 0), fontsize=8, markerscale=0.3, frameon=False)
+
+
+def _ours_caption(ours: pd.DataFrame, missing: dict, device: str | None, tasks: list[str] | None) -> str:
+    """The title names our device only when our bubbles are drawn."""
+    if len(ours):
+        return f"ours: {device}"
+    if set(missing) <= {no_score_reason(tasks)}:
+        return f"ours: none drawn, no model of ours has a result on all {len(tasks or TASKS5)} tasks yet"
+    return "ours: none drawn, no model of ours has both a score and a bench row (see below)"
+
+
+def _bubble_texts(fig: Figure, ax, ours: pd.DataFrame, missing: dict, length: int, device: str | None,
+                  tasks: list[str] | None) -> None:
+    if tasks is None:
+        ax.set_ylabel("LRA score: 5-task average test accuracy (%)")
+        score = "LRA score (5-task average accuracy)"
+    else:
+        ax.set_ylabel(f"mean test accuracy over {len(tasks)} tasks (%)")
+        score = f"LRA: mean accuracy over {', '.join(tasks)}"
+    ax.set_title(f"{score} vs speed at {length_label(length)}, bubble area = peak memory\n"
+                 f"{_ours_caption(ours, missing, device, tasks)}", fontsize=11)
+    if missing:
+        note = "; ".join(f"{reason}: {', '.join(models)}" for reason, models in missing.items())
+        fig.text(0.01, 0.0, f"Ours not shown ({note})", fontsize=8, va="bottom", wrap=True)
+        fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
+
+
+def _label_bubbles(fig: Figure, ax, groups: list[tuple[pd.DataFrame, float, dict, bool]]) -> None:
+    """Labels placed by ``place_labels`` once the layout is final: ``groups`` = (points, points^2 per GB, text style,
+    label inside the bubble first). Labels stay out of the layout, so placing them does not move the axes."""
+    fig.canvas.draw()  # runs the layout: data -> points is final from here
+    renderer = fig.canvas.get_renderer()
+    to_pt = 72.0 / fig.dpi
+    texts, bubbles, sizes, centre_first = [], [], [], []
+    for points, scale, style, inside in groups:
+        for r in points.itertuples():
+            text = ax.annotate(style["fmt"].format(r.model), (r.x, r.y), xytext=(0, 0), textcoords="offset points",
+                               ha="center", va="center", fontsize=style["fontsize"], color=style["color"])
+            text.set_in_layout(False)
+            extent = text.get_window_extent(renderer)
+            cx, cy = ax.transData.transform((r.x, r.y)) * to_pt
+            texts.append(text)
+            bubbles.append((cx, cy, math.sqrt(r.mem_gb * scale) / 2 + 1))  # + the edge line
+            sizes.append((extent.width * to_pt + 2, extent.height * to_pt))
+            centre_first.append(inside)
+    bounds = tuple(np.asarray(ax.bbox.extents) * to_pt)
+    for text, offset in zip(texts, place_labels(bubbles, sizes, bounds, centre_first)):
+        text.xyann = offset
+
+
+OURS_STYLE = dict(alpha=0.55, color="tab:blue", edgecolors="black", linewidths=0.8, label="ours")
+PAPER_STYLE = dict(facecolors="none", edgecolors="tab:gray", linestyles="--", linewidths=1.2,
+                   label="LRA paper (TPU v3, Tables 1-2)")
+OURS_TEXT = dict(fmt="{}", fontsize=9, color="black")
+PAPER_TEXT = dict(fmt="{} (LRA)", fontsize=7, color="dimgray")
+
+
+def draw_bubbles(ours: pd.DataFrame, paper: pd.DataFrame | None = None, missing: dict | None = None, *,
+                 length: int = 4096, device: str | None = None, tasks: list[str] | None = None,
+                 x_range: tuple[float, float] | None = None, max_area: float = 2500.0) -> Figure:
+    """The bubble chart of ``bubble_points`` (ours, filled, gid ``ours``) and ``paper_points`` (hollow, gid
+    ``published``); ``missing`` is listed under it. ``x_range`` (``speed_range``) fixes the x axis; by default the
+    drawn points'."""
+    paper = paper if paper is not None else pd.DataFrame(columns=POINT_COLUMNS)
+    missing = missing or {}
+    drawn = pd.concat([p for p in (ours, paper) if len(p)] or [ours])
+    x_range = x_range or ((drawn["x"].min(), drawn["x"].max()) if len(drawn) else None)
+    mems = list(drawn["mem_gb"])
+    scale = max_area / max(mems) if mems else 1.0  # points^2 per GB
+
+    fig = _new_figure(10.5, 6.5)
+    ax = fig.add_subplot()
+    for points, style, gid in ((ours, OURS_STYLE, "ours"), (paper, PAPER_STYLE, "published")):
+        if len(points):
+            ax.scatter(points["x"], points["y"], s=points["mem_gb"] * scale, **style).set_gid(gid)
+    _set_speed_axis(ax, x_range, length)
+    ax.margins(y=0.15)  # room for the bubbles themselves (their size is not in data units)
+    ax.grid(alpha=0.3)
+    if mems:
+        _size_legend(ax, mems, scale, with_series=bool(len(paper)))
+    _bubble_texts(fig, ax, ours, missing, length, device, tasks)
+    _label_bubbles(fig, ax, [(ours, scale, OURS_TEXT, True), (paper, scale, PAPER_TEXT, False)])
+    return fig
 
 
 def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4096, device: str | None = None,
                  published: pd.DataFrame | None = None, max_area: float = 2500.0,
                  tasks: list[str] | None = None) -> Figure:
-    """LRA Figure 3 with our numbers. Our bubbles are one scatter collection (gid ``ours``), one offset per
-    model; the paper's (``published``) are a second collection (gid ``published``).
+    """LRA Figure 3 with our numbers, from the CSVs: ``bubble_points``, ``paper_points`` (when ``published`` is
+    given) and ``speed_range`` drawn by ``draw_bubbles``.
 
     ``tasks`` = None: y is the LRA score (the ``avg5`` rows; the paper's 5-task average). A list of tasks: y is
     the mean over those tasks, for ours and for the paper's Table 1 alike (say, the four tasks without
     Retrieval when its AAN files are missing), and the axis and title name them."""
-    bench = _numeric(bench)
-    device = pick_device(bench, device)
-    if "experiment" in leaderboard:  # LRA's protocol only: recipes and variants are other experiments
-        leaderboard = leaderboard[leaderboard["experiment"].astype(str) == "lra"]
-    at_len = bench[(bench["device"].astype(str) == device) & (bench["seq_len"] == length)]
-    if "timestamp" in at_len:
-        at_len = at_len.sort_values("timestamp", kind="stable")
-    last = at_len.drop_duplicates("model", keep="last").set_index("model")
-    if tasks is None:
-        avg = leaderboard[leaderboard["task"] == "avg5"].set_index("model")["test_acc"].astype(float).dropna()
-        no_avg = "no 5-task LRA average"
+    device = pick_device(_numeric(bench), device)
+    ours, missing = bubble_points(bench, leaderboard, length, device, tasks)
+    paper = paper_points(published, length, tasks) if published is not None else None
+    return draw_bubbles(ours, paper, missing, length=length, device=device, tasks=tasks, max_area=max_area,
+                        x_range=speed_range(bench, length, device, published))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b) One task's accuracy with error bars over seeds
+
+
+def accuracy_points(leaderboard: pd.DataFrame, task: str = "listops") -> pd.DataFrame:
+    """Per model with a result on ``task`` (experiment ``lra``): ``mean`` test accuracy, ``std`` over seeds (NaN
+    with one seed: no bar), ``n_seeds``, ``n_stalled``, and ``paper`` = the leaderboard's LRA Table 1 cell; the
+    best mean first."""
+    rows = lra_rows(leaderboard)
+    rows = rows[rows["task"] == task]
+
+    def column(name, default=np.nan):
+        return pd.to_numeric(rows[name], errors="coerce") if name in rows else pd.Series(default, index=rows.index)
+
+    points = pd.DataFrame({"model": rows["model"], "mean": column("test_acc"), "std": column("test_std"),
+                           "n_seeds": column("n_seeds", 1).fillna(1).astype(int),
+                           "n_stalled": column("n_stalled", 0).fillna(0).astype(int), "paper": column("published")},
+                          columns=ACCURACY_COLUMNS).dropna(subset=["mean"])
+    points.loc[points["n_seeds"] < 2, "std"] = np.nan  # one seed has no spread to show, whatever the cell says
+    return points.sort_values(["mean", "model"], ascending=[False, True], kind="stable").reset_index(drop=True)
+
+
+def accuracy_label(r) -> str:
+    """A row's tick label (``r``: one row of ``accuracy_points``): the model, then the numbers, so none of them is
+    drawn over a marker or the legend."""
+    if r["n_seeds"] > 1:
+        ours = f"{r['mean']:.2f} ± {r['std']:.2f} ({r['n_seeds']} seeds"
     else:
-        avg = task_average(leaderboard, tasks)
-        no_avg = f"no result on all of {', '.join(tasks)}"
+        ours = f"{r['mean']:.2f} (1 seed, no bar"
+    stalled = f", {r['n_stalled']} stalled" if r["n_stalled"] else ""
+    paper = "" if pd.isna(r["paper"]) else f"; LRA {r['paper']:.2f}"
+    return f"{r['model']}\n{ours}{stalled}){paper}"
 
-    shown, missing = [], {}  # missing: reason -> models
-    for m in sorted(set(last.index) | set(avg.index)):
-        if m not in last.index:
-            missing.setdefault(f"no bench row at {length_label(length)}", []).append(m)
-        elif str(last.loc[m, "status"]) != "ok":
-            status = "OOM" if last.loc[m, "status"] == "oom" else "error"
-            missing.setdefault(f"{status} at {length_label(length)}", []).append(m)
-        elif m not in avg.index:
-            missing.setdefault(no_avg, []).append(m)
-        else:
-            r = last.loc[m]
-            shown.append((m, float(r["examples_per_s"]), float(avg[m]), float(r["peak_mem_mb"]) / 1024))
 
-    paper = []
-    if published is not None:
-        p = published.copy()
-        p["value"] = pd.to_numeric(p["value"], errors="coerce")
-        t1 = p[p["source"] == "lra_table1"]
-        if tasks is None:
-            p_avg = t1[t1["metric"] == "avg5"].set_index("model")["value"]
-        else:
-            p_avg = task_average(t1[t1["metric"] == "test_acc"].rename(columns={"value": "test_acc"}), tasks)
-        t2 = p[(p["source"] == "lra_table2") & (pd.to_numeric(p["seq_len"], errors="coerce") == length)]
-        steps = t2[t2["metric"] == "steps_per_s"].set_index("model")["value"]
-        mem = t2[t2["metric"] == "peak_mem_gb"].set_index("model")["value"]
-        batch = 32  # LRA Table 2's batch: Figure 3's x positions fit 4K steps/s x 32
-        paper = [(m, steps[m] * batch, p_avg[m], mem[m]) for m in steps.index if m in p_avg.index and m in mem.index]
+PAPER_ROW_SHIFT = 0.22  # the paper's marker sits just below ours, so equal values stay apart
 
-    fig = _new_figure(10.5, 6.5)
+
+def draw_accuracy(points: pd.DataFrame, task: str) -> Figure:
+    """``accuracy_points`` as one row per model, the best on top: our mean with the std over seeds as a bar (filled
+    marker), a single seed as a hollow marker without a bar, LRA Table 1's value as a grey diamond just below."""
+    fig = _new_figure(8.5, 1.8 + 0.5 * max(len(points), 1))
     ax = fig.add_subplot()
-    mems = [s[3] for s in shown + paper]
-    scale = max_area / max(mems) if mems else 1.0
-    if shown:
-        sc = ax.scatter([s[1] for s in shown], [s[2] for s in shown], s=[s[3] * scale for s in shown],
-                        alpha=0.55, color="tab:blue", edgecolors="black", linewidths=0.8, label="ours")
-        sc.set_gid("ours")
-        for m, x, y, _ in shown:
-            ax.annotate(m, (x, y), ha="center", va="center", fontsize=9)
-    if paper:
-        sc = ax.scatter([s[1] for s in paper], [s[2] for s in paper], s=[s[3] * scale for s in paper],
-                        facecolors="none", edgecolors="tab:gray", linestyles="--", linewidths=1.2,
-                        label="LRA paper (TPU v3, Tables 1-2)")
-        sc.set_gid("published")
-        # Labels go below their bubble, or above it when a neighbour's label already sits there: the paper's
-        # efficient models cluster near one spot.
-        x_span = max(s[1] for s in paper) - min(s[1] for s in paper) or 1.0
-        y_span = max(s[2] for s in paper) - min(s[2] for s in paper) or 1.0
-        below = []
-        for m, x, y, mem in sorted(paper, key=lambda s: s[1]):
-            crowded = any(abs(x - bx) < 0.1 * x_span and abs(y - by) < 0.08 * y_span for bx, by in below)
-            radius = math.sqrt(mem * scale) / 2 + 1
-            ax.annotate(f"{m} (LRA)", (x, y), xytext=(0, radius if crowded else -radius), textcoords="offset points",
-                        ha="center", va="bottom" if crowded else "top", fontsize=7, color="dimgray")
-            if not crowded:
-                below.append((x, y))
-    xs = [s[1] for s in shown + paper]
-    if xs and max(xs) / max(min(xs), 1e-9) > 8:
-        ax.set_xscale("log")
-    if mems:  # a size legend: area is proportional to memory, the same scale for every bubble
-        refs = sorted({_nice(v) for v in (max(mems) / 4, max(mems) / 2, max(mems))})
-        handles = [ax.scatter([], [], s=v * scale, color="none", edgecolors="black") for v in refs]
-        size_legend = ax.legend(handles, [f"{v:g} GB" for v in refs], title="peak memory", loc="upper left",
-                                bbox_to_anchor=(1.02, 1), labelspacing=2.5, borderpad=1.4, handlelength=3.5,
-                                handletextpad=1.8, frameon=False)
-        if paper:
-            ax.add_artist(size_legend)
-            ax.legend(loc="lower left", bbox_to_anchor=(1.02, 0), fontsize=8, markerscale=0.3, frameon=False)
-    ax.margins(0.12, 0.15)  # room for the bubbles themselves (their size is not in data units)
-    ax.set_xlabel(f"speed: training examples/s at N = {length_label(length)}")
-    if tasks is None:
-        ax.set_ylabel("LRA score: 5-task average test accuracy (%)")
-        score = "accuracy"
-    else:
-        ax.set_ylabel(f"mean test accuracy over {len(tasks)} tasks (%)")
-        score = f"mean accuracy over {', '.join(tasks)}"
-    ax.set_title(f"LRA: {score} vs speed at {length_label(length)}, bubble area = peak memory\nours: {device}",
-                 fontsize=11)
-    ax.grid(alpha=0.3)
-    if missing:
-        note = "; ".join(f"{reason}: {', '.join(models)}" for reason, models in missing.items())
-        fig.text(0.01, 0.0, f"Ours not shown ({note})", fontsize=8, va="bottom", wrap=True)
-        fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
+    pos = np.arange(len(points))[::-1].astype(float)  # the first (best) row on top
+    seeds, paper = points["n_seeds"] > 1, points["paper"].notna()
+    handles = []  # in this order in the legend: ours, then the paper
+    if seeds.any():
+        handles.append(ax.errorbar(points["mean"][seeds], pos[seeds], xerr=points["std"][seeds], fmt="o",
+                                   color="tab:blue", capsize=4, label="ours: mean ± std over seeds"))
+    if (~seeds).any():
+        handles += ax.plot(points["mean"][~seeds], pos[~seeds], "o", mfc="white", color="tab:blue",
+                           linestyle="none", label="ours: one seed (no bar)")
+    if paper.any():
+        handles += ax.plot(points["paper"][paper], pos[paper] - PAPER_ROW_SHIFT, "D", mfc="none", color="tab:gray",
+                           linestyle="none", label="LRA Table 1")
+    ax.set_yticks(pos, [accuracy_label(r) for r in points.to_dict("records")], fontsize=8)
+    ax.set_ylim(-0.7, len(points) - 0.3)
+    ax.margins(x=0.08)
+    ax.set_xlabel(f"{task} test accuracy (%), best-validation checkpoint")
+    ax.set_title(f"{task}: our test accuracy per model (experiment lra), LRA Table 1 beside", fontsize=11)
+    ax.grid(alpha=0.3, axis="x")
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     return fig
 
 
-def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str | None = None) -> Figure:
-    """``metric`` against sequence length, one colour and marker per model; a sweep that changed the batch size
-    (32 to 4K, 8 beyond in LRA's protocol) draws one segment per batch size in the model's colour."""
+def accuracy_chart(leaderboard: pd.DataFrame, task: str = "listops") -> Figure:
+    return draw_accuracy(accuracy_points(leaderboard, task), task)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (c) Speed or memory against length
+
+
+def _coincide(a: pd.Series, b: pd.Series, tol: float) -> bool:
+    """Two series within ``tol`` (relative) of each other at every length both have, and at least one."""
+    shared = a.notna() & b.notna()
+    return bool(shared.any()) and bool((np.abs(np.log(a[shared] / b[shared])) <= tol).all())
+
+
+def coinciding_groups(points: pd.DataFrame, tol: float = COINCIDE_TOL) -> list[list[str]]:
+    """Models whose series lie on top of one another (``length_points``' ``value`` per ``seq_len``), grouped: a
+    model joins every group it coincides with a member of. Only groups of two or more, each sorted."""
+    wide = points.pivot_table(index="seq_len", columns="model", values="value", aggfunc="last")
+    groups: list[list[str]] = []
+    for m in sorted(wide.columns):
+        touching = [g for g in groups if any(_coincide(wide[m], wide[o], tol) for o in g)]
+        groups = [g for g in groups if g not in touching] + [sorted([m] + [o for g in touching for o in g])]
+    return [g for g in groups if len(g) > 1]
+
+
+def _dodges(points: pd.DataFrame) -> dict[str, float]:
+    """model -> horizontal shift in octaves: coinciding series side by side around their length, the rest unshifted."""
+    shift = {}
+    for group in coinciding_groups(points):
+        step = min(DODGE_STEP, DODGE_SPAN / (len(group) - 1))
+        shift.update({m: (i - (len(group) - 1) / 2) * step for i, m in enumerate(group)})
+    return shift
+
+
+def length_points(bench: pd.DataFrame, metric: str = "steps_per_s", device: str | None = None) -> pd.DataFrame:
+    """What the length chart draws: ``model, batch_size, seq_len, value, x`` per latest ok bench row on one device,
+    sorted; ``x`` = ``seq_len``, shifted a little (``_dodges``) for series that would hide one another."""
     ok = latest_ok(bench, device)
-    device = pick_device(_numeric(bench), device)
-    fig = _new_figure(8.5, 5)
-    ax = fig.add_subplot()
-    models = sorted(ok["model"].unique())
+    points = ok[["model", "batch_size", "seq_len", metric]].rename(columns={metric: "value"}).dropna(subset=["value"])
+    shift = _dodges(points)
+    points["x"] = points["seq_len"] * 2.0 ** np.array([shift.get(m, 0.0) for m in points["model"]], dtype=float)
+    return points.sort_values(["model", "batch_size", "seq_len"], kind="stable").reset_index(drop=True)
+
+
+def _line_styles(models: list[str]) -> dict[str, tuple]:
+    """model -> (colour, marker): a distinct pair each; the transformer baseline black."""
     pairs = matplotlib.colormaps["tab20"].colors  # (dark, light) pairs: all the dark ones first
     colours = pairs[0::2] + pairs[1::2]
     others = [m for m in models if m != "transformer"]
     style = {m: (colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i, m in enumerate(others)}
-    style["transformer"] = ("black", "o")  # the baseline: black and dashed
-    for (model, _batch), g in ok.groupby(["model", "batch_size"], sort=True):
-        g = g.sort_values("seq_len")
-        colour, marker = style[model]
-        label = model if model not in [line.get_label() for line in ax.get_lines()] else "_nolegend_"
-        ax.plot(g["seq_len"], g[metric], marker=marker, color=colour, label=label,
-                linestyle="--" if model == "transformer" else "-")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    lengths = sorted(ok["seq_len"].dropna().astype(int).unique())
-    ax.set_xticks(lengths, [length_label(n) for n in lengths])
-    ax.minorticks_off()
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel(METRIC_LABELS.get(metric, metric))
+    style["transformer"] = ("black", "o")
+    return style
+
+
+def _length_title(ok: pd.DataFrame, metric: str, device: str) -> str:
+    """The metric, precision and which batch ran at which lengths (LRA's protocol: 32 to 4K, 8 beyond)."""
     precision = ", ".join(sorted(ok["precision"].astype(str).unique())) if "precision" in ok else ""
     batches = []
     for batch, g in ok.groupby("batch_size", sort=False):
@@ -233,11 +574,49 @@ def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str |
         span = length_label(lo) if lo == hi else f"{length_label(lo)}-{length_label(hi)}"
         batches.append((lo, f"{int(batch)} at {span}"))
     batch = ", batch " + ", ".join(text for _, text in sorted(batches)) if batches else ""
-    ax.set_title(f"{METRIC_LABELS.get(metric, metric)} vs length ({precision}{batch})\n{device}", fontsize=11)
-    ax.grid(alpha=0.3, which="both")
-    if not ok.empty:
+    return f"{METRIC_LABELS.get(metric, metric)} vs length ({precision}{batch})\n{device}"
+
+
+def draw_lengths(points: pd.DataFrame, metric: str, title: str) -> Figure:
+    """``length_points`` as one colour and marker per model, one segment per batch size; the transformer (dashed)
+    beneath the rest, so a series equal to it stays visible."""
+    fig = _new_figure(8.5, 5)
+    ax = fig.add_subplot()
+    style = _line_styles(sorted(points["model"].unique()))
+    for (model, _batch), g in points.groupby(["model", "batch_size"], sort=True):
+        colour, marker = style[model]
+        label = model if model not in [line.get_label() for line in ax.get_lines()] else "_nolegend_"
+        base = model == "transformer"
+        ax.plot(g["x"], g["value"], marker=marker, color=colour, label=label, linestyle="--" if base else "-",
+                zorder=1.5 if base else 2.0, markersize=5)
+    ax.set_xscale("log", base=2)
+    lengths = sorted(points["seq_len"].dropna().astype(int).unique())
+    ax.set_xticks(lengths, [length_label(n) for n in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
+    dodged = bool((points["x"] != points["seq_len"]).any())
+    ax.set_xlabel("sequence length N" + (" (equal series drawn side by side)" if dodged else ""))
+    if len(points):
+        lo, hi = points["value"].min(), points["value"].max()
+        ax.set_yscale(axis_scale(lo, hi))
+        if ax.get_yscale() == "log":
+            _label_log_axis(ax.yaxis, *ax.get_ylim())
+    ax.set_ylabel(METRIC_LABELS.get(metric, metric))
+    ax.set_title(title, fontsize=11)
+    ax.grid(alpha=0.3)
+    if len(points):
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     return fig
+
+
+def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str | None = None) -> Figure:
+    """``metric`` against sequence length on one device: ``length_points`` drawn by ``draw_lengths``."""
+    device = pick_device(_numeric(bench), device)
+    return draw_lengths(length_points(bench, metric, device), metric,
+                        _length_title(latest_ok(bench, device), metric, device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files and the command line
 
 
 def save(fig: Figure, out_dir: Path, stem: str) -> tuple[Path, Path]:
@@ -256,7 +635,16 @@ def save(fig: Figure, out_dir: Path, stem: str) -> tuple[Path, Path]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> list[Path]:
+def _known_tasks(names: list[str], option: str) -> list[str]:
+    from lra.data import list_tasks
+
+    unknown = sorted(set(names) - set(list_tasks()))
+    if unknown:
+        raise SystemExit(f"{option}: unknown task(s) {', '.join(unknown)}; the tasks are {', '.join(list_tasks())}")
+    return names
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lra.plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=DEFAULT_RESULTS,
                     help="results folder: reads bench.csv and leaderboard.csv, writes charts/ (the project's: results)")
@@ -270,16 +658,29 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ap.add_argument("--tasks", default=None,
                     help="bubble chart's y = mean over these comma-separated tasks (ours and the paper's alike) "
                          "instead of the 5-task LRA score; the file is then lra_bubble_<length>_<n>tasks")
-    args = ap.parse_args(argv)
-    tasks = None
-    if args.tasks:
-        from lra.data import list_tasks
+    ap.add_argument("--errorbars-task", default="listops",
+                    help="the task of the accuracy chart with error bars over seeds, <task>_accuracy (default listops)")
+    return ap
 
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        unknown = sorted(set(tasks) - set(list_tasks()))
-        if unknown:
-            raise SystemExit(f"--tasks: unknown task(s) {', '.join(unknown)}; the tasks are {', '.join(list_tasks())}")
 
+def _leaderboard_charts(args, bench: pd.DataFrame, board: pd.DataFrame, tasks: list[str] | None) -> list[Path]:
+    published = pd.read_csv(args.published) if args.published else None
+    fig = bubble_chart(bench, board, args.length, args.device, published, tasks=tasks)
+    suffix = f"_{len(tasks)}tasks" if tasks else ""
+    written = list(save(fig, args.out, f"lra_bubble_{length_label(args.length)}{suffix}"))
+    task = args.errorbars_task
+    points = accuracy_points(board, task)
+    if len(points):
+        written += save(draw_accuracy(points, task), args.out, f"{task}_accuracy")
+    else:
+        print(f"no experiment=lra {task} rows in the leaderboard: skipping the {task} accuracy chart")
+    return written
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    args = _parser().parse_args(argv)
+    tasks = _known_tasks([t.strip() for t in args.tasks.split(",") if t.strip()], "--tasks") if args.tasks else None
+    _known_tasks([args.errorbars_task], "--errorbars-task")
     results = Path(args.results)
     bench_path = Path(args.bench or results / "bench.csv")
     lb_path = Path(args.leaderboard or results / "leaderboard.csv")
@@ -289,12 +690,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     bench = pd.read_csv(bench_path)
     written = []
     if lb_path.exists():
-        published = pd.read_csv(args.published) if args.published else None
-        fig = bubble_chart(bench, pd.read_csv(lb_path), args.length, args.device, published, tasks=tasks)
-        suffix = f"_{len(tasks)}tasks" if tasks else ""
-        written += save(fig, args.out, f"lra_bubble_{length_label(args.length)}{suffix}")
+        written += _leaderboard_charts(args, bench, pd.read_csv(lb_path), tasks)
     else:
-        print(f"no leaderboard at {lb_path} (`python -m lra.leaderboard`): skipping the bubble chart")
+        print(f"no leaderboard at {lb_path} (`python -m lra.leaderboard`): skipping the bubble and accuracy charts")
     written += save(length_chart(bench, "steps_per_s", args.device), args.out, "speed_vs_length")
     written += save(length_chart(bench, "peak_mem_mb", args.device), args.out, "memory_vs_length")
     for p in written:

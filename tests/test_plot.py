@@ -1,9 +1,13 @@
-"""Charts render from small CSVs alone: the LRA bubble chart and speed / memory against length."""
+"""Charts from small CSVs: the data each chart draws (which models, where, how big, which are missing and why) is
+checked on the pure functions; a few checks draw and save the figures."""
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
@@ -13,6 +17,7 @@ from lra.results import BENCH_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU, CPU = "NVIDIA H100 80GB HBM3", "cpu (x86_64, 2 cores)"
+TASKS4 = ["listops", "text", "image", "pathfinder"]
 
 
 def bench_rows() -> pd.DataFrame:
@@ -39,68 +44,241 @@ def bench_rows() -> pd.DataFrame:
 
 def leaderboard_rows() -> pd.DataFrame:
     avg = {"transformer": 54.0, "local": 47.0, "linear": 50.5, "reformer": 50.0, "sinkhorn": 51.0}  # no performer
-    return pd.DataFrame([dict(model=m, task="avg5", test_acc=v) for m, v in avg.items()]
-                        + [dict(model="transformer", task="listops", test_acc=36.0)])
+    rows = [dict(experiment="lra", model=m, task="avg5", test_acc=v) for m, v in avg.items()]
+    rows.append(dict(experiment="lra", model="transformer", task="listops", test_acc=36.0, n_seeds=1,
+                     published=36.37))
+    rows.append(dict(experiment="defaults", model="performer", task="avg5", test_acc=60.0))  # not LRA's protocol
+    return pd.DataFrame(rows)
 
 
-def ours(fig):
-    (ax,) = fig.axes
-    return [c for c in ax.collections if c.get_gid() == "ours"]
+def published() -> pd.DataFrame:
+    return pd.read_csv(ROOT / "results" / "published.csv")
 
 
-def test_bubble_chart(tmp_path):
-    fig = plot.bubble_chart(bench_rows(), leaderboard_rows(), length=4096)
-    (sc,) = ours(fig)
+def as_tuples(points: pd.DataFrame) -> list[tuple]:
+    return [(r.model, pytest.approx(r.x), pytest.approx(r.y), pytest.approx(r.mem_gb)) for r in points.itertuples()]
+
+
+# --- the bubble chart's data ----------------------------------------------------------------------------------
+
+
+def test_bubble_points_latest_ok_row_a_score_and_the_reasons_for_the_rest():
+    ours, missing = plot.bubble_points(bench_rows(), leaderboard_rows(), length=4096)
+    assert list(ours.columns) == ["model", "x", "y", "mem_gb"]
+    assert as_tuples(ours) == [("linear", 32 * 25.8, 50.5, 6874 / 1024), ("local", 32 * 37.7, 47.0, 5326 / 1024),
+                               ("transformer", 32 * 26.5, 54.0, 5326 / 1024)]  # not the superseded 4K row
+    assert missing == {"no 5-task LRA average": ["performer"],  # its `defaults` average does not count
+                       "OOM at 4K": ["reformer"], "no bench row at 4K": ["sinkhorn"]}
+
+
+def test_bubble_points_keep_the_latest_ok_row_when_a_later_one_failed():
+    bench = bench_rows()
+    later = dict(model="local", task="text", seq_len=4096, batch_size=32, status="error: RuntimeError: boom",
+                 device=GPU, timestamp="2026-03-01T00:00:00Z")
+    bench = pd.concat([bench, pd.DataFrame([later])], ignore_index=True)
+    ours, missing = plot.bubble_points(bench, leaderboard_rows())
+    assert ours.set_index("model").at["local", "x"] == pytest.approx(32 * 37.7)
+    assert "error at 4K" not in missing
+    bench.loc[(bench.model == "linear") & (bench.seq_len == 4096), "status"] = "error: ValueError: x"
+    _, missing = plot.bubble_points(bench, leaderboard_rows())
+    assert missing["error at 4K"] == ["linear"]
+
+
+def test_bubble_points_on_another_device_and_length():
+    ours, missing = plot.bubble_points(bench_rows(), leaderboard_rows(), length=4096, device=CPU)
+    assert as_tuples(ours) == [("transformer", 0.2, 54.0, 500 / 1024)]
+    assert missing == {"no bench row at 4K": ["linear", "local", "reformer", "sinkhorn"]}
+    ours, _ = plot.bubble_points(bench_rows(), leaderboard_rows(), length=1024)
+    assert list(ours["model"]) == ["linear", "local", "reformer", "transformer"]  # reformer ran at 1K
+
+
+def test_bubble_points_over_a_task_subset_count_lra_rows_only():
+    """Without Retrieval (no AAN files), y is the mean over the tasks named, from experiment=lra rows; a
+    leaderboard without the experiment column counts as all lra."""
+    cells = {"transformer": {"listops": 30.0, "text": 66.0, "image": 44.0, "pathfinder": 70.0},
+             "local": {"listops": 20.0, "text": 50.0, "image": 40.0}}  # no pathfinder: left out
+    board = pd.DataFrame([dict(model=m, task=t, test_acc=v) for m, c in cells.items() for t, v in c.items()])
+    ours, missing = plot.bubble_points(bench_rows(), board, tasks=TASKS4)
+    assert as_tuples(ours) == [("transformer", 32 * 26.5, 52.5, 5326 / 1024)]
+    assert missing == {"no result on all of listops, text, image, pathfinder": ["linear", "local", "performer",
+                                                                              "reformer"]}
+
+    board["experiment"] = "lra"
+    recipe = pd.DataFrame([dict(experiment="defaults", model="local", task="pathfinder", test_acc=60.0)])
+    ours, _ = plot.bubble_points(bench_rows(), pd.concat([board, recipe]), tasks=TASKS4)
+    assert list(ours["model"]) == ["transformer"]  # a recipe's Pathfinder does not complete local's four
+
+
+def test_paper_points_from_tables_1_and_2():
+    paper = plot.paper_points(published(), length=4096).set_index("model")
+    assert len(paper) == 9  # LRA Table 2's models at 4K (no sparse, no longformer)
+    assert tuple(paper.loc["transformer"]) == pytest.approx((1.4 * 32, 54.39, 9.48))
+    assert tuple(paper.loc["performer"]) == pytest.approx((8.0 * 32, 51.41, 1.06))
+    subset = plot.paper_points(published(), length=4096, tasks=TASKS4).set_index("model")
+    assert subset.at["transformer", "y"] == pytest.approx((36.37 + 64.27 + 42.44 + 71.40) / 4)
+    assert plot.paper_points(published(), length=1024).set_index("model").at["local", "x"] == pytest.approx(9.2 * 32)
+
+
+def test_one_axis_rule_and_one_speed_range_for_every_bubble_chart():
+    assert plot.axis_scale(10, 80) == "linear" and plot.axis_scale(10, 81) == "log"
+    # every ok bench speed at 4K on the device, scored or not, and the paper's: the task choice cannot change it
+    assert plot.speed_range(bench_rows()) == pytest.approx((32 * 9.2, 32 * 37.7))
+    assert plot.speed_range(bench_rows(), published=published()) == pytest.approx((1.1 * 32, 32 * 37.7))
+    five = plot.bubble_chart(bench_rows(), leaderboard_rows(), published=published()).axes[0]
+    board = pd.DataFrame([dict(model="transformer", task=t, test_acc=50.0) for t in TASKS4])
+    four = plot.bubble_chart(bench_rows(), board, published=published(), tasks=TASKS4).axes[0]
+    assert five.get_xscale() == four.get_xscale() == "log" and five.get_xlim() == four.get_xlim()
+    assert "log scale" in five.get_xlabel()
+
+
+# --- label placement ------------------------------------------------------------------------------------------
+
+
+def boxes(bubbles, sizes, offsets):
+    return [(x + dx - w / 2, y + dy - h / 2, x + dx + w / 2, y + dy + h / 2)
+            for (x, y, _), (w, h), (dx, dy) in zip(bubbles, sizes, offsets)]
+
+
+def overlap(a, b):
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def hits(box, bubble):
+    x, y, r = bubble
+    nx, ny = min(max(x, box[0]), box[2]), min(max(y, box[1]), box[3])
+    return (nx - x) ** 2 + (ny - y) ** 2 < r * r
+
+
+BOUNDS = (0.0, 0.0, 400.0, 300.0)
+
+
+def test_labels_of_coinciding_bubbles_do_not_overlap_and_clear_every_bubble():
+    bubbles = [(200.0, 150.0, 10.0), (203.0, 152.0, 8.0), (206.0, 149.0, 9.0)]  # the paper's linear-model cluster
+    sizes = [(60.0, 9.0)] * 3
+    placed = boxes(bubbles, sizes, plot.place_labels(bubbles, sizes, BOUNDS))
+    assert not any(overlap(a, b) for a, b in itertools.combinations(placed, 2))
+    assert not any(hits(box, bubble) for box in placed for bubble in bubbles)
+    assert all(BOUNDS[0] <= b[0] and b[2] <= BOUNDS[2] and BOUNDS[1] <= b[1] and b[3] <= BOUNDS[3] for b in placed)
+
+
+def test_a_label_goes_below_its_bubble_unless_that_is_taken():
+    alone = plot.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS)
+    assert alone == [(0.0, -(10.0 + 2.0 + 4.0))]  # just below: the paper's figure
+    assert plot.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS, centre_first=[True]) == [(0.0, 0.0)]
+    below = [(100.0, 100.0, 10.0), (100.0, 80.0, 6.0)]  # a bubble where the label would go
+    assert plot.place_labels(below, [(40.0, 8.0)] * 2, BOUNDS)[0] == (0.0, 16.0)  # above instead
+    assert plot.place_labels([(100.0, 5.0, 10.0)], [(40.0, 8.0)], BOUNDS) == [(0.0, 16.0)]  # at the bottom edge
+
+
+def test_drawn_labels_do_not_collide():
+    """The paper's efficient models sit close together (performer, linformer, linear): their labels, measured after
+    the draw, overlap neither each other nor our labels."""
+    fig = plot.bubble_chart(bench_rows(), leaderboard_rows(), published=published(), tasks=None)
     ax = fig.axes[0]
-    offsets = {tuple(o) for o in sc.get_offsets()}
-    assert len(offsets) == 3  # transformer, local, linear have both a speed and an average
-    assert (32 * 26.5, 54.0) in offsets  # the latest transformer row, not the superseded one
-    sizes = dict(zip([t.get_text() for t in ax.texts], sc.get_sizes(), strict=True))
-    assert sizes["linear"] / sizes["transformer"] == pytest.approx(6874 / 5326)  # area proportional to memory
-    assert sorted(t.get_text() for t in ax.texts) == ["linear", "local", "transformer"]
-    assert GPU in ax.get_title()
-    note = " ".join(t.get_text() for t in fig.texts)
-    assert "no 5-task LRA average: performer" in note and "OOM at 4K: reformer" in note
-    assert "no bench row at 4K: sinkhorn" in note
-    assert ax.get_legend() is not None and "GB" in ax.get_legend().get_texts()[0].get_text()
+    renderer = fig.canvas.get_renderer()
+    fig.canvas.draw()
+    labels = [t for t in ax.texts if t.get_text()]
+    assert {"transformer", "performer (LRA)", "linformer (LRA)"} <= {t.get_text() for t in labels}
+    extents = [t.get_window_extent(renderer) for t in labels]
+    assert not [(a, b) for (a, ea), (b, eb) in itertools.combinations(zip(labels, extents), 2) if ea.overlaps(eb)]
 
+
+# --- the bubble chart drawn -----------------------------------------------------------------------------------
+
+
+def test_bubble_chart_draws_its_points_and_saves(tmp_path):
+    fig = plot.bubble_chart(bench_rows(), leaderboard_rows(), published=published())
+    ax = fig.axes[0]
+    (sc,) = [c for c in ax.collections if c.get_gid() == "ours"]
+    (paper,) = [c for c in ax.collections if c.get_gid() == "published"]
+    ours, _ = plot.bubble_points(bench_rows(), leaderboard_rows())
+    assert np.allclose(sc.get_offsets(), ours[["x", "y"]].to_numpy()) and len(paper.get_offsets()) == 9
+    sizes = dict(zip(ours["model"], sc.get_sizes()))
+    assert sizes["linear"] / sizes["transformer"] == pytest.approx(6874 / 5326)  # area proportional to memory
+    assert "OOM at 4K: reformer" in " ".join(t.get_text() for t in fig.texts)
     png, svg = plot.save(fig, tmp_path, "bubble")
     with Image.open(png) as im:
         assert im.format == "PNG" and im.size[0] > 800 and im.size[1] > 600
-    assert svg.read_text().lstrip().startswith("<?xml") and png.stat().st_size > 20_000
+    assert svg.read_text().lstrip().startswith("<?xml")
 
 
-def test_bubble_chart_with_published_points():
-    published = pd.read_csv(ROOT / "results" / "published.csv")
-    fig = plot.bubble_chart(bench_rows(), leaderboard_rows(), length=4096, published=published)
+def test_title_names_our_device_only_when_our_points_are_drawn():
+    assert GPU in plot.bubble_chart(bench_rows(), leaderboard_rows()).axes[0].get_title()
+    no_avg5 = leaderboard_rows()[lambda d: d.task != "avg5"]
+    title = plot.bubble_chart(bench_rows(), no_avg5, published=published()).axes[0].get_title()
+    assert GPU not in title and "none drawn, no model of ours has a result on all 5 tasks" in title
+
+
+# --- the accuracy chart ---------------------------------------------------------------------------------------
+
+
+def accuracy_rows() -> pd.DataFrame:
+    rows = [dict(model="transformer", test_acc=36.0, test_std=0.5, n_seeds=3, n_stalled=0, published=36.37),
+            dict(model="linear", test_acc=36.7, test_std=0.3, n_seeds=1, n_stalled=0, published=16.13),  # stray std
+            dict(model="mymodel", test_acc=20.0, test_std=2.0, n_seeds=2, n_stalled=1, published=None)]
+    board = pd.DataFrame([dict(r, experiment="lra", task="listops") for r in rows])
+    others = pd.DataFrame([dict(experiment="defaults", model="transformer", task="listops", test_acc=50.0),
+                           dict(experiment="lra", model="linear", task="text", test_acc=60.0)])
+    return pd.concat([board, others], ignore_index=True)
+
+
+def test_accuracy_points_sorted_by_mean_with_a_bar_only_over_several_seeds():
+    points = plot.accuracy_points(accuracy_rows(), "listops")
+    assert list(points["model"]) == ["linear", "transformer", "mymodel"]  # the lra rows only, best first
+    assert list(points["mean"]) == [36.7, 36.0, 20.0] and list(points["n_seeds"]) == [1, 3, 2]
+    assert math.isnan(points.at[0, "std"]) and list(points["std"][1:]) == [0.5, 2.0]  # one seed: no bar
+    assert points.at[0, "paper"] == 16.13 and math.isnan(points.at[2, "paper"])
+    assert plot.accuracy_label(points.iloc[0]) == "linear\n36.70 (1 seed, no bar); LRA 16.13"
+    assert plot.accuracy_label(points.iloc[2]) == "mymodel\n20.00 ± 2.00 (2 seeds, 1 stalled)"
+    assert plot.accuracy_points(accuracy_rows(), "image").empty
+
+
+def test_accuracy_chart_draws_and_saves(tmp_path):
+    fig = plot.accuracy_chart(accuracy_rows(), "listops")
     ax = fig.axes[0]
-    (paper,) = [c for c in ax.collections if c.get_gid() == "published"]
-    offsets = {tuple(o) for o in paper.get_offsets()}
-    assert len(offsets) == 9  # LRA Table 2's models
-    assert (1.4 * 32, 54.39) in offsets and (8.0 * 32, 51.41) in offsets
-    assert "transformer (LRA)" in [t.get_text() for t in ax.texts]
-    assert len(ours(fig)[0].get_offsets()) == 3
-    assert ax.get_xscale() == "log"  # TPU v3 and H100 speeds are orders of magnitude apart
+    rows = sorted(zip(ax.get_yticks(), [t.get_text() for t in ax.get_yticklabels()]))
+    assert [label.split("\n")[0] for _, label in rows] == ["mymodel", "transformer", "linear"]  # the best on top
+    png, _ = plot.save(fig, tmp_path, "listops_accuracy")
+    assert png.stat().st_size > 10_000
 
 
-def test_other_device_and_length():
-    fig = plot.bubble_chart(bench_rows(), leaderboard_rows(), length=4096, device=CPU)
-    (sc,) = ours(fig)
-    assert [tuple(o) for o in sc.get_offsets()] == [(0.2, 54.0)] and CPU in fig.axes[0].get_title()
-    fig = plot.bubble_chart(bench_rows(), leaderboard_rows(), length=1024)
-    assert len(ours(fig)[0].get_offsets()) == 4  # reformer ran at 1K
+# --- speed and memory against length -------------------------------------------------------------------------
 
 
-def test_length_charts(tmp_path):
-    for metric in ("steps_per_s", "peak_mem_mb"):
-        fig = plot.length_chart(bench_rows(), metric)
-        ax = fig.axes[0]
-        lines = {line.get_label(): line for line in ax.get_lines()}
-        assert set(lines) == {"transformer", "local", "linear", "performer", "reformer"}
-        assert list(lines["transformer"].get_xdata()) == [1024, 2048, 4096]
-        assert len(lines["reformer"].get_xdata()) == 2  # its 4K OOM has no point
-        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
-    assert lines["transformer"].get_ydata()[-1] == pytest.approx(5326)
+def test_length_points_are_the_latest_ok_rows():
+    points = plot.length_points(bench_rows(), "steps_per_s")
+    assert list(points.columns) == ["model", "batch_size", "seq_len", "value", "x"]
+    by_model = {m: g for m, g in points.groupby("model")}
+    assert set(by_model) == {"transformer", "local", "linear", "performer", "reformer"}
+    assert list(by_model["transformer"]["seq_len"]) == [1024, 2048, 4096]
+    assert list(by_model["transformer"]["value"]) == pytest.approx([26.5 * 4, 26.5 * 2, 26.5])  # not the old row
+    assert len(by_model["reformer"]) == 2  # its 4K OOM has no point
+    assert (points["x"] == points["seq_len"]).all()  # no two speed series coincide: nothing is shifted
+
+
+def test_equal_memory_series_are_drawn_side_by_side():
+    """transformer and local use the same memory at every length: one would hide the other, so they are shifted
+    apart in x by the same small step at every length; the other series keep their x."""
+    points = plot.length_points(bench_rows(), "peak_mem_mb")
+    assert plot.coinciding_groups(points) == [["local", "transformer"]]
+    octaves = np.log2(points["x"] / points["seq_len"]).groupby(points["model"]).agg(["min", "max"])
+    assert octaves.loc["local"].tolist() == pytest.approx([-0.025, -0.025])
+    assert octaves.loc["transformer"].tolist() == pytest.approx([0.025, 0.025])
+    assert (octaves.loc[["linear", "performer", "reformer"]] == 0).all().all()
+    fig = plot.length_chart(bench_rows(), "peak_mem_mb")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert lines["transformer"].get_zorder() < lines["local"].get_zorder()  # the baseline beneath
+
+
+def test_log_axes_label_enough_ticks():
+    assert plot.log_ticks(1500, 28000) == [2000, 5000, 10000, 20000]  # 1-2-5: the memory chart's range
+    assert plot.log_ticks(1, 1e4) == [1, 10, 100, 1000, 10000]
+    assert plot.log_ticks(1500, 12000) == [2000, 5000, 10000]
+    assert plot.log_ticks(4500, 9500) == [5000, 6000, 7000, 8000, 9000]  # narrower than 1-2-5 can label
+    ax = plot.length_chart(bench_rows(), "peak_mem_mb").axes[0]
+    lo, hi = ax.get_ylim()
+    assert ax.get_yscale() == "log" and len([v for v in ax.get_yticks() if lo <= v <= hi]) >= 3
+    assert "10,000" in [t.get_text() for t in ax.get_yticklabels()]
 
 
 def test_length_chart_with_two_batch_sizes():
@@ -110,46 +288,51 @@ def test_length_chart_with_two_batch_sizes():
     long = rows[(rows.seq_len == 4096) & rows.model.isin(["transformer", "local"]) & (rows.device == GPU)]
     long = long.drop_duplicates("model", keep="last").assign(seq_len=16384, batch_size=8,
                                                              timestamp="2026-02-01T00:00:00Z")
-    fig = plot.length_chart(pd.concat([rows, long]), "steps_per_s")
-    ax = fig.axes[0]
+    bench = pd.concat([rows, long])
+    points = plot.length_points(bench, "steps_per_s")
+    assert points[points.model == "local"].groupby("batch_size")["seq_len"].apply(list).to_dict() == {
+        8: [16384], 32: [1024, 2048, 4096]}
+    ax = plot.length_chart(bench, "steps_per_s").axes[0]
     (local,) = [line for line in ax.get_lines() if line.get_label() == "local"]
     segments = [line for line in ax.get_lines() if line.get_color() == local.get_color()]
-    assert len(ax.get_lines()) == 7 and len(segments) == 2  # local: B32 at 1K-4K and B8 at 16K
-    assert segments[0].get_marker() == segments[1].get_marker()
+    assert len(ax.get_lines()) == 7 and len(segments) == 2 and segments[0].get_marker() == segments[1].get_marker()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["linear", "local", "performer", "reformer",
                                                                    "transformer"]
     assert "batch 32 at 1K-4K, 8 at 16K" in ax.get_title()
 
 
-def test_cli(tmp_path, capsys):
+# --- the command line and the files ---------------------------------------------------------------------------
+
+
+def write_inputs(tmp_path) -> list[str]:
     bench_rows().to_csv(tmp_path / "bench.csv", index=False)
     leaderboard_rows().to_csv(tmp_path / "lb.csv", index=False)
-    out = tmp_path / "charts"
-    written = plot.main(["--bench", str(tmp_path / "bench.csv"), "--leaderboard", str(tmp_path / "lb.csv"),
-                         "--out", str(out), "--published", str(ROOT / "results" / "published.csv")])
+    return ["--bench", str(tmp_path / "bench.csv"), "--leaderboard", str(tmp_path / "lb.csv"),
+            "--out", str(tmp_path / "charts")]
+
+
+def test_cli_writes_every_chart(tmp_path):
+    written = plot.main(write_inputs(tmp_path) + ["--published", str(ROOT / "results" / "published.csv")])
     names = sorted(p.name for p in written)
-    assert names == sorted(f"{s}.{e}" for s in ("lra_bubble_4K", "speed_vs_length", "memory_vs_length")
-                           for e in ("png", "svg"))
-    assert all((out / n).stat().st_size > 5_000 for n in names)
-    plot.main(["--bench", str(tmp_path / "bench.csv"), "--leaderboard", str(tmp_path / "none.csv"), "--out", str(out)])
-    assert "skipping the bubble chart" in capsys.readouterr().out
+    stems = ("lra_bubble_4K", "listops_accuracy", "speed_vs_length", "memory_vs_length")
+    assert names == sorted(f"{s}.{e}" for s in stems for e in ("png", "svg"))
+    assert all((tmp_path / "charts" / n).stat().st_size > 5_000 for n in names)
 
 
-def test_bubble_chart_over_a_task_subset():
-    """Without Retrieval (no AAN files), y is the mean over the tasks named, for ours and the paper's alike."""
-    cells = {"transformer": {"listops": 30.0, "text": 66.0, "image": 44.0, "pathfinder": 70.0},
-             "local": {"listops": 20.0, "text": 50.0, "image": 40.0}}  # no pathfinder: left out
-    board = pd.DataFrame([dict(model=m, task=t, test_acc=v) for m, c in cells.items() for t, v in c.items()])
-    published = pd.read_csv(ROOT / "results" / "published.csv")
-    tasks = ["listops", "text", "image", "pathfinder"]
-    fig = plot.bubble_chart(bench_rows(), board, length=4096, published=published, tasks=tasks)
-    ax = fig.axes[0]
-    assert [tuple(o) for o in ours(fig)[0].get_offsets()] == [(32 * 26.5, 52.5)]
-    (paper,) = [c for c in ax.collections if c.get_gid() == "published"]
-    assert (1.4 * 32, pytest.approx((36.37 + 64.27 + 42.44 + 71.40) / 4)) in [tuple(o) for o in paper.get_offsets()]
-    assert "4 tasks" in ax.get_ylabel() and "listops, text, image, pathfinder" in ax.get_title()
-    note = " ".join(t.get_text() for t in fig.texts)
-    assert "no result on all of listops, text, image, pathfinder: linear, local, performer" in note
+def test_cli_accuracy_chart_of_another_task(tmp_path, capsys):
+    args = write_inputs(tmp_path)
+    with pytest.raises(SystemExit, match="--errorbars-task: unknown task.*listop[^s]"):
+        plot.main(args + ["--errorbars-task", "listop"])
+    plot.main(args + ["--errorbars-task", "image"])  # the leaderboard has no image row
+    assert "skipping the image accuracy chart" in capsys.readouterr().out
+    assert not list((tmp_path / "charts").glob("*_accuracy.*"))
+
+
+def test_cli_without_a_leaderboard(tmp_path, capsys):
+    args = write_inputs(tmp_path)
+    (tmp_path / "lb.csv").unlink()
+    assert sorted(p.stem for p in plot.main(args)) == ["memory_vs_length"] * 2 + ["speed_vs_length"] * 2
+    assert "skipping the bubble and accuracy charts" in capsys.readouterr().out
 
 
 def test_cli_task_subset(tmp_path):
@@ -158,7 +341,7 @@ def test_cli_task_subset(tmp_path):
     pd.DataFrame([dict(model="transformer", task=t, test_acc=50.0) for t in ("listops", "image")]).to_csv(board)
     out = tmp_path / "charts"
     plot.main(["--bench", str(bench), "--leaderboard", str(board), "--out", str(out), "--tasks", "listops,image"])
-    assert (out / "lra_bubble_4K_2tasks.png").exists()
+    assert (out / "lra_bubble_4K_2tasks.png").exists() and (out / "listops_accuracy.png").exists()
     with pytest.raises(SystemExit, match="unknown task.*retreival.*image, listops, pathfinder, pathx, retrieval"):
         plot.main(["--bench", str(bench), "--leaderboard", str(board), "--out", str(out), "--tasks", "retreival"])
 
@@ -166,10 +349,10 @@ def test_cli_task_subset(tmp_path):
 def test_saving_an_unchanged_chart_leaves_the_files_untouched(tmp_path):
     """Regenerating charts from unchanged CSVs must not dirty a checkout: the same bytes (no dates, fixed ids), and an
     unchanged file is not rewritten."""
-    first = plot.save(plot.length_chart(bench_rows(), "steps_per_s"), tmp_path, "speed")
+    first = plot.save(plot.bubble_chart(bench_rows(), leaderboard_rows(), published=published()), tmp_path, "b")
     stamps = [(p.read_bytes(), p.stat().st_mtime_ns) for p in first]
     os.utime(first[0], ns=(1, 1))  # an old mtime: a rewrite would change it
-    second = plot.save(plot.length_chart(bench_rows(), "steps_per_s"), tmp_path, "speed")
+    second = plot.save(plot.bubble_chart(bench_rows(), leaderboard_rows(), published=published()), tmp_path, "b")
     assert [p.read_bytes() for p in second] == [s[0] for s in stamps]
     assert second[0].stat().st_mtime_ns == 1 and second[1].stat().st_mtime_ns == stamps[1][1]
     assert b"<dc:date>" not in second[1].read_bytes()
