@@ -43,9 +43,16 @@ class BackboneConfig:
     d_classifier: int = MISSING  # hidden width of the classifier head (LRA's mlp_dim)
     dropout: float = MISSING
     attn_dropout: float = MISSING
-    positions: str = "learned"
+    positions: str = "learned"  # learned | sinusoidal | none
     pooling: str = "cls"
     cls_token: Optional[bool] = None  # null: a CLS slot exactly when pooling is cls
+    # Options of published recipes (experiment= presets); the defaults are LRA's backbone.
+    norm: str = "layernorm"  # layernorm | batchnorm (statistics over real tokens only)
+    prenorm: bool = True  # false: post-norm blocks x = norm(x + Drop(mixer(x))), no final norm
+    mlp: bool = True  # false: blocks of the mixer alone (the S4 family's)
+    embedding: str = "tokens"  # tokens | pixels (image tasks: gray values through Linear(1, d_model))
+    pixel_mean: float = 0.5  # embedding=pixels: the input is ((id - 1) / 255 - pixel_mean) / pixel_std
+    pixel_std: float = 0.5
 
 
 @dataclass
@@ -208,8 +215,10 @@ CHOICES = {
     "trainer.precision": ("auto", "bf16", "fp32"),
     "trainer.compile": ("auto", "true", "false"),
     "resume": ("auto", "true", "false"),
-    "backbone.positions": ("learned", "sinusoidal"),
+    "backbone.positions": ("learned", "sinusoidal", "none"),
     "backbone.pooling": ("cls", "mean"),
+    "backbone.norm": ("layernorm", "batchnorm"),
+    "backbone.embedding": ("tokens", "pixels"),
     "optim.lr_schedule": ("rsqrt", "cosine", "constant"),
     "logger.name": ("none", "wandb"),
     "logger.mode": ("online", "offline", "disabled"),
@@ -278,7 +287,10 @@ def validate(cfg: DictConfig) -> DictConfig:
                           f"{b.n_heads}")
     if b.pooling == "cls" and b.cls_token is False:
         raise ConfigError("backbone.pooling=cls needs the CLS slot: set backbone.cls_token=null or true")
+    if not b.pixel_std > 0:
+        raise ConfigError(f"backbone.pixel_std={b.pixel_std} is not valid: it must be positive")
     validate_task(cfg)
+    validate_embedding(cfg)
     validate_model(cfg)
     return cfg
 
@@ -291,6 +303,20 @@ def validate_task(cfg: DictConfig) -> None:
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
     spec.check(cfg.task)
+
+
+def validate_embedding(cfg: DictConfig) -> None:
+    """``embedding=pixels`` reads gray values: only image tasks have them, and only as ids = pixel + 1."""
+    from lra.data import get_task, image_tasks
+
+    if cfg.backbone.embedding != "pixels":
+        return
+    if not get_task(cfg.task.name).image:
+        raise ConfigError(f"backbone.embedding=pixels is not valid for task {cfg.task.name}: its tokens are "
+                          f"symbols, not pixels; choose tokens, or an image task ({', '.join(image_tasks())})")
+    if cfg.data.pixel_zero_is_pad:
+        raise ConfigError("backbone.embedding=pixels is not valid with data.pixel_zero_is_pad=true: black pixels "
+                          "would be masked as padding; set data.pixel_zero_is_pad=false")
 
 
 def validate_model(cfg: DictConfig) -> None:

@@ -6,6 +6,18 @@ pooling (CLS or masked mean) -> Dense-ReLU-Dense head (LRA's ``classifier_head``
 
 A pair task (retrieval) encodes both documents with the same encoder and classifies
 ``[u, v, u*v, u-v]`` (LRA paper App. A.1.3): the mixer never knows it is looking at a pair.
+
+The backbone options that published recipes of other model families train with (``experiment=`` presets;
+LRA's protocol keeps the defaults above, so there models still differ only in the mixer):
+
+* ``norm``: ``layernorm`` | ``batchnorm`` (over channels, its statistics over real tokens only: see
+  :class:`MaskedBatchNorm`);
+* ``prenorm: false``: post-norm blocks ``x = N(x + Drop(Mixer x))``, ``x = N(x + MLP x)``, and no final norm
+  (the output of the last block is already normalised), as S4's backbone;
+* ``mlp: false``: blocks of the mixer alone (the S4 family's blocks; ``d_ff`` is then unused);
+* ``positions: none``: no position embedding (SSMs and convolutions know the order already);
+* ``embedding: pixels``: an image task's pixel values ``((id - 1) / 255 - pixel_mean) / pixel_std`` through
+  ``Linear(1, d_model)`` instead of a table of 257 token vectors (S4's continuous input); id 0 stays padding.
 """
 from __future__ import annotations
 
@@ -27,19 +39,68 @@ def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
     return table  # (n, d)
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with the norms' common call ``norm(x, mask)``: each token is normalised on its own, so the
+    mask is not needed (and the parameter names stay those of ``nn.LayerNorm``)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+class MaskedBatchNorm(nn.BatchNorm1d):
+    """BatchNorm over the channels of (B, N, D) hidden states whose batch statistics (and so its running
+    statistics) count real tokens only. S4's BatchNorm counted the padding too, which makes a token's output
+    depend on how much padding its batch carries; here appending padding changes nothing, in training or in
+    evaluation. Padded positions are normalised with the same statistics (finite, and masked downstream).
+    The statistics are computed in fp32 whatever the autocast dtype; under DDP each process keeps its own
+    (no SyncBatchNorm, as S4's Lightning trainer by default)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is None or not self.training:  # every token counts, or the running statistics are used
+            return super().forward(x.reshape(-1, x.shape[-1])).view_as(x)
+        m = mask.unsqueeze(-1).to(torch.float32)  # (B, N, 1)
+        xf = x.float()
+        count = m.sum()
+        mean = (xf * m).sum((0, 1)) / count  # (D,)
+        var = ((xf - mean).square() * m).sum((0, 1)) / count  # (D,) biased: what the batch is normalised with
+        if self.track_running_stats:
+            with torch.no_grad():  # as nn.BatchNorm1d: momentum (or a cumulative average), unbiased variance
+                self.num_batches_tracked.add_(1)
+                factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.lerp_(mean, factor)
+                self.running_var.lerp_(var * count / (count - 1).clamp_min(1.0), factor)
+        y = (xf - mean) * torch.rsqrt(var + self.eps)  # (B, N, D)
+        if self.affine:
+            y = y * self.weight + self.bias
+        return y.to(x.dtype)
+
+
+NORMS = {"layernorm": LayerNorm, "batchnorm": MaskedBatchNorm}
+
+
 class Block(nn.Module):
-    def __init__(self, mixer: nn.Module, d_model: int, d_ff: int, dropout: float):
+    """Pre-norm (default): ``x + Drop(Mixer(N x))``, then ``x + MLP(N x)``. Post-norm (``prenorm=False``):
+    ``N(x + Drop(Mixer x))``, then ``N(x + MLP x)``. ``mlp=False``: the mixer sub-block alone."""
+
+    def __init__(self, mixer: nn.Module, d_model: int, d_ff: int, dropout: float, norm: str = "layernorm",
+                 prenorm: bool = True, mlp: bool = True):
         super().__init__()
-        self.norm1, self.mixer = nn.LayerNorm(d_model), mixer
-        self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model), nn.Dropout(dropout)
-        )
+        self.prenorm = prenorm
+        self.norm1, self.mixer = NORMS[norm](d_model), mixer
+        self.norm2 = self.mlp = None
+        if mlp:
+            self.norm2 = NORMS[norm](d_model)
+            self.mlp = nn.Sequential(
+                nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model), nn.Dropout(dropout)
+            )
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, **mixer_inputs) -> torch.Tensor:
-        x = x + self.drop(self.mixer(self.norm1(x), mask, **mixer_inputs))
-        return x + self.mlp(self.norm2(x))
+        if self.prenorm:
+            x = x + self.drop(self.mixer(self.norm1(x, mask), mask, **mixer_inputs))
+            return x if self.mlp is None else x + self.mlp(self.norm2(x, mask))
+        x = self.norm1(x + self.drop(self.mixer(x, mask, **mixer_inputs)), mask)
+        return x if self.mlp is None else self.norm2(x + self.mlp(x), mask)
 
 
 class Encoder(nn.Module):
@@ -65,10 +126,25 @@ class Encoder(nn.Module):
         positions: str = "learned",
         cls_token: bool = True,
         grid: tuple[int, int] | None = None,
+        norm: str = "layernorm",
+        prenorm: bool = True,
+        mlp: bool = True,
+        embedding: str = "tokens",
+        pixel_mean: float = 0.5,
+        pixel_std: float = 0.5,
     ):
         super().__init__()
-        if positions not in ("learned", "sinusoidal"):
-            raise ValueError(f"positions must be 'learned' or 'sinusoidal', got {positions!r}")
+        if positions not in ("learned", "sinusoidal", "none"):
+            raise ValueError(f"positions must be 'learned', 'sinusoidal' or 'none', got {positions!r}")
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
+        if embedding not in ("tokens", "pixels"):
+            raise ValueError(f"embedding must be 'tokens' or 'pixels', got {embedding!r}")
+        if embedding == "pixels" and grid is None:
+            raise ValueError("embedding='pixels' reads pixel values and needs an image task (image, pathfinder, "
+                             "pathx); this task's tokens are symbols")
+        if not pixel_std > 0:
+            raise ValueError(f"pixel_std must be positive, got {pixel_std}")
         self.mixer_inputs = {}
         if getattr(get_model_class(model), "needs_grid", False):
             if grid is None:
@@ -80,20 +156,28 @@ class Encoder(nn.Module):
             self.mixer_inputs["grid"] = Grid(height, width, prefix=int(cls_token))
         self.cls_token = cls_token
         max_len = seq_len + int(cls_token)
-        self.embed = nn.Embedding(vocab_size, d_model)
-        nn.init.normal_(self.embed.weight, std=1.0)  # LRA: N(0, 1), no sqrt(d) scaling
+        self.embedding, self.pixel_mean, self.pixel_std = embedding, float(pixel_mean), float(pixel_std)
+        if embedding == "tokens":
+            self.embed = nn.Embedding(vocab_size, d_model)
+            nn.init.normal_(self.embed.weight, std=1.0)  # LRA: N(0, 1), no sqrt(d) scaling
+        else:
+            self.embed = nn.Linear(1, d_model)  # S4's `encoder: linear` on one gray channel, default init
         if positions == "learned":
             self.pos = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
-        else:
+        elif positions == "sinusoidal":
             self.register_buffer("pos", sinusoidal_positions(max_len, d_model), persistent=False)
+        else:
+            self.pos = None
         if cls_token:
             self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
         self.drop = nn.Dropout(dropout)
         backbone = dict(d_model=d_model, n_heads=n_heads, d_qkv=d_qkv, dropout=attn_dropout, max_len=max_len)
         self.blocks = nn.ModuleList(
-            Block(create_model(model, **backbone, **model_options), d_model, d_ff, dropout) for _ in range(n_layers)
+            Block(create_model(model, **backbone, **model_options), d_model, d_ff, dropout, norm, prenorm, mlp)
+            for _ in range(n_layers)
         )
-        self.norm = nn.LayerNorm(d_model)
+        # post-norm blocks end normalised already; S4's backbone has a final norm only with pre-norm blocks
+        self.norm = NORMS[norm](d_model) if prenorm else None
         # a registered mixer need not subclass MultiHeadMixer: without the attribute it gets a mask
         self.mixers_accept_no_mask = all(getattr(block.mixer, "accepts_no_mask", False) for block in self.blocks)
 
@@ -101,15 +185,26 @@ class Encoder(nn.Module):
         B = tokens.shape[0]
         if mask is None and not self.mixers_accept_no_mask:
             mask = torch.ones_like(tokens, dtype=torch.bool)  # (B, N)
-        x = self.embed(tokens)  # (B, N, D)
+        x = self.embed_tokens(tokens)  # (B, N, D)
         if self.cls_token:
             x = torch.cat([self.cls.expand(B, -1, -1), x], dim=1)  # (B, N + 1, D)
             if mask is not None:
                 mask = torch.cat([mask.new_ones(B, 1), mask], dim=1)  # (B, N + 1)
-        x = self.drop(x + self.pos[: x.shape[1]])
+        x = self.drop(x if self.pos is None else x + self.pos[: x.shape[1]])
         for block in self.blocks:
             x = block(x, mask, **self.mixer_inputs)
-        return self.norm(x), mask
+        return (x if self.norm is None else self.norm(x, mask)), mask
+
+    def pixel_values(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, N) ids = pixel + 1 -> (B, N) normalised gray values ((id - 1) / 255 - mean) / std, fp32."""
+        return ((tokens.float() - 1.0) / 255.0 - self.pixel_mean) / self.pixel_std
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embedding == "tokens":
+            return self.embed(tokens)  # (B, N, D)
+        # in fp32 even under bf16 autocast: bf16's 8-bit mantissa cannot tell neighbouring gray levels apart
+        with torch.autocast(device_type=tokens.device.type, enabled=False):
+            return self.embed(self.pixel_values(tokens).unsqueeze(-1))  # (B, N, 1) -> (B, N, D)
 
 
 def pool(h: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
@@ -161,12 +256,15 @@ def build_classifier(model: str, model_options: dict, backbone, vocab_size: int,
                      pair: bool = False, padded: bool = True, grid: tuple[int, int] | None = None) -> Classifier:
     """The model a run or a benchmark trains: ``backbone`` is the task's ``backbone`` config section (with
     ``cls_token`` null meaning ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
-    ``padded`` whether any token may be 0 (see ``Classifier``), ``grid`` the (height, width) of an image task."""
+    ``padded`` whether any token may be 0 (see ``Classifier``), ``grid`` the (height, width) of an image task.
+    Keys a backbone section may lack (one saved before they existed) take today's defaults."""
     b = backbone
     cls_token = b.pooling == "cls" if b.get("cls_token") is None else bool(b.cls_token)
     encoder = Encoder(
         model, model_options, vocab_size=vocab_size, seq_len=seq_len, n_layers=b.n_layers, d_model=b.d_model,
         n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
-        positions=b.get("positions", "learned"), cls_token=cls_token, grid=grid,
+        positions=b.get("positions", "learned"), cls_token=cls_token, grid=grid, norm=b.get("norm", "layernorm"),
+        prenorm=bool(b.get("prenorm", True)), mlp=bool(b.get("mlp", True)), embedding=b.get("embedding", "tokens"),
+        pixel_mean=b.get("pixel_mean", 0.5), pixel_std=b.get("pixel_std", 0.5),
     )
     return Classifier(encoder, b.d_model, b.d_classifier, n_classes, b.pooling, pair=pair, padded=padded)
