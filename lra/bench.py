@@ -302,9 +302,28 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
 
 
 @hydra.main(config_path="conf", config_name="bench", version_base=None)
+def format_exponents(df: pd.DataFrame) -> str:
+    """The measured growth of each model's step time and memory in N (log-log slope over N >= 4K at one batch size)
+    beside the complexity it declares; empty when the sweep has fewer than two such lengths."""
+    from lra.taxonomy import measured_exponents
+
+    exps = measured_exponents(df.assign(device=df["device"].astype(str)))
+    if not exps:
+        return ""
+    lines = ["Measured exponent in N (time / memory, N >= 4K at one batch) vs the declared complexity"]
+    for label, (time_exp, mem_exp) in sorted(exps.items()):
+        name = label.split("(")[0]
+        declared = get_model_class(name).taxonomy.complexity if name in list_models() else "?"
+        lines.append(f"{label:<28}{time_exp:6.2f} / {mem_exp:4.2f}   declared {declared}")
+    return "\n".join(lines)
+
+
 def main(cfg: DictConfig) -> None:
     df = run_bench(cfg)
     print(format_table(df))
+    exponents = format_exponents(df)
+    if exponents:
+        print(exponents)
     print(f"rows appended to {cfg.bench.out}")
 
 

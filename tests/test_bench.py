@@ -213,3 +213,13 @@ def test_wandb_logging_offline(tmp_path, monkeypatch):
     names = sorted(p.name for p in media)  # both charts went up as images, named by their keys
     assert len(names) == 2 and names[0].startswith("peak_mem_mb_vs_length") and names[1].startswith("steps_per_s")
     assert list(runs[0].rglob("*.table.json"))
+
+
+def test_a_sweep_from_4k_up_prints_the_measured_exponent_beside_the_declared_complexity():
+    rows = pd.DataFrame([dict(model=m, seq_len=n, batch_size=8, status="ok", ms_per_step=ms, peak_mem_mb=ms * 10,
+                              device="GPU", timestamp=f"2026-01-01T00:00:{i:02d}Z")
+                         for i, (m, n, ms) in enumerate([("transformer", 4096, 1.0), ("transformer", 8192, 4.0),
+                                                          ("linear", 4096, 1.0), ("linear", 8192, 2.0)])])
+    text = bench.format_exponents(rows)
+    assert "transformer" in text and " 2.00 / 2.00   declared N^2" in text and " 1.00 / 1.00   declared N" in text
+    assert bench.format_exponents(rows[rows.seq_len == 4096]) == ""  # one length: nothing to fit
