@@ -301,7 +301,6 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
         run.finish()
 
 
-@hydra.main(config_path="conf", config_name="bench", version_base=None)
 def format_exponents(df: pd.DataFrame) -> str:
     """The measured growth of each model's step time and memory in N (log-log slope over N >= 4K at one batch size)
     beside the complexity it declares; empty when the sweep has fewer than two such lengths."""
@@ -318,6 +317,7 @@ def format_exponents(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+@hydra.main(config_path="conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     df = run_bench(cfg)
     print(format_table(df))
