@@ -124,7 +124,7 @@ def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str
     autocast = engine.autocast(precision, device)
 
     def step():
-        engine.train_step(model, opt, tokens, labels, autocast=autocast)
+        engine.train_step(model, opt, (tokens,), labels, autocast=autocast)
 
     out = dict(times=[], sdpa_backend="")
     for i in range(warmup + steps):

@@ -81,6 +81,7 @@ class TrainerConfig:
 
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: str = "auto"  # torch.compile the model: auto (on CUDA only) | true | false
+    pack: str = "false"  # several examples per row (lra.packing): false | auto (where the model can) | true (or fail)
     devices: int = 1  # processes of one data-parallel run (DistributedDataParallel)
     threads: Optional[int] = None  # CPU threads of each process; null: this process's share of the host's cores
     eval_batch_size: int = 128
@@ -214,6 +215,7 @@ CHOICES = {
     "experiment": None,  # any preset name (checked by Hydra: it must be a file of conf/experiment/)
     "trainer.precision": ("auto", "bf16", "fp32"),
     "trainer.compile": ("auto", "true", "false"),
+    "trainer.pack": ("false", "auto", "true"),
     "resume": ("auto", "true", "false"),
     "backbone.positions": ("learned", "sinusoidal", "none"),
     "backbone.pooling": ("cls", "mean"),

@@ -181,7 +181,16 @@ class Encoder(nn.Module):
         # a registered mixer need not subclass MultiHeadMixer: without the attribute it gets a mask
         self.mixers_accept_no_mask = all(getattr(block.mixer, "accepts_no_mask", False) for block in self.blocks)
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @property
+    def supports_segments(self) -> bool:
+        """Whether packed rows (:mod:`lra.packing`) give every example exactly its own outputs: every mixer keeps
+        segments apart, and no 2-D grid is needed (a grid is one image to a row)."""
+        return not self.mixer_inputs and all(getattr(b.mixer, "supports_segments", False) for b in self.blocks)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None, segments: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if segments is not None:
+            return self.forward_packed(tokens, segments, positions)
         B = tokens.shape[0]
         if mask is None and not self.mixers_accept_no_mask:
             mask = torch.ones_like(tokens, dtype=torch.bool)  # (B, N)
@@ -193,6 +202,22 @@ class Encoder(nn.Module):
         x = self.drop(x if self.pos is None else x + self.pos[: x.shape[1]])
         for block in self.blocks:
             x = block(x, mask, **self.mixer_inputs)
+        return (x if self.norm is None else self.norm(x, mask)), mask
+
+    def forward_packed(self, tokens: torch.Tensor, segments: torch.Tensor,
+                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed rows (:mod:`lra.packing`): tokens, segments, positions (R, M) -> ((R, M, D), mask (R, M)). Each
+        example gets the CLS vector in its first slot and the position embeddings from 0, as in its own row."""
+        if not self.supports_segments:
+            raise ValueError("packed rows need mixers that keep segments apart (supports_segments)")
+        mask = segments != 0  # (R, M)
+        x = self.embed_tokens(tokens)  # (R, M, D)
+        if self.cls_token:
+            cls_slot = (positions == 0) & mask  # (R, M): each example's first position
+            x = torch.where(cls_slot.unsqueeze(-1), self.cls.to(x.dtype), x)  # (R, M, D)
+        x = self.drop(x if self.pos is None else x + self.pos[positions])  # pos[positions]: (R, M, D)
+        for block in self.blocks:
+            x = block(x, mask, segments=segments)
         return (x if self.norm is None else self.norm(x, mask)), mask
 
     def pixel_values(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -220,6 +245,21 @@ def pool(h: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
     raise ValueError(f"pooling must be 'cls' or 'mean', got {mode!r}")
 
 
+def pool_packed(h: torch.Tensor, segments: torch.Tensor, starts: torch.Tensor, mode: str) -> torch.Tensor:
+    """Packed rows (R, M, D) -> (B, D) in batch order, B = len(starts): each example's CLS slot, or the mean of
+    its own positions (CLS slot included, as ``pool`` over an unpacked row's mask)."""
+    flat = h.reshape(-1, h.shape[-1])  # (R M, D)
+    if mode == "cls":
+        return flat[starts]  # (B, D)
+    if mode != "mean":
+        raise ValueError(f"pooling must be 'cls' or 'mean', got {mode!r}")
+    owner = segments.reshape(-1)  # (R M,): 1..B, 0 = padding
+    n, acc = starts.shape[0] + 1, torch.promote_types(h.dtype, torch.float32)  # sums in fp32 at least
+    sums = flat.new_zeros(n, flat.shape[-1], dtype=acc).index_add_(0, owner, flat.to(acc))  # (B + 1, D)
+    counts = flat.new_zeros(n, dtype=acc).index_add_(0, owner, torch.ones_like(owner, dtype=acc))  # (B + 1,)
+    return (sums[1:] / counts[1:, None].clamp_min(1.0)).to(h.dtype)  # (B, D): row 0 gathered the padding
+
+
 class Classifier(nn.Module):
     """Encoder + pooling + head. ``pair=True`` takes (B, 2, N) tokens and classifies the pair.
     ``padded=False`` promises that no token is 0 (pixel tasks): the padding mask is dropped, which lets the
@@ -239,15 +279,29 @@ class Classifier(nn.Module):
         else:
             self.head = nn.Sequential(nn.Linear(d_model, d_hidden), nn.ReLU(), nn.Linear(d_hidden, n_classes))
 
+    @property
+    def supports_packing(self) -> bool:
+        return self.encoder.supports_segments
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h, mask = self.encoder(tokens, tokens != 0 if self.padded else None)
         return pool(h, mask, self.pooling)  # (B, D)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, N) ids, or (B, 2, N) pairs -> (B, C) logits; or a packed batch's four tensors (``lra.packing``;
+        for a pair task its documents are the 2B examples, pair b being documents 2b and 2b + 1)."""
+        if segments is not None:
+            h, _ = self.encoder(tokens, None, segments, positions)  # (R, M, D)
+            z = pool_packed(h, segments, starts, self.pooling)  # (B or 2B, D)
+        elif self.pair:
+            B, two, N = tokens.shape
+            z = self.embed(tokens.reshape(B * two, N))  # both towers in one pass: (2B, D)
+        else:
+            z = self.embed(tokens)  # (B, D)
         if not self.pair:
-            return self.head(self.embed(tokens))  # (B, C)
-        B, two, N = tokens.shape
-        z = self.embed(tokens.reshape(B * two, N)).view(B, two, -1)  # both towers in one pass: (B, 2, D)
+            return self.head(z)  # (B, C)
+        z = z.view(-1, 2, z.shape[-1])  # (B, 2, D)
         u, v = z[:, 0], z[:, 1]
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))  # (B, C)
 

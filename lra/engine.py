@@ -69,11 +69,12 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float(), labels)
 
 
-def train_step(model, optimizer, tokens: torch.Tensor, labels: torch.Tensor, *, autocast, grad_clip=None,
+def train_step(model, optimizer, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, *, autocast, grad_clip=None,
                scheduler=None) -> torch.Tensor:
-    """One optimisation step: forward, loss, backward, clip, AdamW, schedule. Returns the loss (not synchronised)."""
+    """One optimisation step: forward, loss, backward, clip, AdamW, schedule. ``inputs``: the model's arguments
+    (the ids, or a packed batch). Returns the loss (not synchronised)."""
     with autocast():
-        loss = classification_loss(model(tokens), labels)
+        loss = classification_loss(model(*inputs), labels)
     loss.backward()
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

@@ -60,6 +60,7 @@ class RunRow:
     timestamp: str | None = None
     run_dir: str | None = None
     overrides: str | None = None
+    packed: bool | None = None  # several examples per row (trainer.pack); exact, so not in the config hash
 
 
 @dataclass
@@ -186,7 +187,8 @@ def device_name(device: torch.device) -> str:
 
 # Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
-NOT_HASHED_TRAINER = ("compile", "devices", "threads", "eval_batch_size", "ckpt_every", "timing_warmup", "progress")
+NOT_HASHED_TRAINER = ("compile", "pack", "devices", "threads", "eval_batch_size", "ckpt_every", "timing_warmup",
+                      "progress")
 # Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
 # values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.

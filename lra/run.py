@@ -30,7 +30,10 @@ from lra import distributed, engine
 from lra.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
+from lra.packing import model_inputs, packed_share
 from lra.results import RUN_COLUMNS, RunRow, append_row, config_hash, device_name, git_sha, now_iso
+from models import list_models
+from models.registry import get_model_class
 
 log = logging.getLogger("lra")
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
@@ -92,15 +95,22 @@ def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tokens.long()
 
 
+def device_inputs(tokens: torch.Tensor, device: torch.device, packed: bool = False,
+                  cls_token: bool = True) -> tuple[torch.Tensor, ...]:
+    """A batch's ids as the model's inputs on ``device``: the ids, or the packed batch (``lra.packing``)."""
+    return tuple(to_device(t, device) for t in model_inputs(tokens, packed, cls_token))
+
+
 @torch.no_grad()
-def evaluate(model, split: Split, batch_size: int, device: torch.device, autocast) -> float:
+def evaluate(model, split: Split, batch_size: int, device: torch.device, autocast, packed: bool = False,
+             cls_token: bool = True) -> float:
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
     for i in range(0, len(split), batch_size):
-        tokens = to_device(split.tokens[i : i + batch_size], device)
+        inputs = device_inputs(split.tokens[i : i + batch_size], device, packed, cls_token)
         labels = split.labels[i : i + batch_size].to(device)
         with autocast():
-            correct += (model(tokens).argmax(-1) == labels).sum()
+            correct += (model(*inputs).argmax(-1) == labels).sum()
     model.train()
     return correct.item() / len(split)
 
@@ -195,7 +205,7 @@ class Trainer:
             status = self.train()
         except torch.cuda.OutOfMemoryError as e:
             return self.record("oom", detail=str(e).splitlines()[0][:200])
-        except RunInterrupted:
+        except (RunInterrupted, ConfigError):
             raise
         except Exception as e:
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
@@ -240,6 +250,7 @@ class Trainer:
         cfg, device = self.cfg, self.device
         self.model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(self.data))
         self.model.to(device)
+        self.packed = self.resolve_packing()
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = engine.build_optimizer(self.model, cfg.optim, device)
         self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, cfg.schedule.steps)
@@ -267,6 +278,36 @@ class Trainer:
         if self.world.is_main:
             log.info("%s: %s parameters", cfg.model.name, f"{self.n_params:,}")
 
+    def resolve_packing(self) -> bool:
+        """``trainer.pack``: false; auto (pack where the task has padding and every mixer keeps packed examples
+        apart); true (the same, or fail saying why)."""
+        mode, cfg = self.cfg.trainer.pack, self.cfg
+        if mode == "false":
+            return False
+        why = None
+        if not self.model.padded:
+            why = f"task {cfg.task.name} has no padding to pack away"
+        elif not self.model.supports_packing:
+            able = ", ".join(n for n in list_models() if getattr(get_model_class(n), "supports_segments", False))
+            why = f"model {cfg.model.name} cannot keep packed examples apart (models that can: {able})"
+        if why is None:
+            share = packed_share(self.data.train.tokens[: cfg.schedule.batch_size], self.model.encoder.cls_token)
+            if self.world.is_main:
+                log.info("packing: the first training batch fits in %.0f%% of its rows", 100 * share)
+            return True
+        if mode == "true":
+            raise ConfigError(f"trainer.pack=true: {why}; use trainer.pack=auto (pack where possible) or false")
+        if self.world.is_main:
+            log.info("trainer.pack=auto: not packing (%s)", why)
+        return False
+
+    def inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token)
+
+    def evaluate(self, split: Split) -> float:
+        return evaluate(self.eval_fn, split, self.cfg.trainer.eval_batch_size, self.device, self.autocast,
+                        self.packed, self.model.encoder.cls_token)
+
     def train(self) -> str:
         """The loop; returns ``ok`` or ``diverged``."""
         cfg, state, world, device = self.cfg, self.state, self.world, self.device
@@ -290,10 +331,10 @@ class Trainer:
                     raise RunInterrupted(f"stopped at step {state['step']}; checkpoint in {self.files.dir}; rerun the "
                                          f"same command to resume")
                 idx = world.shard(order.indices(state["step"]))
-                tokens = to_device(self.data.train.tokens[idx], device)
+                inputs = self.inputs(self.data.train.tokens[idx])
                 labels = self.data.train.labels[idx].to(device, non_blocking=True)
                 timer.before_step()
-                loss_sum += self.step(tokens, labels)
+                loss_sum += self.step(inputs, labels)
                 timer.after_step()
                 n_loss += 1
                 state["step"] += 1
@@ -317,12 +358,12 @@ class Trainer:
         return "ok"
 
     # -- pieces of the loop -------------------------------------------------------------------------------------
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         """One training step. With ``trainer.compile=auto``, a model that torch.compile cannot compile (an error
         while compiling, before any update) runs eagerly instead, saying so; the row then says compiled=False."""
         cfg = self.cfg
         try:
-            return engine.train_step(self.train_fn, self.optimizer, tokens, labels, autocast=self.autocast,
+            return engine.train_step(self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
                                      grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
         except Exception as e:
             if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(e)):
@@ -333,7 +374,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.compiled, self.train_fn = False, self.eager_train_fn
             self.eval_fn = self.model
-            return engine.train_step(self.train_fn, self.optimizer, tokens, labels, autocast=self.autocast,
+            return engine.train_step(self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
                                      grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
 
     def finite(self, loss_sum: torch.Tensor) -> bool:
@@ -354,8 +395,7 @@ class Trainer:
         state, world = self.state, self.world
         self.state["peak_mem_mb"] = max(state["peak_mem_mb"], engine.peak_memory_mb(self.device))
         if world.is_main:
-            val_acc = evaluate(self.eval_fn, self.data.val, self.cfg.trainer.eval_batch_size, self.device,
-                               self.autocast)
+            val_acc = self.evaluate(self.data.val)
             lr = self.scheduler.get_last_lr()[0]
             if val_acc > state["best_val"]:
                 state["best_val"], state["best_step"] = val_acc, state["step"]
@@ -391,13 +431,11 @@ class Trainer:
         """Test accuracy of the final weights, then of the best-validation checkpoint (rank 0)."""
         if not self.world.is_main:
             return {}
-        cfg, device = self.cfg, self.device
-        batch = cfg.trainer.eval_batch_size
         history = self.state["history"]
         final_val = history[-1]["val_acc"]
-        final_test = evaluate(self.eval_fn, self.data.test, batch, device, self.autocast)
-        self.model.load_state_dict(self.files.load_best(device)["model"])
-        best_test = evaluate(self.eval_fn, self.data.test, batch, device, self.autocast)
+        final_test = self.evaluate(self.data.test)
+        self.model.load_state_dict(self.files.load_best(self.device)["model"])
+        best_test = self.evaluate(self.data.test)
         return {"val_acc": self.state["best_val"], "test_acc": best_test, "best_step": self.state["best_step"],
                 "final_val_acc": final_val, "final_test_acc": final_test}
 
@@ -419,7 +457,7 @@ class Trainer:
             compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
             split=data.info.get("split", ""), device=" + ".join(state["devices"]), torch=torch.__version__,
             git_sha=" + ".join(state["git_shas"]), config_hash=self.chash, timestamp=now_iso(),
-            run_dir=str(self.files.dir), overrides=_overrides())
+            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None))
         out = asdict(row)
         if self.world.is_main:
             append_row(Path(cfg.results.dir) / "runs.csv", out, RUN_COLUMNS)

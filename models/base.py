@@ -1,8 +1,16 @@
 """The skeleton most mixers share: per-head projections in, ``attend`` in the middle, one projection out.
 
 A subclass implements ``attend(q, k, v, mask) -> (B, H, N, Dh)`` and, if it needs them, its own options
-after the five backbone arguments. Mixers that do not fit this shape (e.g. shared-QK Reformer, dense
-Synthesizer) subclass it anyway and override ``project`` or ``forward``.
+after the five backbone arguments.
+
+Packed rows (several examples in one row, see ``lra.packing``): a mixer that sets ``supports_segments = True``
+also takes ``segments``, a (B, N) integer tensor naming the example each position belongs to (0 = padding;
+each example's positions are contiguous), and must compute every example's output from that example's
+positions alone, exactly as if it had its own row. ``attend`` then receives ``segments=`` too. Position-indexed
+mixers (a learned projection over positions, a fixed layout of blocks) cannot, and keep the default False.
+
+Mixers that do not fit this shape (e.g. shared-QK Reformer, dense Synthesizer) subclass it anyway and override
+``project`` or ``forward``.
 """
 from __future__ import annotations
 
@@ -38,6 +46,23 @@ def pad_head_dim(size: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(F.pad(t, (0, pad)) for t in tensors) if pad > 0 else tensors  # each (B, H, N, max(Dh, size))
 
 
+def same_segment(segments: torch.Tensor) -> torch.Tensor:
+    """(B, N) segment ids -> (B, 1, N, N) bool: query i may see key j when both belong to one example (padding
+    positions, id 0, see each other only, which keeps their softmax rows finite; their outputs are ignored)."""
+    return segments[:, None, :, None] == segments[:, None, None, :]  # (B, 1, N, N)
+
+
+def segment_onehot(segments: torch.Tensor) -> torch.Tensor:
+    """(B, N) segment ids -> (B, S, N) one-hot over each row's own segments (S = the most segments in a row),
+    in the order they appear; padding belongs to none. For mixers that sum over an example's positions."""
+    real = segments != 0
+    starts = real & (segments != F.pad(segments, (1, 0))[:, :-1])  # (B, N): first position of each segment
+    local = torch.cumsum(starts, 1) - 1  # (B, N): 0, 1, ... per row; -1 before the first segment
+    n_segments = max(int(starts.sum(1).max()), 1)
+    onehot = local[:, None, :] == torch.arange(n_segments, device=segments.device)[None, :, None]  # (B, S, N)
+    return onehot & real[:, None, :]
+
+
 class MultiHeadMixer(nn.Module):
     """Backbone arguments, fixed by the task: ``d_model`` (residual width), ``n_heads``, ``d_qkv`` (total
     width of queries/keys/values over all heads, as LRA's ``qkv_dim``), ``dropout`` (attention dropout,
@@ -46,6 +71,8 @@ class MultiHeadMixer(nn.Module):
     # True when ``forward`` takes mask=None for "no padding anywhere" and gains from it; the encoder gives the
     # others an all-true mask instead.
     accepts_no_mask = False
+    # True when ``forward`` takes ``segments`` (several examples packed in one row) and keeps them apart exactly
+    supports_segments = False
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__()
@@ -73,8 +100,13 @@ class MultiHeadMixer(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         B, N, _ = x.shape
         q, k, v = self.project(x)
-        o = self.attend(q, k, v, mask)  # (B, H, N, Dh)
+        if segments is None:
+            o = self.attend(q, k, v, mask)  # (B, H, N, Dh)
+        elif self.supports_segments:
+            o = self.attend(q, k, v, mask, segments=segments)  # (B, H, N, Dh)
+        else:
+            raise ValueError(f"{type(self).__name__} cannot keep packed examples apart (supports_segments=False)")
         return self.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)

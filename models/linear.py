@@ -22,6 +22,8 @@ Precision: the feature map, the summaries, the prefix sums and the normaliser ru
 autocast (a bf16 key sum over thousands of tokens loses the normaliser's precision).
 Padding: phi(k) is zeroed at padded keys, so padding never contributes to any output; padded queries get an
 output, which the encoder ignores. The mask is honoured exactly in both forms.
+Packed rows (``segments``, non-causal form): one summary per example of the row, each query reading its own
+example's; S examples in a row cost S summaries and S query products, still O(N Dh^2) per example.
 Deviations from LRA's code (``linear_attention``): LRA applies no padding mask (pads leak into the key sums),
 and offers only the non-causal form. Attention dropout is not applied (there is no attention matrix; LRA
 ignores its dropout rate here too).
@@ -31,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, compiled
+from .base import MultiHeadMixer, compiled, segment_onehot
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
@@ -77,16 +79,29 @@ def causal_prefix_attention(fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor
     return out.view(B, H, n * chunk, E)[:, :, :N]  # (B, H, N, E)
 
 
+def per_segment_attention(fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+    """Non-causal linear attention within each segment of a packed row. fq, fk (B, H, N, Dh), v1 (B, H, N, E),
+    onehot (B, S, N) -> (B, H, N, E): query i reads the summary of its own segment only."""
+    member = onehot[:, None, :, :, None].to(fk.dtype)  # (B, 1, S, N, 1)
+    summary = torch.matmul((fk.unsqueeze(2) * member).transpose(-1, -2), v1.unsqueeze(2))  # (B, H, S, Dh, E)
+    per_segment = torch.matmul(fq.unsqueeze(2), summary)  # (B, H, S, N, E): every query against every summary
+    return (per_segment * member).sum(2)  # (B, H, N, E): each query keeps its own segment's
+
+
 def linear_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, causal: bool, chunk: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, causal: bool, chunk: int,
+    onehot: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k, v (B, H, N, Dh), mask (B, N) -> (B, H, N, Dh) in q's dtype; all arithmetic in fp32 (or fp64)."""
+    """q, k, v (B, H, N, Dh), mask (B, N) -> (B, H, N, Dh) in q's dtype; all arithmetic in fp32 (or fp64).
+    ``onehot`` (B, S, N): the segments of packed rows (non-causal form only)."""
     with torch.autocast(device_type=q.device.type, enabled=False):
         fq = feature_map(q)  # (B, H, N, Dh)
         fk = feature_map(k) * mask[:, None, :, None]  # (B, H, N, Dh): padded keys contribute nothing
         v1 = with_ones(v)  # (B, H, N, Dh + 1)
         if causal:
             o1 = causal_prefix_attention(fq, fk, v1, chunk)  # (B, H, N, Dh + 1)
+        elif onehot is not None:
+            o1 = per_segment_attention(fq, fk, v1, onehot)  # (B, H, N, Dh + 1)
         else:
             summary = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, Dh, Dh + 1): [sum fk v^T | sum fk]
             o1 = torch.matmul(fq, summary)  # (B, H, N, Dh + 1)
@@ -96,6 +111,7 @@ def linear_attention(
 @register_model
 class LinearAttention(MultiHeadMixer):
     taxonomy = Taxonomy("Katharopoulos et al. 2020, arXiv 2006.16236", "N", ("KR",), decode=True)
+    supports_segments = True  # the non-causal form; set per instance below
 
     def __init__(
         self,
@@ -113,10 +129,13 @@ class LinearAttention(MultiHeadMixer):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.causal, self.chunk_size, self.compile_core = bool(causal), int(chunk_size), bool(compile_core)
+        self.supports_segments = not self.causal  # a causal prefix would run on into the next example
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
         core = compiled(linear_attention) if (self.compile_core and q.is_cuda) else linear_attention
-        return core(q, k, v, mask, self.causal, self.chunk_size)  # (B, H, N, Dh)
+        onehot = None if segments is None else segment_onehot(segments)  # (B, S, N)
+        return core(q, k, v, mask, self.causal, self.chunk_size, onehot)  # (B, H, N, Dh)
 
     def recurrent_step(
         self,

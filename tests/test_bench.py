@@ -204,6 +204,7 @@ def test_wandb_logging_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")  # a busy machine starts the wandb service slowly
     cfg = make_cfg(tmp_path, ["transformer"], [32, 64], steps=1)
     cfg.logger = OmegaConf.create(dict(name="wandb", project="lra-test", entity=None, mode="offline", tags=["test"]))
     bench.run_bench(cfg)

@@ -188,6 +188,7 @@ def test_wandb_offline_logging(smoke_cfg, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional; install the [wandb] extra to test its logger")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")  # a busy machine starts the wandb service slowly
     runner.run(smoke_cfg(*TINY, "logger=wandb", "logger.mode=offline", "schedule.steps=4", "schedule.eval_every=2"))
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 

@@ -1,0 +1,113 @@
+"""Packed batches (lra.packing, trainer.pack): the layout, exact equality with unpacked rows for every mixer that
+declares it keeps segments apart (outputs and gradients), and the runner's use of it."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import lra.run as runner
+from lra.config import ConfigError
+from lra.encoder import build_classifier
+from lra.packing import first_fit_decreasing, model_inputs, pack, real_lengths
+from models import create_model, list_models
+from models.registry import get_model_class
+
+SEGMENT_MODELS = [n for n in list_models() if getattr(get_model_class(n), "supports_segments", False)]
+TINY = ("task.seq_len=1000", "backbone.n_layers=1", "backbone.dropout=0.0", "backbone.attn_dropout=0.0",
+        "schedule.steps=12", "schedule.eval_every=6")
+
+
+def padded_batch(n: int, length: int, vocab: int = 20, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, length + 1, (n,), generator=g)
+    lengths[0] = length  # one example at the cap, as in most real batches
+    tokens = torch.randint(1, vocab, (n, length), generator=g)
+    tokens[torch.arange(length) >= lengths[:, None]] = 0  # (n, length), right-padded
+    return tokens
+
+
+def test_first_fit_decreasing_places_longest_first_into_the_first_row_with_room():
+    assert first_fit_decreasing([3, 8, 5, 2], 10) == [(1, 5), (0, 0), (1, 0), (0, 8)]
+    assert first_fit_decreasing([], 10) == []
+
+
+def test_pack_layout():
+    tokens = torch.tensor([[5, 6, 7, 0, 0, 0], [1, 2, 0, 0, 0, 0], [9, 9, 9, 9, 9, 9], [4, 0, 0, 0, 0, 0]])
+    p = pack(tokens, cls_token=True)
+    # sizes with the CLS slot: 4, 3, 7, 2 into rows of 7: [ex 2], [ex 0 | ex 1], [ex 3]
+    assert p.tokens.tolist() == [[0, 9, 9, 9, 9, 9, 9], [0, 5, 6, 7, 0, 1, 2], [0, 4, 0, 0, 0, 0, 0]]
+    assert p.segments.tolist() == [[3] * 7, [1, 1, 1, 1, 2, 2, 2], [4, 4, 0, 0, 0, 0, 0]]
+    assert p.positions.tolist() == [list(range(7)), [0, 1, 2, 3, 0, 1, 2], [0, 1, 0, 0, 0, 0, 0]]
+    assert p.starts.tolist() == [7, 11, 0, 14]
+    no_cls = pack(tokens, cls_token=False)
+    assert no_cls.tokens.shape == (2, 6) and no_cls.positions[1].tolist() == [0, 1, 2, 0, 1, 0]
+
+
+def test_a_pad_inside_an_example_is_refused():
+    with pytest.raises(ValueError, match="example 1 of the batch has a pad inside it"):
+        real_lengths(torch.tensor([[1, 2, 0], [1, 0, 2]]))
+
+
+def classifier(name: str, pooling: str, pair: bool = False):
+    bb = OmegaConf.create(dict(n_layers=2, d_model=32, n_heads=4, d_qkv=32, d_ff=64, dropout=0.0, attn_dropout=0.0,
+                               pooling=pooling, d_classifier=16))
+    return build_classifier(name, {}, bb, vocab_size=20, seq_len=48, n_classes=3, pair=pair).double()
+
+
+@pytest.mark.parametrize("name", SEGMENT_MODELS)
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.parametrize("pair", [False, True])
+def test_packed_outputs_and_gradients_equal_unpacked(name, pooling, pair):
+    torch.manual_seed(0)
+    model = classifier(name, pooling, pair)
+    tokens = padded_batch(12, 48)
+    if pair:
+        tokens = tokens.view(6, 2, 48)
+    inputs = model_inputs(tokens, True, cls_token=pooling == "cls")
+    assert inputs[0].shape[0] < tokens.reshape(-1, 48).shape[0]  # fewer rows than examples
+    labels = torch.arange(tokens.shape[0]) % 3
+
+    def loss_and_grads(*args):
+        model.zero_grad()
+        logits = model(*args)
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref, ref_grads = loss_and_grads(tokens)
+    out, grads = loss_and_grads(*inputs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10)
+
+
+def test_a_mixer_that_cannot_keep_segments_apart_refuses_them():
+    mixer = create_model("performer", d_model=32, n_heads=4, d_qkv=32, dropout=0.0, max_len=16)
+    segments = torch.ones(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match="supports_segments=False"):
+        mixer(torch.randn(2, 16, 32), segments != 0, segments=segments)
+    causal = create_model("linear", d_model=32, n_heads=4, d_qkv=32, dropout=0.0, max_len=16, causal=True)
+    assert not causal.supports_segments  # a causal prefix would run on into the next example
+    assert not classifier("linformer", "cls").supports_packing and classifier("transformer", "cls").supports_packing
+
+
+def test_a_packed_run_equals_an_unpacked_one(smoke_cfg, tmp_path):
+    plain = runner.run(smoke_cfg(*TINY))
+    packed = runner.run(smoke_cfg(*TINY, "trainer.pack=true", f"run_dir={tmp_path / 'packed'}"))
+    assert packed["packed"] is True and plain["packed"] is False
+    assert packed["config_hash"] == plain["config_hash"]  # exact: a speed setting, not a different run
+    for key in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step"):
+        assert packed[key] == pytest.approx(plain[key]), key
+    rows = pd.read_csv(tmp_path / "results" / "runs.csv")
+    assert rows.packed.tolist() == [False, True]
+
+
+def test_pack_true_says_why_it_cannot_and_auto_falls_back(smoke_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="model linformer cannot keep packed examples apart .*transformer"):
+        runner.run(smoke_cfg(*TINY, "model=linformer", "trainer.pack=true"))
+    with pytest.raises(ConfigError, match="task listops has no padding"):  # every example cut at 256 tokens
+        runner.run(smoke_cfg(*TINY, "task.seq_len=256", "trainer.pack=true", f"run_dir={tmp_path / 'cut'}"))
+    assert not (tmp_path / "results" / "runs.csv").exists()  # a refused configuration records no row
+    row = runner.run(smoke_cfg(*TINY, "model=linformer", "trainer.pack=auto", f"run_dir={tmp_path / 'auto'}"))
+    assert row["status"] == "ok" and row["packed"] is False
