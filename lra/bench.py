@@ -18,6 +18,7 @@ for each bench length (position table and mixer ``max_len`` = N); an OOM or a fa
 """
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import re
@@ -95,6 +96,17 @@ def backbone_tag(bb: DictConfig) -> str:
     """What the timings depend on, so that relative figures only pair like with like."""
     return (f"L{bb.n_layers} d{bb.d_model} h{bb.n_heads} qkv{bb.d_qkv} ff{bb.d_ff} head{bb.d_classifier} "
             f"{bb.pooling} drop{bb.dropout}/{bb.attn_dropout}")
+
+
+def dropout_note(tag: str) -> str:
+    """What the ``drop<d>/<a>`` of a backbone tag means for the comparison."""
+    match = re.search(r"drop([\d.]+)/([\d.]+)", tag)
+    if match is None:
+        return "not recorded"
+    dropout, attn = match.groups()
+    same = ("the same for every mixer" if float(attn) == 0 else
+            "attention dropout only where a mixer has an attention matrix (SDPA then leaves its fastest kernels)")
+    return f"{dropout} / {attn}, {same}"
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -185,6 +197,10 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     b = cfg.bench
     if b.steps < 1 or b.warmup < 0:
         raise ValueError(f"bench.steps must be >= 1 and bench.warmup >= 0, got {b.steps} and {b.warmup}")
+    if b.get("attn_dropout", 0.0) is not None:  # one dropout setting for every mixer; the rows' backbone tag says which
+        cfg = copy.deepcopy(cfg)
+        cfg.backbone.attn_dropout = float(b.get("attn_dropout", 0.0))
+        b = cfg.bench
     device = engine.resolve_device(cfg.get("device", "auto"))
     precision = engine.resolve_precision(b.precision, device)
     compile_ = engine.resolve_compile(b.compile, device)
@@ -239,7 +255,8 @@ def format_table(df: pd.DataFrame) -> str:
     head = [plot.length_label(L) + (f" (B{batch[L]})" if mixed else "") for L in lengths]
     first = df.iloc[0]
     lines = [f"{first['task']} backbone {first['backbone']}, batch {df['batch_size'].iloc[0]}, {first['precision']}"
-             f"{', compiled' if str(first['compiled']) == 'True' else ''}, {first['device']}"]
+             f"{', compiled' if str(first['compiled']) == 'True' else ''}, {first['device']}",
+             f"dropout / attention dropout: {dropout_note(str(first['backbone']))}"]
     models = list(dict.fromkeys(df["model"]))
     width = max(12, max(map(len, models)) + 2)
 

@@ -162,6 +162,7 @@ class BenchSettings:
 
     models: Optional[List[str]] = None
     variants: List[Dict[str, Any]] = field(default_factory=list)
+    attn_dropout: Optional[float] = 0.0
     lengths: List[int] = field(default_factory=lambda: [1024, 2048, 3072, 4096])
     batch_size: int = 32
     batch_sizes: Dict[int, int] = field(default_factory=dict)

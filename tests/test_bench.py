@@ -224,3 +224,15 @@ def test_a_sweep_from_4k_up_prints_the_measured_exponent_beside_the_declared_com
     text = bench.format_exponents(rows)
     assert "transformer" in text and " 2.00 / 2.00   declared N^2" in text and " 1.00 / 1.00   declared N" in text
     assert bench.format_exponents(rows[rows.seq_len == 4096]) == ""  # one length: nothing to fit
+
+
+def test_attention_dropout_is_the_same_for_every_mixer_and_stated(tmp_path):
+    cfg = make_cfg(tmp_path, ["transformer"], [32])
+    cfg.backbone.attn_dropout = 0.1  # the task's, which only mixers with an attention matrix would pay
+    df = bench.run_bench(cfg)
+    assert df.backbone.iloc[0].endswith("drop0.1/0.0") and cfg.backbone.attn_dropout == 0.1  # the caller's is kept
+    assert "0.1 / 0.0, the same for every mixer" in bench.format_table(df)
+    cfg.bench.attn_dropout = None  # the task's own
+    df = bench.run_bench(cfg)
+    assert df.backbone.iloc[0].endswith("drop0.1/0.1")
+    assert "attention dropout only where a mixer has an attention matrix" in bench.format_table(df)
