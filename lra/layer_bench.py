@@ -2,20 +2,26 @@
 
     python -m lra.layer_bench                                 # every registered mixer, the three shapes below
     python -m lra.layer_bench --models linear,performer --shapes 4096x32 --out results/layer_bench.csv
+    python -m lra.layer_bench --peers                         # the public packages too, here and now
 
 Protocol (the one the public packages were measured with): d 256, 4 heads of 64, projections included, no
 dropout, inputs without padding (mask=None where the mixer takes it, else an all-true mask), bf16 autocast on
 CUDA (fp32 on CPU); N 1024 and 4096 at batch 32, N 16384 at batch 8; ms per forward + backward (median of
-``--steps`` synchronised calls after ``--warmup``) and peak MB (``cuda_max_allocated``, CUDA only). The public
-packages' numbers are the ``peers_h200_layer`` rows of ``results/published.csv`` (measured on an H200: compare on
-that card, and rerun the transformer row as the baseline in the same call). ``--out`` appends rows (device,
-torch, commit) to a CSV. 2-D mixers run at square lengths only (their grid is the square).
+``--steps`` synchronised calls after ``--warmup``) and peak MB (``cuda_max_allocated``, CUDA only).
+
+``--peers`` times the public packages' layers (lra/peers.py; ``pip install 'lra[peers]'``) of the chosen models,
+and the bare SDPA layer as the baseline, in the same process on the same card with the same timing loop, and
+sets ours beside them. Without it, the packages' numbers are the stored ``peers_h200_layer`` rows of
+``results/published.csv`` (an H200, torch 2.11: another card than this one, so their ms compare only roughly).
+``--out`` appends rows (device, torch, commit, implementation) to a CSV. 2-D mixers run at square lengths only
+(their grid is the square).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -23,37 +29,29 @@ import torch
 
 from lra import engine
 from lra.bench import model_config_options
-from lra.results import device_name, git_sha, now_iso
+from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
+from lra.results import append_row, device_name, git_sha, now_iso
 from models import create_model, list_models
 from models.registry import Grid
 
 ROOT = Path(__file__).resolve().parent.parent
-D_MODEL, HEADS = 256, 4
 SHAPES = [(1024, 32), (4096, 32), (16384, 8)]  # (N, batch)
+# implementation: "lra <model>" for ours (blank in rows written before it existed), the package's name for theirs;
+# package / pin: the distribution installed and the one the protocol pins (blank for ours and for SDPA)
 COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device", "torch",
-           "git_sha", "timestamp"]
+           "git_sha", "timestamp", "implementation", "package", "pin"]
 
 
-def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 10,
-               options: dict | None = None) -> tuple[float, float | None]:
-    """(median ms of one forward + backward, peak MB or None off CUDA) for mixer ``name`` at (batch, n)."""
-    torch.manual_seed(0)
-    mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=0.0, max_len=n,
-                         **{**model_config_options(name), **(options or {})}).to(device).train()
+def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,
+                 warmup: int = 3, steps: int = 10) -> tuple[float, float | None]:
+    """(median ms of one forward + backward, peak MB or None off CUDA) of ``layer`` on a (batch, n, D) input.
+    The one timing loop of this module: our mixers and the public packages are timed by the same code."""
     x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
-    mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
-    extra = {}
-    if getattr(mixer, "needs_grid", False):
-        side = round(n ** 0.5)
-        if side * side != n:
-            raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
-        extra["grid"] = Grid(side, side)
-    cuda = device.type == "cuda"
     autocast = engine.autocast(engine.resolve_precision("auto", device), device)
 
     def step():
         with autocast():
-            y = mixer(x, mask, **extra)  # (B, N, D)
+            y = layer(x)  # (B, N, D)
         y.float().square().mean().backward()
 
     for _ in range(warmup):
@@ -66,7 +64,49 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
         step()
         engine.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), (engine.peak_memory_mb(device) if cuda else None)
+    return statistics.median(times), (engine.peak_memory_mb(device) if device.type == "cuda" else None)
+
+
+def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 10,
+               options: dict | None = None) -> tuple[float, float | None]:
+    """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n)."""
+    torch.manual_seed(0)
+    mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=0.0, max_len=n,
+                         **{**model_config_options(name), **(options or {})}).to(device).train()
+    mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
+    extra = {}
+    if getattr(mixer, "needs_grid", False):
+        side = round(n ** 0.5)
+        if side * side != n:
+            raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
+        extra["grid"] = Grid(side, side)
+    return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps)
+
+
+def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
+              steps: int = 10) -> tuple[float, float | None]:
+    """``time_forward`` of a public package's layer (lra/peers.py), built for length n, at (batch, n)."""
+    torch.manual_seed(0)
+    return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps)
+
+
+def measure(row: dict, timer: Callable[[], tuple[float, float | None]], device: torch.device) -> dict:
+    """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on."""
+    row["timestamp"] = now_iso()
+    try:
+        row["ms_fwd_bwd"], row["peak_mb"] = timer()
+        row["status"] = "ok"
+    except torch.cuda.OutOfMemoryError:
+        row["status"] = "oom"
+    except MissingPeer as missing:
+        row["status"] = str(missing)  # "missing: pip install 'lra[peers]' (or <dist>==<pin>; ...)"
+    except Exception as error:  # noqa: BLE001 - e.g. sinkhorn-transformer under bf16 autocast
+        row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"{row['implementation']:45s} N {row['seq_len']:6d} B {row['batch_size']:3d}: {row['status']:5s} "
+          f"{row.get('ms_fwd_bwd', float('nan')):8.2f} ms", flush=True)
+    return row
 
 
 def peers(published: Path = ROOT / "results" / "published.csv") -> pd.DataFrame:
@@ -78,11 +118,47 @@ def peers(published: Path = ROOT / "results" / "published.csv") -> pd.DataFrame:
 
 
 def compare(ours: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
-    """Our rows beside every public implementation of the same method and length, with the speed-up."""
-    merged = ours.merge(reference, on=["model", "seq_len"], how="left", suffixes=("", "_public"))
+    """Our rows beside every public implementation of the same method and length (and batch, where the reference
+    has one), with the speed-up (public ms / ours) and the memory ratio (ours MB / public MB)."""
+    keys = ["model", "seq_len"] + (["batch_size"] if "batch_size" in reference else [])
+    ours = ours[["model", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb"]]
+    merged = ours.merge(reference, on=keys, how="left", suffixes=("", "_public"))
     merged["speedup"] = merged["ms_fwd_bwd_public"] / merged["ms_fwd_bwd"]
+    merged["mem_ratio"] = merged["peak_mb"] / merged["peak_mb_public"]
     return merged[["model", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb", "implementation", "ms_fwd_bwd_public",
-                   "peak_mb_public", "speedup"]]
+                   "peak_mb_public", "speedup", "mem_ratio"]]
+
+
+def versus_sdpa(table: pd.DataFrame, sdpa: pd.DataFrame) -> pd.DataFrame:
+    """``table`` (``compare``'s) with ours and the package each against the bare SDPA layer of the same shape,
+    measured in the same call: x_sdpa = SDPA ms / ms (above 1: faster), mem_x_sdpa = MB / SDPA MB."""
+    base = sdpa[["seq_len", "batch_size", "ms_fwd_bwd", "peak_mb"]].rename(
+        columns={"ms_fwd_bwd": "ms_sdpa", "peak_mb": "mb_sdpa"})
+    t = table.merge(base, on=["seq_len", "batch_size"], how="left")
+    t["x_sdpa"], t["x_sdpa_public"] = t["ms_sdpa"] / t["ms_fwd_bwd"], t["ms_sdpa"] / t["ms_fwd_bwd_public"]
+    t["mem_x_sdpa"], t["mem_x_sdpa_public"] = t["peak_mb"] / t["mb_sdpa"], t["peak_mb_public"] / t["mb_sdpa"]
+    return t.drop(columns=["ms_sdpa", "mb_sdpa"])
+
+
+def live_table(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
+    """The comparison from rows measured in this call: ours, the packages' and the SDPA baseline's."""
+    ok = theirs[theirs["status"] == "ok"]
+    reference = ok[["model", "implementation", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb"]]
+    sdpa = ok[ok["implementation"] == BASELINE.name()]
+    return versus_sdpa(compare(ours[ours["status"] == "ok"], reference), sdpa)
+
+
+def frame(rows: list[dict]) -> pd.DataFrame:
+    """Rows as a table of COLUMNS, timings as floats (NaN where not measured: peak MB off CUDA, failed cases)."""
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    table[["ms_fwd_bwd", "peak_mb"]] = table[["ms_fwd_bwd", "peak_mb"]].astype(float)
+    return table
+
+
+def print_table(table: pd.DataFrame, header: str) -> None:
+    print(header)
+    with pd.option_context("display.width", 250, "display.max_columns", 20):
+        print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -93,35 +169,36 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
+    parser.add_argument("--peers", action="store_true",
+                        help="also time the public packages of these models and a bare SDPA layer, here and now")
     args = parser.parse_args(argv)
     device = engine.resolve_device(args.device)
     engine.configure(device, engine.cpu_threads(None))
+    models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
                   torch=torch.__version__, git_sha=git_sha())
-    rows = []
-    for name in args.models.split(","):
-        for n, batch in shapes:
-            row = dict(common, model=name, seq_len=n, batch_size=batch, timestamp=now_iso())
-            try:
-                row["ms_fwd_bwd"], row["peak_mb"] = time_layer(name, n, batch, device, args.warmup, args.steps)
-                row["status"] = "ok"
-            except torch.cuda.OutOfMemoryError:
-                row["status"] = "oom"
-            except Exception as error:  # noqa: BLE001 - a failing case is a row; the sweep goes on
-                row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            rows.append(row)
-            print(f"{name:12s} N {n:6d} B {batch:3d}: {row['status']:5s} {row.get('ms_fwd_bwd', float('nan')):8.2f} ms",
-                  flush=True)
-    ours = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    ours = [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {name}"),
+                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps), device)
+            for name in models for n, batch in shapes]
+    theirs = [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
+                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps), device)
+              for peer in (for_models(models) if args.peers else []) for n, batch in shapes]
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        ours.to_csv(args.out, mode="a", header=not args.out.exists(), index=False)
-    table = compare(ours[ours["status"] == "ok"], peers())
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        for row in ours + theirs:
+            append_row(args.out, row, COLUMNS)  # an older header is rewritten with the new columns at the end
+    ours, theirs = frame(ours), frame(theirs)
+    if not args.peers:
+        table = compare(ours[ours["status"] == "ok"], peers())
+        print_table(table, "Public packages: STORED numbers (results/published.csv, peers_h200_layer: NVIDIA H200, "
+                           "torch 2.11), another card than this one; --peers measures them here.")
+        return table
+    table = live_table(ours, theirs)
+    print_table(table, f"Public packages measured in this call on {common['device']} (torch {torch.__version__}). "
+                       "speedup = package ms / ours, mem_ratio = ours MB / package MB, x_sdpa = SDPA ms / ms, "
+                       "mem_x_sdpa = MB / SDPA MB.")
+    for _, row in theirs[theirs["status"] != "ok"].drop_duplicates("implementation").iterrows():
+        print(f"not measured: {row['implementation']}: {row['status']}")
     return table
 
 

@@ -1,11 +1,18 @@
 """python -m lra.layer_bench: one mixer layer timed on CPU, rows written, and ours set beside the public packages."""
 from __future__ import annotations
 
+import dataclasses
+import re
+import sys
+from importlib.metadata import PackageNotFoundError, requires
+
 import pandas as pd
 import pytest
 import torch
 
-from lra import layer_bench
+from lra import layer_bench, peers
+from models import list_models
+from tests.conftest import ROOT
 
 
 def test_time_layer_on_cpu():
@@ -38,3 +45,120 @@ def test_main_writes_rows(tmp_path, capsys):
     assert list(rows.columns) == layer_bench.COLUMNS and list(rows.model) == ["linear", "transformer"]
     assert (rows.status == "ok").all() and (rows.ms_fwd_bwd > 0).all() and (rows.precision == "fp32").all()
     assert "linear" in capsys.readouterr().out
+
+
+# --- the public packages in the same process (lra/peers.py, --peers) ---
+
+PEER_ARGS = ["--shapes", "128x2", "--warmup", "0", "--steps", "1", "--device", "cpu", "--peers"]
+OLD_HEADER = "model,seq_len,batch_size,status,ms_fwd_bwd,peak_mb,precision,device,torch,git_sha,timestamp"
+
+
+@pytest.mark.parametrize("peer", peers.PEERS, ids=lambda p: p.name())
+def test_every_peer_builds_a_layer_that_trains(peer):
+    """At N 128 (past reformer's full-attention threshold of one bucket, so LSH runs), B 2."""
+    torch.manual_seed(0)
+    layer = peer.build(128).train()
+    x = torch.randn(2, 128, peers.D_MODEL, requires_grad=True)  # (B, N, D)
+    y = layer(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    y.square().mean().backward()
+    assert x.grad.abs().sum() > 0
+    trained = [name for name, p in layer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert trained == [name for name, _ in layer.named_parameters()]  # every weight, the projections too, learns
+
+
+def test_peer_names_line_up_with_the_stored_rows():
+    stored = set(layer_bench.peers().implementation)
+    names = {p.name() for p in peers.PEERS}
+    assert stored <= names  # every stored package row has a live entry of the same name
+    assert names - stored == {"sinkhorn-transformer 0.11.4 (bucket 64)"}  # it failed under bf16: nothing stored
+    assert {p.model for p in peers.PEERS} <= set(list_models())
+
+
+def test_pins_match_the_peers_extra_and_cover_the_dependencies(capsys):
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert sorted(extras["peers"]) == sorted(f"{d}=={v}" for d, v in peers.PINS.items())
+    assert "lra[peers]" in extras["dev"]  # CI installs [dev]: these tests run against the real packages
+    peers.main(["--pins"])
+    assert capsys.readouterr().out.split() == peers.pins()
+    wheels = set(peers.PINS) | set(peers.DEPENDENCIES)
+    for dist in wheels:  # the closure: everything a pinned wheel needs is a wheel too (but torch, packaging)
+        needs = {re.split(r"[ ;<>=!~(\[]", r, maxsplit=1)[0].lower() for r in requires(dist) or [] if "extra" not in r}
+        assert needs <= wheels | {"torch", "packaging"}, (dist, needs - wheels)
+
+
+def test_another_version_than_the_pin_is_recorded(monkeypatch):
+    monkeypatch.setattr(peers, "version", lambda dist: "9.9.9")
+    performer = next(p for p in peers.PEERS if p.model == "performer")
+    assert performer.provenance() == dict(implementation="performer-pytorch 9.9.9 (256 features)",
+                                          package="performer-pytorch==9.9.9", pin="performer-pytorch==1.1.4")
+
+
+def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "layers.csv"
+    out.write_text(OLD_HEADER + "\nlinear,64,2,ok,1.5,,fp32,cpu,2.11,abc,2026-01-01T00:00:00Z\n")  # an older file
+    timed, real = [], layer_bench.time_forward
+    monkeypatch.setattr(layer_bench, "time_forward", lambda layer, *a: timed.append(layer) or real(layer, *a))
+    table = layer_bench.main(["--models", "performer,transformer", "--out", str(out), *PEER_ARGS])
+    rows = pd.read_csv(out)
+    assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin"]  # added at the end
+    assert rows.implementation.isna().tolist() == [True, False, False, False, False]  # the old row is kept
+    new = rows.iloc[1:].set_index("implementation")
+    assert list(new.index) == ["lra performer", "lra transformer", "SDPA exact (cuDNN flash)",
+                               "performer-pytorch 1.1.4 (256 features)"]
+    assert (new.status == "ok").all() and (new.ms_fwd_bwd > 0).all() and len(timed) == 4  # one timing loop for all
+    assert new.loc["performer-pytorch 1.1.4 (256 features)", ["model", "package", "pin"]].tolist() == [
+        "performer", "performer-pytorch==1.1.4", "performer-pytorch==1.1.4"]
+    performer = table[table.model == "performer"].iloc[0]  # the live rows, not the stored H200 ones
+    ms = new.ms_fwd_bwd
+    assert performer.implementation == "performer-pytorch 1.1.4 (256 features)"
+    assert performer.speedup == pytest.approx(ms["performer-pytorch 1.1.4 (256 features)"] / ms["lra performer"],
+                                              rel=1e-4)
+    assert performer.x_sdpa == pytest.approx(ms["SDPA exact (cuDNN flash)"] / ms["lra performer"], rel=1e-4)
+    transformer = table[table.model == "transformer"].iloc[0]
+    assert transformer.implementation == "SDPA exact (cuDNN flash)" and transformer.x_sdpa_public == 1.0
+    assert "measured in this call" in capsys.readouterr().out
+
+
+def test_without_peers_the_header_says_the_numbers_are_stored(capsys):
+    layer_bench.main(["--models", "linear", *PEER_ARGS[:-1]])
+    assert "STORED numbers" in capsys.readouterr().out
+
+
+def test_a_missing_package_is_a_row_with_the_install_hint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "performer_pytorch", None)  # import performer_pytorch now raises ImportError
+
+    def version(dist):
+        if dist == "performer-pytorch":
+            raise PackageNotFoundError(dist)
+        return "0"
+
+    monkeypatch.setattr(peers, "version", version)
+    out = tmp_path / "layers.csv"
+    table = layer_bench.main(["--models", "performer", "--out", str(out), *PEER_ARGS])
+    rows = pd.read_csv(out).set_index("implementation")
+    status = rows.loc["performer-pytorch 1.1.4 (256 features)", "status"]
+    assert status.startswith("missing: pip install 'lra[peers]'") and "performer-pytorch==1.1.4" in status
+    assert rows.loc["lra performer", "status"] == "ok" and rows.loc["SDPA exact (cuDNN flash)", "status"] == "ok"
+    assert table.implementation.isna().all() and table.x_sdpa.notna().all()  # ours still set against SDPA
+    assert "not measured: performer-pytorch 1.1.4 (256 features): missing" in capsys.readouterr().out
+
+
+class FailsUnderAutocast(torch.nn.Module):
+    """Stands in for sinkhorn-transformer under bf16 autocast on CUDA: it builds, and its forward raises."""
+
+    def forward(self, x):
+        raise RuntimeError("expected scalar type Float but found BFloat16\nsecond line")
+
+
+def test_a_failing_package_is_an_error_row(tmp_path, monkeypatch):
+    failing = [dataclasses.replace(p, make=lambda module, n: FailsUnderAutocast()) if p.model == "sinkhorn" else p
+               for p in peers.PEERS]
+    monkeypatch.setattr(peers, "PEERS", failing)
+    out = tmp_path / "layers.csv"
+    layer_bench.main(["--models", "linear,sinkhorn", "--out", str(out), *PEER_ARGS])
+    rows = pd.read_csv(out).set_index("implementation")
+    assert rows.loc["sinkhorn-transformer 0.11.4 (bucket 64)", "status"] == \
+        "error: RuntimeError: expected scalar type Float but found BFloat16"
+    assert (rows.drop("sinkhorn-transformer 0.11.4 (bucket 64)").status == "ok").all()  # the sweep went on

@@ -1,0 +1,183 @@
+"""The public PyTorch packages of the methods we implement, one attention layer each, for
+``python -m lra.layer_bench --peers``: timed in the same process, on the same card, with the same loop as ours.
+
+Protocol (results/README.md, "One attention layer"): d 256, 4 heads of 64, projections included, no dropout,
+no mask. Each entry builds the package's own layer with the settings its stored rows (``peers_h200_layer`` in
+results/published.csv) were measured with, and is named as those rows' ``note``: a live row and a stored row
+of one name are the same layer. The packages are optional (``pip install 'lra[peers]'``): a missing one turns
+its rows into ``missing: ...`` rows instead of stopping the sweep; another version than the pin runs, and its
+rows name the version that ran.
+
+All are pure-Python wheels (py3-none-any) that accept torch 2.5-2.14 as installed (none moves torch). A machine
+without network (the GPU machine) gets them as wheels (docs/gpu.md):
+
+    python -m pip download --no-deps --only-binary=:all: -d .whl $(python -m lra.peers --pins)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from types import ModuleType
+
+from torch import nn
+
+D_MODEL, HEADS = 256, 4
+D_HEAD = D_MODEL // HEADS
+INSTALL = "pip install 'lra[peers]'"
+
+# The packages (pinned here and in pyproject's `peers` extra; tests/test_layer_bench.py checks they agree) ...
+PINS = {
+    "linear-attention-transformer": "0.19.1",
+    "linformer": "0.2.3",
+    "local-attention": "1.11.2",
+    "performer-pytorch": "1.1.4",
+    "reformer-pytorch": "1.4.4",
+    "nystrom-attention": "0.0.14",
+    "sinkhorn-transformer": "0.11.4",
+}
+# ... and what they pull in besides torch, as resolved on 2026-11-26 (pip install 'lra[peers]' with torch 2.13).
+# Needed as wheels only where pip cannot resolve (no network). `packaging` (colt5-attention) is left out: lra's
+# own dependencies (matplotlib) already bring it.
+DEPENDENCIES = {
+    "einops": "0.8.2",
+    "axial-positional-embedding": "0.3.12",
+    "product-key-memory": "0.3.0",
+    "colt5-attention": "0.11.2",
+    "hyper-connections": "0.4.11",
+    "torch-einops-utils": "0.2.0",
+}
+
+
+class MissingPeer(ImportError):
+    """A package is not importable: its row says ``missing: <install hint>`` and the sweep goes on."""
+
+
+class Projected(nn.Module):
+    """qkv Linear -> heads -> ``attend(q, k, v)`` -> out Linear, for an attention that has no projections of its
+    own (SDPA, local-attention's LocalAttention): the projections of our mixers (models.base.MultiHeadMixer,
+    no biases), so that the layer costs what a whole attention layer costs."""
+
+    def __init__(self, attend: Callable | nn.Module):
+        super().__init__()
+        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL, bias=False)
+        self.out = nn.Linear(D_MODEL, D_MODEL, bias=False)
+        self.attend = attend  # a Module (LocalAttention) registers as a submodule; a function does not
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, HEADS, D_HEAD).permute(2, 0, 3, 1, 4)  # 3 x (B, H, N, Dh)
+        o = self.attend(q, k, v)  # (B, H, N, Dh)
+        return self.out(o.transpose(1, 2).reshape(b, n, D_MODEL))  # (B, N, D)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One public implementation: ``make(module, n)`` builds its layer from the imported ``module``."""
+
+    model: str  # the registry mixer it is set beside
+    dist: str | None  # PyPI distribution; None for the bare SDPA layer (torch itself)
+    label: str  # the settings, as the stored rows' note writes them after "<dist> <version>"
+    module: str  # what to import; its failure is a missing package
+    make: Callable[[ModuleType, int], nn.Module]
+
+    @property
+    def pin(self) -> str | None:
+        return PINS.get(self.dist) if self.dist else None
+
+    def installed(self) -> str | None:
+        """The version installed, None when the distribution is absent (or for SDPA, which is torch)."""
+        if self.dist is None:
+            return None
+        try:
+            return version(self.dist)
+        except PackageNotFoundError:
+            return None
+
+    def name(self) -> str:
+        """As in tables: "<dist> <version> <label>", the version that runs (the pin when none is installed)."""
+        if self.dist is None:
+            return self.label
+        return f"{self.dist} {self.installed() or self.pin}{' ' + self.label if self.label else ''}"
+
+    def provenance(self) -> dict:
+        """The row's ``implementation``, ``package`` (what is installed) and ``pin`` (what the protocol names)."""
+        installed = self.installed()
+        return dict(implementation=self.name(), package=f"{self.dist}=={installed}" if installed else None,
+                    pin=f"{self.dist}=={self.pin}" if self.dist else None)
+
+    def build(self, n: int) -> nn.Module:
+        """The layer for sequences of length ``n`` (Linformer's projection and Sinkhorn's sorter are sized by it)."""
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as error:
+            raise MissingPeer(f"missing: {INSTALL} (or {self.dist}=={self.pin}; {error})") from error
+        return self.make(module, n)
+
+
+def _local(la: ModuleType, n: int) -> nn.Module:
+    """LocalAttention over windows of 256 seeing the window before and after; no rotary embedding (``dim`` unset).
+    ``autopad`` only acts off multiples of 256 (the tests' short inputs, whose zero padding it leaves unmasked),
+    never at the protocol's lengths."""
+    return Projected(la.LocalAttention(window_size=256, causal=False, look_backward=1, look_forward=1, dropout=0.0,
+                                       autopad=True))
+
+
+def _reformer(n_hashes: int) -> Callable[[ModuleType, int], nn.Module]:
+    """LSHSelfAttention with the package's bucket size (64); it runs full attention on inputs of one bucket or less."""
+    return lambda rp, n: rp.LSHSelfAttention(D_MODEL, heads=HEADS, dim_head=D_HEAD, bucket_size=64, n_hashes=n_hashes,
+                                             causal=False, dropout=0.0)
+
+
+PEERS: list[Peer] = [
+    Peer("transformer", None, "SDPA exact (cuDNN flash)", "torch.nn.functional",  # SDPA picks its kernel per device
+         lambda f, n: Projected(f.scaled_dot_product_attention)),
+    Peer("linear", "linear-attention-transformer", "", "linear_attention_transformer.linear_attention_transformer",
+         lambda lat, n: lat.SelfAttention(D_MODEL, HEADS, dim_head=D_HEAD, causal=False, dropout=0.0)),
+    Peer("linformer", "linformer", "(k 256)", "linformer",
+         lambda lf, n: lf.LinformerSelfAttention(D_MODEL, seq_len=n, k=256, heads=HEADS, dim_head=D_HEAD,
+                                                 share_kv=False, dropout=0.0)),
+    Peer("local", "local-attention", "(window 256)", "local_attention", _local),
+    Peer("performer", "performer-pytorch", "(256 features)", "performer_pytorch",
+         lambda pp, n: pp.SelfAttention(dim=D_MODEL, heads=HEADS, dim_head=D_HEAD, nb_features=256, causal=False,
+                                        dropout=0.0)),
+    Peer("reformer", "reformer-pytorch", "(1 hash)", "reformer_pytorch", _reformer(1)),
+    Peer("reformer", "reformer-pytorch", "(4 hashes)", "reformer_pytorch", _reformer(4)),
+    Peer("nystromformer", "nystrom-attention", "(128 landmarks)", "nystrom_attention",
+         lambda na, n: na.NystromAttention(D_MODEL, dim_head=D_HEAD, heads=HEADS, num_landmarks=128, dropout=0.0)),
+    # fails under bf16 autocast on CUDA (PEERS.md): its rows then say error, ours still run
+    Peer("sinkhorn", "sinkhorn-transformer", "(bucket 64)", "sinkhorn_transformer",
+         lambda st, n: st.SinkhornSelfAttention(D_MODEL, bucket_size=64, max_seq_len=n, heads=HEADS, dim_head=D_HEAD,
+                                                dropout=0.0, attn_dropout=0.0)),
+]
+
+
+BASELINE = PEERS[0]  # the bare SDPA layer: every row, ours and theirs, is read against it
+
+
+def for_models(models: list[str]) -> list[Peer]:
+    """The entries set beside ``models``, and always the SDPA baseline."""
+    return [p for p in PEERS if p is BASELINE or p.model in models]
+
+
+def pins() -> list[str]:
+    """Every wheel a machine without network needs, as pip requirements."""
+    return [f"{dist}=={v}" for dist, v in {**PINS, **DEPENDENCIES}.items()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lra.peers", description=__doc__.splitlines()[0])
+    parser.add_argument("--pins", action="store_true", help="print the pinned wheels (packages + dependencies)")
+    args = parser.parse_args(argv)
+    if args.pins:
+        print(" ".join(pins()))
+        return
+    for peer in PEERS:
+        installed = peer.provenance()["package"] or ("torch" if peer is BASELINE else f"missing: {INSTALL}")
+        print(f"{peer.model:14s} {peer.name():45s} {installed}")
+
+
+if __name__ == "__main__":
+    main()
