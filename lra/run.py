@@ -36,6 +36,7 @@ from models import list_models
 from models.registry import get_model_class
 
 log = logging.getLogger("lra")
+STOP_CHECK_EVERY = 10  # steps between the data-parallel ranks' agreement on a stop request
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
 
 
@@ -269,8 +270,9 @@ class Trainer:
         if self.world.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
+            # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no copy in and out of them)
             train_model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda"
-                                                  else None)
+                                                  else None, gradient_as_bucket_view=True)
         self.eager_train_fn = train_model
         self.train_fn = torch.compile(train_model) if self.compiled else train_model
         self.eval_fn = self.train_fn if not self.world.distributed else (
@@ -322,9 +324,7 @@ class Trainer:
                    disable=not (cfg.trainer.progress and world.is_main), dynamic_ncols=True)
         with graceful_stop() as previous_handlers:
             while state["step"] < steps:
-                flags = world.any(torch.tensor([float(STOP.requested), 0.0], device=device)) \
-                    if world.distributed else None
-                if STOP.requested or (flags is not None and flags[0] > 0):
+                if self.stop_agreed():
                     self.checkpoint(timer)
                     bar.close()
                     self.after_stop(previous_handlers)
@@ -358,6 +358,18 @@ class Trainer:
         return "ok"
 
     # -- pieces of the loop -------------------------------------------------------------------------------------
+    def stop_agreed(self) -> bool:
+        """Whether to stop before this step (a signal arrived). Alone: at once. Data-parallel: every rank must stop
+        at the same step, which takes an all-reduce and a device-to-host read; done every ``STOP_CHECK_EVERY`` steps
+        (the same steps on every rank), not every step, where that sync would stall the queue of GPU work each
+        step and cost the scaling across GPUs."""
+        if not self.world.distributed:
+            return STOP.requested
+        if self.state["step"] % STOP_CHECK_EVERY:
+            return False
+        flags = torch.tensor([float(STOP.requested), 0.0], device=self.device)
+        return bool(self.world.any(flags)[0] > 0)
+
     def step(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         """One training step. With ``trainer.compile=auto``, a model that torch.compile cannot compile (an error
         while compiling, before any update) runs eagerly instead, saying so; the row then says compiled=False."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 import lra.run as runner
 from hydra_plugins.lra_launchers.lra_launchers import claim_gpu, job_state
@@ -90,6 +91,30 @@ def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)  # the same updates, up to sum order
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert len(rows) == 2 and sorted(rows.devices) == [1, 2]
+
+
+def test_data_parallel_ranks_agree_on_a_stop_every_few_steps_not_every_step(monkeypatch):
+    """A per-step agreement (all-reduce + read back) would stall every step's GPU queue; alone, a stop is at once."""
+    reduced = []
+
+    class FakeWorld:
+        distributed = True
+
+        def any(self, flags):
+            reduced.append(float(flags[0]))
+            return flags
+
+    trainer = runner.Trainer.__new__(runner.Trainer)
+    trainer.world, trainer.device, trainer.state = FakeWorld(), torch.device("cpu"), {"step": 0}
+    monkeypatch.setattr(runner.STOP, "requested", True)
+    stops = []
+    for step in range(1, 2 * runner.STOP_CHECK_EVERY + 1):
+        trainer.state["step"] = step
+        stops.append(trainer.stop_agreed())
+    assert stops.index(True) == runner.STOP_CHECK_EVERY - 1 and len(reduced) == 2  # one agreement per cadence
+    trainer.world = runner.distributed.World()  # one process
+    trainer.state["step"] = 1
+    assert trainer.stop_agreed()
 
 
 def slurm_available() -> str | None:
