@@ -133,9 +133,19 @@ class LinearAttention(MultiHeadMixer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:
+        if segments is not None:
+            return linear_attention(q, k, v, mask, False, 1, segment_onehot(segments))  # (B, H, N, Dh)
         core = compiled(linear_attention) if (self.compile_core and q.is_cuda) else linear_attention
-        onehot = None if segments is None else segment_onehot(segments)  # (B, S, N)
-        return core(q, k, v, mask, self.causal, self.chunk_size, onehot)  # (B, H, N, Dh)
+        return core(q, k, v, mask, self.causal, self.chunk_size)  # (B, H, N, Dh)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        if segments is None:
+            return super().forward(x, mask)
+        return self.forward_packed(x, mask, segments)
+
+    @torch.compiler.disable  # S, the most segments in a row, is read off the data: this layer runs eagerly
+    def forward_packed(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, mask, segments)  # (B, N, D)
 
     def recurrent_step(
         self,

@@ -111,3 +111,14 @@ def test_pack_true_says_why_it_cannot_and_auto_falls_back(smoke_cfg, tmp_path):
     assert not (tmp_path / "results" / "runs.csv").exists()  # a refused configuration records no row
     row = runner.run(smoke_cfg(*TINY, "model=linformer", "trainer.pack=auto", f"run_dir={tmp_path / 'auto'}"))
     assert row["status"] == "ok" and row["packed"] is False
+
+
+@pytest.mark.parametrize("name", SEGMENT_MODELS)
+def test_a_compiled_model_takes_packed_batches_of_any_row_count(name):
+    """The row count changes every batch: torch.compile must follow (dynamic shapes) and match eager."""
+    torch.manual_seed(0)
+    model = classifier(name, "cls").float()
+    compiled = torch.compile(model)
+    for seed in range(3):
+        inputs = model_inputs(padded_batch(10, 48, seed=seed), True, cls_token=True)
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
