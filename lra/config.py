@@ -73,6 +73,9 @@ class ScheduleConfig:
     steps: int = MISSING
     batch_size: int = MISSING  # the global batch, whatever the number of devices
     eval_every: int = MISSING
+    # random: LRA's shuffled batches | length_grouped: batches of similar lengths (not LRA's protocol: faster with
+    # trainer.trim; the leaderboard keeps such runs apart)
+    batching: str = "random"
 
 
 @dataclass
@@ -82,6 +85,7 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: str = "auto"  # torch.compile the model: auto (on CUDA only) | true | false
     pack: str = "false"  # several examples per row (lra.packing): false | auto (where the model can) | true (or fail)
+    trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
     devices: int = 1  # processes of one data-parallel run (DistributedDataParallel)
     threads: Optional[int] = None  # CPU threads of each process; null: this process's share of the host's cores
     eval_batch_size: int = 128
@@ -217,6 +221,7 @@ CHOICES = {
     "trainer.precision": ("auto", "bf16", "fp32"),
     "trainer.compile": ("auto", "true", "false"),
     "trainer.pack": ("false", "auto", "true"),
+    "schedule.batching": ("random", "length_grouped"),
     "resume": ("auto", "true", "false"),
     "backbone.positions": ("learned", "sinusoidal", "none"),
     "backbone.pooling": ("cls", "mean"),

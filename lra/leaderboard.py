@@ -60,12 +60,17 @@ def as_percent(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def normalise(runs: pd.DataFrame) -> pd.DataFrame:
-    """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok)."""
+    """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A run with
+    length-grouped batches did not follow its preset's protocol: its experiment reads ``<preset>+length_grouped``,
+    so it is never averaged with the preset's own runs."""
     runs = as_percent(runs)
     if "status" not in runs:
         runs["status"] = "ok"
     runs["status"] = runs["status"].fillna("ok").astype(str)
     runs["experiment"] = runs["experiment"].astype(str) if "experiment" in runs else "lra"
+    if "batching" in runs:
+        grouped = runs["batching"].astype(str) == "length_grouped"
+        runs.loc[grouped, "experiment"] = runs.loc[grouped, "experiment"] + "+length_grouped"
     return runs
 
 

@@ -1,4 +1,5 @@
-"""Packed batches: several padded examples share one row, each computed exactly as if it had its own.
+"""Packed and trimmed batches: several padded examples share one row, each computed exactly as if it had its own;
+or a batch is cut after its longest example (``trim``, ``trainer.trim``), also exact.
 
 Most tokens of the padded tasks are padding (ListOps averages about 1,040 real tokens of 2,000, IMDb reviews
 1,299 bytes of 4,096), yet a random batch almost always holds one example near the cap, so cutting a batch to
@@ -24,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+TRIM_MULTIPLE = 128  # trim() keeps a multiple of this many positions
+
 
 class Packed(NamedTuple):
     tokens: torch.Tensor  # (R, M) ids; 0 at padding and at CLS slots
@@ -43,6 +46,26 @@ def real_lengths(tokens: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"packing needs each example's padding (id 0) after its tokens; example {bad} of the batch "
                          f"has a pad inside it (run with trainer.pack=false)")
     return lengths
+
+
+def real_ends(tokens: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+    """(n, L) or (n, 2, L) ids -> (n,) the position after each example's last real token (its longer document's),
+    0 for an empty one; ``chunk`` examples at a time, so a whole training split costs little memory."""
+    L = tokens.shape[-1]
+    ends = []
+    for part in tokens.reshape(tokens.shape[0], -1, L).split(chunk):
+        real = (part != 0).any(1)  # (c, L): a real token in any document at this position
+        from_end = real.flip(-1).to(torch.uint8).argmax(-1)  # (c,): padding positions after the last real one
+        ends.append(torch.where(real.any(-1), L - from_end, 0))
+    return torch.cat(ends) if ends else torch.zeros(0, dtype=torch.long)
+
+
+def trim(tokens: torch.Tensor, multiple: int = TRIM_MULTIPLE) -> torch.Tensor:
+    """Cut the positions after the batch's last real token, keeping a multiple of ``multiple`` (few distinct
+    shapes for compiled models). Exact: every model's real outputs ignore appended padding (a registry-wide test)."""
+    length = int(real_ends(tokens).max()) if tokens.numel() else 0
+    keep = min(tokens.shape[-1], max(multiple, -(-length // multiple) * multiple))
+    return tokens[..., :keep]
 
 
 def first_fit_decreasing(sizes: list[int], capacity: int) -> list[tuple[int, int]]:

@@ -61,6 +61,7 @@ class RunRow:
     run_dir: str | None = None
     overrides: str | None = None
     packed: bool | None = None  # several examples per row (trainer.pack); exact, so not in the config hash
+    batching: str | None = None  # random (LRA's) | length_grouped (schedule.batching)
 
 
 @dataclass
@@ -187,13 +188,16 @@ def device_name(device: torch.device) -> str:
 
 # Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
-NOT_HASHED_TRAINER = ("compile", "pack", "devices", "threads", "eval_batch_size", "ckpt_every", "timing_warmup",
+NOT_HASHED_TRAINER = ("compile", "pack", "trim", "devices", "threads", "eval_batch_size", "ckpt_every", "timing_warmup",
                       "progress")
 # Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
 # values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.
-HASHED_ONLY_IF_NOT = {"norm": "layernorm", "prenorm": True, "mlp": True, "embedding": "tokens", "pixel_mean": 0.5,
-                      "pixel_std": 0.5}
+HASHED_ONLY_IF_NOT = {
+    "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "embedding": "tokens", "pixel_mean": 0.5,
+                 "pixel_std": 0.5},
+    "schedule": {"batching": "random"},
+}
 
 
 def config_hash(cfg_dict: dict) -> str:
@@ -204,9 +208,9 @@ def config_hash(cfg_dict: dict) -> str:
         keep["trainer"] = {k: v for k, v in keep["trainer"].items() if k not in NOT_HASHED_TRAINER}
     if isinstance(keep.get("data"), dict):  # where the cache lives is not what the data is
         keep["data"] = {k: v for k, v in keep["data"].items() if k != "cache_dir"}
-    if isinstance(keep.get("backbone"), dict):
-        keep["backbone"] = {k: v for k, v in keep["backbone"].items()
-                            if k not in HASHED_ONLY_IF_NOT or v != HASHED_ONLY_IF_NOT[k]}
+    for section, old_values in HASHED_ONLY_IF_NOT.items():
+        if isinstance(keep.get(section), dict):
+            keep[section] = {k: v for k, v in keep[section].items() if k not in old_values or v != old_values[k]}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -30,7 +30,7 @@ from lra import distributed, engine
 from lra.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
-from lra.packing import model_inputs, packed_share
+from lra.packing import model_inputs, packed_share, real_ends, trim
 from lra.results import RUN_COLUMNS, RunRow, append_row, config_hash, device_name, git_sha, now_iso
 from models import list_models
 from models.registry import get_model_class
@@ -96,19 +96,21 @@ def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tokens.long()
 
 
-def device_inputs(tokens: torch.Tensor, device: torch.device, packed: bool = False,
-                  cls_token: bool = True) -> tuple[torch.Tensor, ...]:
-    """A batch's ids as the model's inputs on ``device``: the ids, or the packed batch (``lra.packing``)."""
+def device_inputs(tokens: torch.Tensor, device: torch.device, packed: bool = False, cls_token: bool = True,
+                  trimmed: bool = False) -> tuple[torch.Tensor, ...]:
+    """A batch's ids as the model's inputs on ``device``: the ids (cut after the longest example when
+    ``trimmed``), or the packed batch (``lra.packing``)."""
+    tokens = trim(tokens) if trimmed else tokens
     return tuple(to_device(t, device) for t in model_inputs(tokens, packed, cls_token))
 
 
 @torch.no_grad()
 def evaluate(model, split: Split, batch_size: int, device: torch.device, autocast, packed: bool = False,
-             cls_token: bool = True) -> float:
+             cls_token: bool = True, trimmed: bool = False) -> float:
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
     for i in range(0, len(split), batch_size):
-        inputs = device_inputs(split.tokens[i : i + batch_size], device, packed, cls_token)
+        inputs = device_inputs(split.tokens[i : i + batch_size], device, packed, cls_token, trimmed)
         labels = split.labels[i : i + batch_size].to(device)
         with autocast():
             correct += (model(*inputs).argmax(-1) == labels).sum()
@@ -252,6 +254,8 @@ class Trainer:
         self.model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(self.data))
         self.model.to(device)
         self.packed = self.resolve_packing()
+        # a 2-D task's grid is its whole length (and LRA's pixel_zero_is_pad makes background pixels pads)
+        self.trimmed = bool(cfg.trainer.trim) and self.data.grid is None
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = engine.build_optimizer(self.model, cfg.optim, device)
         self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, cfg.schedule.steps)
@@ -304,17 +308,23 @@ class Trainer:
         return False
 
     def inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token)
+        return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token, self.trimmed)
 
     def evaluate(self, split: Split) -> float:
         return evaluate(self.eval_fn, split, self.cfg.trainer.eval_batch_size, self.device, self.autocast,
-                        self.packed, self.model.encoder.cls_token)
+                        self.packed, self.model.encoder.cls_token, self.trimmed)
+
+    def batch_order(self) -> BatchOrder:
+        cfg = self.cfg
+        grouped = cfg.schedule.batching == "length_grouped"
+        lengths = real_ends(self.data.train.tokens) if grouped else None
+        return BatchOrder(len(self.data.train), cfg.schedule.batch_size, cfg.seed, lengths)
 
     def train(self) -> str:
         """The loop; returns ``ok`` or ``diverged``."""
         cfg, state, world, device = self.cfg, self.state, self.world, self.device
         steps, every = cfg.schedule.steps, cfg.schedule.eval_every
-        order = BatchOrder(len(self.data.train), cfg.schedule.batch_size, cfg.seed)
+        order = self.batch_order()
         timer = engine.StepTimer(device, cfg.trainer.timing_warmup, state["timed_steps"], state["timed_s"])
         self.timer, self.logger = timer, start_logger(cfg, self.files.dir) if world.is_main else None
         loss_sum, n_loss, warned = torch.zeros((), device=device), 0, False
@@ -469,7 +479,8 @@ class Trainer:
             compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
             split=data.info.get("split", ""), device=" + ".join(state["devices"]), torch=torch.__version__,
             git_sha=" + ".join(state["git_shas"]), config_hash=self.chash, timestamp=now_iso(),
-            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None))
+            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None),
+            batching=cfg.schedule.batching)
         out = asdict(row)
         if self.world.is_main:
             append_row(Path(cfg.results.dir) / "runs.csv", out, RUN_COLUMNS)

@@ -112,6 +112,16 @@ def test_other_experiments_are_rows_of_their_own():
     assert "m [mean_pool]" in leaderboard.format_leaderboard(both)
 
 
+def test_length_grouped_runs_are_never_averaged_with_their_presets_own():
+    grouped = dict(run("listops", "m", 1, 40.0, 40.0), batching="length_grouped")
+    runs = pd.DataFrame([dict(run("listops", "m", 0, 30.0, 30.0), batching="random"), grouped,
+                         run("listops", "m", 2, 32.0, 32.0)]).reindex(columns=RUN_COLUMNS)  # an older row: blank
+    both = leaderboard.build_leaderboard(runs, experiment="all")
+    cells = both[both.task == "listops"].set_index("experiment")
+    assert cells.loc["lra", "test_acc"] == 31.0 and cells.loc["lra", "n_seeds"] == 2
+    assert cells.loc["lra+length_grouped", "test_acc"] == 40.0
+
+
 def test_fractions_are_read_as_percent_and_experiment_filter():
     runs = hand_made_runs()
     frac = runs.copy()

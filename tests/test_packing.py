@@ -9,8 +9,9 @@ from omegaconf import OmegaConf
 
 import lra.run as runner
 from lra.config import ConfigError
+from lra.data import BatchOrder
 from lra.encoder import build_classifier
-from lra.packing import first_fit_decreasing, model_inputs, pack, real_lengths
+from lra.packing import first_fit_decreasing, model_inputs, pack, real_ends, real_lengths, trim
 from models import create_model, list_models
 from models.registry import get_model_class
 
@@ -122,3 +123,45 @@ def test_a_compiled_model_takes_packed_batches_of_any_row_count(name):
     for seed in range(3):
         inputs = model_inputs(padded_batch(10, 48, seed=seed), True, cls_token=True)
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_trim_cuts_after_the_batchs_last_real_token_to_a_multiple():
+    tokens = torch.zeros(3, 2, 1000, dtype=torch.long)
+    tokens[0, 1, :300] = 5  # the longer document decides
+    tokens[1, 0, :10] = 5
+    tokens[2, 0, [0, 2]] = 5  # a pad inside an example stays a pad, in place
+    assert real_ends(tokens).tolist() == [300, 10, 3] and real_ends(torch.zeros(2, 5)).tolist() == [0, 0]
+    assert trim(tokens).shape == (3, 2, 384) and trim(tokens[1:]).shape == (2, 2, 128)
+    assert trim(tokens, multiple=256).shape[-1] == 512 and trim(torch.ones(2, 100)).shape == (2, 100)
+
+
+def test_length_grouped_batches_hold_similar_lengths_and_cover_the_epoch():
+    lengths = torch.randint(1, 2000, (640,), generator=torch.Generator().manual_seed(0))
+    plain, grouped = BatchOrder(640, 32, 0), BatchOrder(640, 32, 0, lengths=lengths, group=4)
+    epoch = [grouped.indices(s) for s in range(20)]
+    assert sorted(torch.cat(epoch).tolist()) == list(range(640))  # every example once per epoch
+    spread = lambda order: sum(float(lengths[order.indices(s)].max() - lengths[order.indices(s)].min())
+                               for s in range(20)) / 20
+    assert spread(grouped) < 0.3 * spread(plain)  # each batch spans a small part of the lengths
+    again = BatchOrder(640, 32, 0, lengths=lengths, group=4)
+    assert torch.equal(again.indices(27), grouped.indices(27))  # a pure function of (seed, step): resumable
+
+
+def test_a_trimmed_run_equals_an_untrimmed_one_and_length_grouping_is_named(smoke_cfg, tmp_path, monkeypatch):
+    kept = []
+
+    def recording_trim(tokens):
+        kept.append((runner_trim(tokens).shape[-1], tokens.shape[-1]))
+        return runner_trim(tokens)
+
+    runner_trim = runner.trim
+    monkeypatch.setattr(runner, "trim", recording_trim)
+    grouped = (*TINY, "schedule.batching=length_grouped")
+    full = runner.run(smoke_cfg(*grouped))
+    trimmed = runner.run(smoke_cfg(*grouped, "trainer.trim=true", f"run_dir={tmp_path / 'trim'}"))
+    assert any(k < n for k, n in kept)  # some batches were cut
+    assert trimmed["config_hash"] == full["config_hash"] and trimmed["batching"] == "length_grouped"
+    for key in ("val_acc", "test_acc", "final_test_acc", "best_step"):
+        assert trimmed[key] == pytest.approx(full[key]), key
+    plain = runner.run(smoke_cfg(*TINY, f"run_dir={tmp_path / 'plain'}"))
+    assert plain["batching"] == "random" and plain["config_hash"] != full["config_hash"]

@@ -171,12 +171,20 @@ def encode_bytes(texts: Iterable[str | bytes], length: int, truncate_bytes: int 
 class BatchOrder:
     """The training batches as a pure function of (seed, step): epoch e is ``randperm(n)`` drawn from a
     generator seeded with (seed, e), cut into full batches. A resumed run sees exactly the batches the
-    killed run would have seen."""
+    killed run would have seen.
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    With ``lengths`` (each example's real length), batches are length-grouped: the epoch's shuffled examples are
+    taken ``group`` batches at a time, sorted by length inside that window and cut into batches, and the epoch's
+    batches are then shuffled. Each batch then holds examples of similar length (so ``trainer.trim`` cuts most
+    of its padding) while every example is still seen once per epoch in a random context. This is not LRA's
+    protocol (batches are no longer uniform samples): rows say ``batching=length_grouped``."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, lengths: torch.Tensor | None = None, group: int = 64):
         if n < batch_size:
             raise DataError(f"the training split has {n} examples, fewer than one batch of {batch_size}")
-        self.n, self.batch_size, self.seed = n, batch_size, seed
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"lengths holds {len(lengths)} entries for {n} examples")
+        self.n, self.batch_size, self.seed, self.lengths, self.group = n, batch_size, seed, lengths, group
         self.per_epoch = n // batch_size
         self._epoch, self._perm = -1, None
 
@@ -184,8 +192,18 @@ class BatchOrder:
         epoch, i = divmod(step, self.per_epoch)
         if epoch != self._epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
+            perm = torch.randperm(self.n, generator=g)
+            self._epoch, self._perm = epoch, perm if self.lengths is None else self.grouped(perm, g)
         return self._perm[i * self.batch_size : (i + 1) * self.batch_size]
+
+    def grouped(self, perm: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """The epoch's order with length-grouped batches (the examples past the last full batch dropped, as
+        ``indices`` never reaches them)."""
+        used = perm[: self.per_epoch * self.batch_size]
+        window = self.group * self.batch_size
+        chunks = [c[torch.argsort(self.lengths[c], stable=True)] for c in used.split(window)]  # sorted windows
+        batches = torch.cat(chunks).view(self.per_epoch, self.batch_size)  # (batches, batch_size)
+        return batches[torch.randperm(self.per_epoch, generator=g)].reshape(-1)  # batches in random order
 
 
 def resolve_root(root: str | Path, inner: str) -> Path:
