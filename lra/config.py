@@ -86,6 +86,7 @@ class TrainerConfig:
     compile: str = "auto"  # torch.compile the model: auto (on CUDA only) | true | false
     pack: str = "false"  # several examples per row (lra.packing): false | auto (where the model can) | true (or fail)
     trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
+    profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder
     devices: int = 1  # processes of one data-parallel run (DistributedDataParallel)
     threads: Optional[int] = None  # CPU threads of each process; null: this process's share of the host's cores
     eval_batch_size: int = 128
@@ -278,7 +279,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"{key}={_get(cfg, key)} is not valid: a dropout rate is in [0, 1)")
     if not cfg.optim.lr > 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} is not valid: the learning rate must be positive")
-    for key in ("optim.warmup_steps", "trainer.timing_warmup", "seed"):
+    for key in ("optim.warmup_steps", "trainer.timing_warmup", "trainer.profile_steps", "seed"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} is not valid: it must be >= 0")
     if cfg.optim.grad_clip is not None and cfg.optim.grad_clip <= 0:

@@ -174,6 +174,37 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+class StepProfiler:
+    """``trainer.profile_steps``: torch.profiler over that many training steps right after the timing warm-up;
+    writes ``profile.txt`` (operators and kernels by self time on the device, or on the CPU without one) and
+    ``profile_trace.json`` (for chrome://tracing or Perfetto) into the run folder, then steps aside."""
+
+    def __init__(self, device: torch.device, start: int, steps: int, out_dir: Path):
+        self.device, self.start, self.stop, self.out_dir = device, start, start + steps, Path(out_dir)
+        self._prof = None
+
+    def before_step(self, step: int) -> None:
+        if step == self.start and self.stop > self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        """``step``: the number of steps done."""
+        if self._prof is None or step < self.stop:
+            return
+        synchronize(self.device)
+        self._prof.__exit__(None, None, None)
+        sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = self._prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=80)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "profile.txt").write_text(f"steps {self.start + 1}-{self.stop}\n{table}\n")
+        self._prof.export_chrome_trace(str(self.out_dir / "profile_trace.json"))
+        self._prof = None
+
+
 class StepTimer:
     """Synchronised wall time of training steps only: the first ``warmup`` steps (compilation, allocator warm-up)
     and everything between ``pause()`` and the next step (evaluation, checkpoints) are excluded. ``steps`` and

@@ -325,7 +325,11 @@ class Trainer:
         cfg, state, world, device = self.cfg, self.state, self.world, self.device
         steps, every = cfg.schedule.steps, cfg.schedule.eval_every
         order = self.batch_order()
-        timer = engine.StepTimer(device, cfg.trainer.timing_warmup, state["timed_steps"], state["timed_s"])
+        # profiled steps run slower: they are left out of the timing, as the warm-up before them
+        timer = engine.StepTimer(device, cfg.trainer.timing_warmup + cfg.trainer.profile_steps, state["timed_steps"],
+                                 state["timed_s"])
+        profiler = engine.StepProfiler(device, state["step"] + cfg.trainer.timing_warmup, cfg.trainer.profile_steps,
+                                       self.files.dir) if world.is_main else None
         self.timer, self.logger = timer, start_logger(cfg, self.files.dir) if world.is_main else None
         loss_sum, n_loss, warned = torch.zeros((), device=device), 0, False
         engine.reset_peak_memory(device)
@@ -343,11 +347,15 @@ class Trainer:
                 idx = world.shard(order.indices(state["step"]))
                 inputs = self.inputs(self.data.train.tokens[idx])
                 labels = self.data.train.labels[idx].to(device, non_blocking=True)
+                if profiler is not None:
+                    profiler.before_step(state["step"])
                 timer.before_step()
                 loss_sum += self.step(inputs, labels)
                 timer.after_step()
                 n_loss += 1
                 state["step"] += 1
+                if profiler is not None:
+                    profiler.after_step(state["step"])
                 bar.update(1)
                 step, last = state["step"], state["step"] == steps
                 if not warned and device.type == "cpu" and timer.running()[0] >= 3 and cfg.experiment != "smoke":

@@ -283,3 +283,12 @@ def test_out_of_memory_is_a_row_without_accuracies(smoke_cfg, tmp_path, monkeypa
     row = runner.run(smoke_cfg(*TINY))
     got = rows(tmp_path).iloc[0]
     assert row["status"] == got.status == "oom" and pd.isna(got.test_acc) and pd.isna(got.train_steps_per_s)
+
+
+def test_profiled_steps_write_a_kernel_table_and_stay_out_of_the_timing(smoke_cfg, tmp_path):
+    row = runner.run(smoke_cfg(*SHORT, "trainer.timing_warmup=2", "trainer.profile_steps=3"))
+    table = (tmp_path / "run" / "profile.txt").read_text()
+    assert table.startswith("steps 3-5") and "aten::" in table and (tmp_path / "run" / "profile_trace.json").exists()
+    assert row["status"] == "ok" and row["train_steps_per_s"] > 0
+    with pytest.raises(ConfigError, match="trainer.profile_steps=-1"):
+        runner.run(smoke_cfg(*SHORT, "trainer.profile_steps=-1"))
