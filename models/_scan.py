@@ -22,7 +22,27 @@ an exact no-op, in either direction, wherever the padding sits.
   ``scale`` is passed explicitly (its default is K^-0.5). Head sizes are zero-padded to a multiple of 16 first
   (Triton's tl.dot needs >= 16 and bf16 tiles need even sizes): zero q, k columns add nothing to q S, a zero g
   column keeps a zero state row at zero, zero v columns give zero outputs, which are cut off. Padding needs no
-  ``cu_seqlens`` (variable-length packing): padded steps are no-ops wherever they sit. CUDA only.
+  ``cu_seqlens`` (variable-length mode): padded steps are no-ops wherever they sit; packed rows use it (below).
+  CUDA only.
+
+Packed rows (several examples in one row, ``lra.packing``): ``reset`` (B, N) bool marks each example's first step
+in scan order (``segment_starts``; for a reversed pass, the example's last position). There the state forgets
+everything before it, S_t = k_t^T v_t, as if that step carried a log decay of -inf, so every example gets exactly
+the outputs it would have alone in its own row (padding between examples is a no-op as above):
+
+* ``recurrent``: the step's decay is exp(``RESET``) = 0 exactly (a finite log decay, so no inf reaches anything).
+* ``chunked``: no large number enters the cumulative sums: differences of sums through -1e4 would lose the small
+  decays' precision (fp32 spacing at 1e4 is 1e-3), and -inf would give inf - inf. Instead each chunk is cut into
+  parts at its resets, and every weight that would carry the state over a reset is masked to exactly 0: the
+  C x C scores between parts, the entering state for steps after the chunk's first reset, the steps before the
+  chunk's last reset in its summary, and the chunk's whole decay (``RESET`` in the across-chunk segment sums,
+  which only add, so it stays finite and its exp is 0). The factorised branch sees the same bounded G as
+  without packing. Cost: a (C x C) mask per chunk and row, and a few masked products.
+* ``fla``: fla's own variable-length mode, which fits the (B, N) layout: the rows are laid end to end as one
+  sequence of B N steps (a view, no copy) and ``cu_seqlens`` starts a new sequence at each row's start and at
+  each reset; fla runs every sequence from a zero state, so each example (with any padding after it, no-ops)
+  is computed as alone by construction, in the kernels' own arithmetic. Cost: one device sync to build
+  ``cu_seqlens`` (fla syncs for its chunk indices anyway), and each sequence starts a fresh chunk of 64.
 
 Everything except the fla kernels (which take bf16 q, k, v under autocast and keep their states in fp32) runs
 in fp32 at least (fp64 stays, for tests).
@@ -41,6 +61,9 @@ Scan = Literal["auto", "chunked", "recurrent"]
 # Per-key decays inside a chunk are factorised, exp(G_i - G_j) = exp(G_i) * exp(-G_j), while a chunk's total log
 # decay stays within this bound: exp(40) = 2e17 leaves fp32 ample room for the products and their gradients.
 FACTOR_LIMIT = 40.0
+# The log decay of a reset (an example's first step in a packed row): exp(-1e4) is exactly 0 in fp32 and fp64,
+# and the value only ever enters sums (never differences), which stay finite.
+RESET = -1e4
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -53,10 +76,19 @@ def orient(t: torch.Tensor) -> torch.Tensor:
     return torch.stack((t[0], t[1].flip(1)))
 
 
-def recurrent(q, k, v, g, scale: float = 1.0, state: torch.Tensor | None = None):
-    """q, k (B, H | 1, N, K); v (B, H, N, V); g (B, H, N, 1 | K) -> (o (B, H, N, V), final state (B, H, K, V))."""
+def segment_starts(segments: torch.Tensor) -> torch.Tensor:
+    """(..., N) example ids in scan order (0 = padding) -> (..., N) bool ``reset``: True at each example's first
+    step, where the scan forgets its state."""
+    return (segments != 0) & (segments != F.pad(segments, (1, 0))[..., :-1])  # (..., N)
+
+
+def recurrent(q, k, v, g, scale: float = 1.0, state: torch.Tensor | None = None, reset: torch.Tensor | None = None):
+    """q, k (B, H | 1, N, K); v (B, H, N, V); g (B, H, N, 1 | K); reset (B, N) bool or None -> (o (B, H, N, V),
+    final state (B, H, K, V))."""
     q, k, v, g = map(upcast, (q, k, v, g))
     B, H, N, V = v.shape
+    if reset is not None:
+        g = g.masked_fill(reset[:, None, :, None], RESET)  # (B, H, N, 1 | K): exp(RESET) = 0, the state forgotten
     S = v.new_zeros(B, H, k.shape[-1], V) if state is None else state  # (B, H, K, V)
     out = []
     for t in range(N):
@@ -75,10 +107,10 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return s.masked_fill(~ones.tril(), float("-inf"))
 
 
-def chunked(q, k, v, g, chunk: int, scale: float = 1.0) -> torch.Tensor:
+def chunked(q, k, v, g, chunk: int, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
     """The recurrence's outputs, vectorised over chunks of ``chunk`` steps. Shapes as ``recurrent``."""
     q, k, v, g = map(upcast, (q, k, v, g))
-    N = v.shape[2]
+    B, N = v.shape[0], v.shape[2]
     pad = -N % chunk
     if pad:  # trailing steps with g = 0, k = 0 leave the state unchanged; their outputs are cut below
         q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
@@ -86,23 +118,33 @@ def chunked(q, k, v, g, chunk: int, scale: float = 1.0) -> torch.Tensor:
     q, k, v, g = (t.unflatten(2, (n, C)) for t in (q, k, v, g))  # (B, H, n, C, .)
     q = q * scale
     G = g.cumsum(3)  # (B, H, n, C, 1 | K): log decay from the chunk's start through step i (inclusive), <= 0
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C): j <= i
+    same = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C): j <= i
+    if reset is not None:  # cut each chunk into parts at its resets; no weight crosses from one part to the next
+        cut = F.pad(reset, (0, pad)).reshape(B, 1, n, C)  # (B, 1, n, C): an example begins at step i
+        part = cut.cumsum(3)  # (B, 1, n, C): 0 = continuing the chunk before, 1, 2, ... after each reset
+        same = same & (part[..., :, None] == part[..., None, :])  # (B, 1, n, C, C): j <= i, no reset in (j, i]
+        part = part[..., None]  # (B, 1, n, C, 1)
     if g.shape[-1] == 1:  # one decay per head: weight the C x C scores by exp(G_i - G_j)
-        L = (G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")).exp()  # (B, H, n, C, C)
+        L = (G - G.transpose(-1, -2)).masked_fill(~same, float("-inf")).exp()  # (B, H, n, C, C)
         scores = (q @ k.transpose(-1, -2)) * L  # (B, H, n, C, C)
     elif -G[:, :, :, -1].min() <= FACTOR_LIMIT:  # per key dim: exp(G_i - G_j) = exp(G_i) exp(-G_j), both finite
-        scores = ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).masked_fill(~causal, 0.0)  # (B, H, n, C, C)
+        scores = ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).masked_fill(~same, 0.0)  # (B, H, n, C, C)
     else:  # a chunk forgets too fast to factorise: the exact per-key weights, C x C x K
-        L = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
+        L = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~same[..., None], float("-inf")).exp()
         scores = (q[..., :, None, :] * k[..., None, :, :] * L).sum(-1)  # (B, H, n, C, C); L (B, H, n, C, C, K)
     out = scores @ v  # (B, H, n, C, V): contributions from inside the chunk
     to_end = (G[:, :, :, -1:] - G).exp()  # (B, H, n, C, 1 | K): decay from step j to the chunk's end, <= 1
+    total = G[:, :, :, -1]  # (B, H, n, 1 | K): each chunk's whole log decay
+    from_start = G.exp()  # (B, H, n, C, 1 | K): decay from the chunk's start to step i, <= 1
+    if reset is not None:
+        to_end = to_end * (part == part[:, :, :, -1:])  # steps before the chunk's last reset: forgotten by its end
+        total = total.masked_fill(cut.any(3)[..., None], RESET)  # a chunk with a reset passes nothing on
+        from_start = from_start * (part == 0)  # steps after a reset do not see the state entering the chunk
     summary = (k * to_end).transpose(-1, -2) @ v  # (B, H, n, K, V): the chunk's own state at its end
-    total = G[:, :, :, -1].transpose(-1, -2)  # (B, H, 1 | K, n): each chunk's whole log decay
-    across = segsum(total).exp()  # (B, H, 1 | K, n, n): decay from the end of chunk c' to the end of chunk c
+    across = segsum(total.transpose(-1, -2)).exp()  # (B, H, 1 | K, n, n): decay from chunk c' 's end to chunk c's
     ends = torch.einsum("bhkcd,bhdkv->bhckv", across, summary)  # (B, H, n, K, V): state at each chunk's end
     starts = F.pad(ends[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, n, K, V): state entering each chunk
-    out = out + (q * G.exp()) @ starts  # (B, H, n, C, V): the entering state, decayed to step i
+    out = out + (q * from_start) @ starts  # (B, H, n, C, V): the entering state, decayed to step i
     return out.flatten(2, 3)[:, :, :N]  # (B, H, N, V)
 
 
@@ -128,7 +170,7 @@ def fla_ops():
     return chunk_simple_gla, chunk_gla
 
 
-def fla(q, k, v, g, scale: float = 1.0) -> torch.Tensor:
+def fla(q, k, v, g, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
     """The recurrence's outputs from fla's chunked Triton kernels. Shapes as ``recurrent``."""
     chunk_simple_gla, chunk_gla = fla_ops()
     B, H, N, V = v.shape
@@ -139,11 +181,16 @@ def fla(q, k, v, g, scale: float = 1.0) -> torch.Tensor:
     q, k = (t.contiguous() for t in pad_head_dim(size_k, q, k))  # each (B, N, H, size_k)
     v = pad_head_dim(size_v, v)[0].contiguous()  # (B, N, H, size_v)
     g = upcast(g).transpose(1, 2)  # (B, N, H, 1 | K)
-    if g.shape[-1] == 1:
-        o, _ = chunk_simple_gla(q, k, v, g=g[..., 0].contiguous(), scale=scale)  # (B, N, H, size_v)
-    else:
-        o, _ = chunk_gla(q, k, v, g=pad_head_dim(size_k, g)[0].contiguous(), scale=scale)  # (B, N, H, size_v)
-    return o[..., :V].transpose(1, 2).float()  # (B, H, N, V)
+    scalar = g.shape[-1] == 1
+    g = (g[..., 0] if scalar else pad_head_dim(size_k, g)[0]).contiguous()  # (B, N, H) | (B, N, H, size_k)
+    varlen = {}
+    if reset is not None:  # variable-length mode: the rows end to end, a sequence from each row start and reset
+        first = reset | (torch.arange(N, device=reset.device) == 0)  # (B, N): where a sequence begins
+        varlen["cu_seqlens"] = F.pad(first.flatten().nonzero()[:, 0], (0, 1), value=B * N)  # (sequences + 1,)
+        q, k, v, g = (t.flatten(0, 1)[None] for t in (q, k, v, g))  # each (1, B N, H, .): a view, no copy
+    kernel = chunk_simple_gla if scalar else chunk_gla
+    o, _ = kernel(q, k, v, g=g, scale=scale, **varlen)  # (B, N, H, size_v), or (1, B N, H, size_v)
+    return o.reshape(B, N, H, size_v)[..., :V].transpose(1, 2).float()  # (B, H, N, V)
 
 
 @functools.cache
@@ -161,14 +208,14 @@ def fla_refused(device_index: int) -> str | None:
     return None
 
 
-def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0) -> torch.Tensor:
+def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
     """``mode`` "auto": fla on CUDA (the chunked form where fla's kernels are known to be wrong), ``chunked``
-    elsewhere; "chunked" / "recurrent": that form anywhere."""
+    elsewhere; "chunked" / "recurrent": that form anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
     if mode == "auto" and q.is_cuda:
         reason = fla_refused(q.device.index or 0)
         if reason is None:
-            return fla(q, k, v, g, scale)
+            return fla(q, k, v, g, scale, reset)
         warn_once(f"{reason}: running the scan in its chunked PyTorch form (model.scan=chunked)")
     if mode == "recurrent":
-        return recurrent(q, k, v, g, scale)[0]
-    return chunked(q, k, v, g, chunk, scale)
+        return recurrent(q, k, v, g, scale, reset=reset)[0]
+    return chunked(q, k, v, g, chunk, scale, reset)

@@ -34,6 +34,11 @@ Padding: padded steps are exact no-ops wherever they sit: their keys and log gat
 and the write k^T v = 0 leave the state unchanged. Flipping a right-padded row puts the padding first, where
 it is a no-op too, so both passes equal the passes over the real tokens alone. Padded positions get outputs
 the encoder ignores.
+Packed rows (``segments``, ``lra.packing``): each pass's state is reset at every example's first step in its own
+order (the reversed pass: the example's last position), ``_scan``'s ``reset``: chunked, the chunks' weights are
+masked at the resets; fla, its variable-length mode; recurrent, a zero decay. Nothing else here crosses positions
+(the norm and the gates are per position), so every example gets exactly its own row's outputs. Cost: the
+chunked form's (C x C) masks; fla's, one device sync and a fresh chunk per example.
 Deviations: the paper's GLA is causal (a language model); the bidirectional sum is ours. Default PyTorch
 initialisation (the authors' code uses Xavier with gain 2^-2.5); ``dropout`` and ``max_len`` are unused (no
 attention weights, no length limit).
@@ -53,6 +58,7 @@ from .registry import Taxonomy, register_model
 class GLA(nn.Module):
     taxonomy = Taxonomy("Yang et al. 2024, arXiv 2312.06635", "N", ("RC", "KR"), decode=True)
     accepts_no_mask = True  # mask=None: no masking multiplies
+    supports_segments = True  # packed rows: each pass's state resets at every example's start
 
     def __init__(
         self,
@@ -87,8 +93,13 @@ class GLA(nn.Module):
         self.norm = nn.RMSNorm(self.d_hv, eps=norm_eps)  # per head, weights shared by the heads (as fla)
         self.out = nn.Linear(d_v, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         B, N, _ = x.shape
+        reset = None
+        if segments is not None:  # (B, N) example ids: each pass forgets its state where an example begins
+            mask = segments != 0 if mask is None else mask
+            reset = _scan.segment_starts(orient(segments.expand(2, B, N))).flatten(0, 1)  # (2B, N), passes' order
         H, Dk, Dv = self.n_heads, self.d_hk, self.d_hv
         q, k = self.qk(x).unflatten(-1, (2, 2, H, Dk)).movedim(2, 0).unbind(3)  # each (2, B, N, H, Dk)
         logit = torch.stack([f(x) for f in self.forget]).unflatten(-1, (H, Dk))  # (2, B, N, H, Dk)
@@ -100,7 +111,8 @@ class GLA(nn.Module):
             keep = orient(mask[None, :, :, None, None].expand(2, B, N, 1, 1)).to(g.dtype)  # (2, B, N, 1, 1)
             k, g = k * keep, g * keep  # padded steps: alpha = 1 and no write, the state passes unchanged
         q, k, v, g = (upcast(t).flatten(0, 1).transpose(1, 2) for t in (q, k, v, g))  # each (2B, H, N, .)
-        o = _scan.scan(q, k, v, g, mode=self.scan, chunk=self.chunk_size, scale=Dk ** -0.5)  # (2B, H, N, Dv)
+        o = _scan.scan(q, k, v, g, mode=self.scan, chunk=self.chunk_size, scale=Dk ** -0.5,
+                       reset=reset)  # (2B, H, N, Dv)
         o = orient(o.transpose(1, 2).unflatten(0, (2, B))).sum(0)  # (B, N, H, Dv): forward + reversed pass
         r = F.silu(upcast(self.gate(x))).unflatten(-1, (H, Dv))  # (B, N, H, Dv): output gate
         return self.out((self.norm(o) * r).flatten(2))  # (B, N, D)

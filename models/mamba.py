@@ -43,6 +43,12 @@ no real position's convolution sees their content) and their dt is 0, so exp(A d
 the state unchanged. Flipping a right-padded row puts the padding first, where it is a no-op too, so both
 passes over a padded row equal the passes over its real tokens alone (a hole inside a row reads as a zero input
 to its neighbours' convolution taps). Padded positions get outputs the encoder ignores.
+Packed rows (``segments``, ``lra.packing``): two operations cross positions, and both keep the examples apart,
+in each pass's own order (the reversed pass's first step of an example is its last position). The convolution's
+taps read only positions of their own example (a tap on another example reads a zero, as before a row's start:
+K - 1 comparisons and multiplies more); the scan's state resets at every example's first step (``_scan``'s
+``reset``: chunked, the chunks' weights masked at the resets; fla, its variable-length mode; recurrent, a zero
+decay). D x, the gate and the norm are per position. Every example gets exactly its own row's outputs.
 Deviations: Mamba-2's defaults differ in d_state (128; here 64, Mamba-1 used 16) and headdim (64; here
 d_inner / n_heads by default); ngroups 1; no dt clamp; d_inner follows d_model, as Mamba's expand, so
 ``d_qkv`` is unused, as are ``dropout`` and ``max_len`` (an SSM has neither attention weights nor a length
@@ -61,13 +67,20 @@ from ._scan import orient, upcast
 from .registry import Taxonomy, register_model
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal taps over time, one filter bank per direction: x (2, B, N, C), weight (2, C, K), bias
-    (2, C) -> (2, B, N, C), y_t = b + sum_i w_i x_{t-K+1+i} (nn.Conv1d's cross-correlation, left-padded)."""
+    (2, C) -> (2, B, N, C), y_t = b + sum_i w_i x_{t-K+1+i} (nn.Conv1d's cross-correlation, left-padded).
+    ``segments`` (2, B, N) example ids in the same order: a tap reads zero off its own example, as before a row."""
     K, N = weight.shape[-1], x.shape[2]
     xp = F.pad(x, (0, 0, K - 1, 0))  # (2, B, N + K - 1, C): zeros before the start
     w = weight[:, None, None]  # (2, 1, 1, C, K)
-    return sum(xp[:, :, i : i + N] * w[..., i] for i in range(K)) + bias[:, None, None]  # (2, B, N, C)
+    taps = [xp[:, :, i : i + N] for i in range(K)]  # tap i: x_{t-K+1+i}, each (2, B, N, C)
+    if segments is not None:
+        sp = F.pad(segments, (K - 1, 0), value=-1)  # (2, B, N + K - 1): -1 before the start, no example's id
+        same = [(sp[:, :, i : i + N] == segments)[..., None] for i in range(K - 1)]  # (2, B, N, 1): own example
+        taps = [tap * keep for tap, keep in zip(taps, same)] + taps[-1:]  # the last tap is x_t itself
+    return sum(tap * w[..., i] for i, tap in enumerate(taps)) + bias[:, None, None]  # (2, B, N, C)
 
 
 @register_model
@@ -75,6 +88,7 @@ class Mamba(nn.Module):
     taxonomy = Taxonomy("Gu & Dao 2023, arXiv 2312.00752; Dao & Gu 2024, arXiv 2405.21060", "N", ("SSM", "RC"),
                         decode=True)
     accepts_no_mask = True  # mask=None: no masking multiplies
+    supports_segments = True  # packed rows: taps and states stay inside each example
 
     def __init__(
         self,
@@ -124,15 +138,16 @@ class Mamba(nn.Module):
         bcdt = bcdt.unflatten(-1, (2, 2 * S + H)).movedim(-2, 0)  # (2, B, N, 2S + H)
         return z, torch.cat([x.expand(2, *x.shape), bcdt], -1)  # (2, B, N, E + 2S + H): x shared
 
-    def scan_inputs(self, xbcdt: torch.Tensor, keep: torch.Tensor | None):
+    def scan_inputs(self, xbcdt: torch.Tensor, keep: torch.Tensor | None, segments: torch.Tensor | None = None):
         """Both directions' SSM inputs, each causal over the order given: xbcdt (2, B, N, E + 2S + H), keep
-        (2, B, N, 1) (1 = real) or None -> q, k (2B, 1, N, S), v (2B, H, N, P), g (2B, H, N, 1), x (2, B, N, H, P)."""
+        (2, B, N, 1) (1 = real) or None, segments (2, B, N) ids or None -> q, k (2B, 1, N, S), v (2B, H, N, P),
+        g (2B, H, N, 1), x (2, B, N, H, P)."""
         _, B, N, _ = xbcdt.shape
         E, S, H, P = self.d_inner, self.d_state, self.n_heads, self.headdim
         xbc, dt = xbcdt.split([E + 2 * S, H], -1)  # (2, B, N, E + 2S), (2, B, N, H)
         if keep is not None:
             xbc = xbc * keep  # padding enters the convolution as zeros: no real position sees it
-        xbc = F.silu(causal_conv(xbc, self.conv_weight, self.conv_bias))  # (2, B, N, E + 2S)
+        xbc = F.silu(causal_conv(xbc, self.conv_weight, self.conv_bias, segments))  # (2, B, N, E + 2S)
         x, b, c = xbc.split([E, S, S], -1)  # (2, B, N, E), (2, B, N, S), (2, B, N, S)
         dt = F.softplus(upcast(dt) + self.dt_bias[:, None, None])  # (2, B, N, H)
         if keep is not None:
@@ -145,18 +160,24 @@ class Mamba(nn.Module):
         g = (dt * A).view(2 * B, N, H).transpose(1, 2)[..., None]  # (2B, H, N, 1): log decay per head and step
         return q, k, v, g, x
 
-    def ssm(self, xbcdt: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        """Both directions' y = SSM(x) + D x, each causal over the order given -> (2, B, N, E)."""
-        q, k, v, g, x = self.scan_inputs(xbcdt, keep)
-        y = _scan.scan(q, k, v, g, mode=self.scan, chunk=self.chunk_size)  # (2B, H, N, P): both directions
+    def ssm(self, xbcdt: torch.Tensor, keep: torch.Tensor | None, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Both directions' y = SSM(x) + D x, each causal over the order given -> (2, B, N, E). ``segments``
+        (2, B, N), packed rows' example ids in the same order: each example's taps and state stay its own."""
+        q, k, v, g, x = self.scan_inputs(xbcdt, keep, segments)
+        reset = None if segments is None else _scan.segment_starts(segments).flatten(0, 1)  # (2B, N)
+        y = _scan.scan(q, k, v, g, mode=self.scan, chunk=self.chunk_size, reset=reset)  # (2B, H, N, P): both passes
         y = y.transpose(1, 2).view(x.shape) + x * upcast(self.D)[:, None, None, :, None]  # (2, B, N, H, P)
         return y.flatten(3)  # (2, B, N, E)
 
-    def forward(self, u: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, mask: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         z, xbcdt = self.project(u)  # (B, N, E), (2, B, N, E + 2S + H)
+        if segments is not None:  # (B, N) example ids, then (2, B, N) in each pass's order
+            mask = segments != 0 if mask is None else mask
+            segments = orient(segments.expand(2, *segments.shape))
         keep = None if mask is None else orient(mask[None, ..., None].to(u.dtype).expand(2, *mask.shape, 1))
         # The reversed pass runs the same causal code on the flipped rows, where right padding comes first:
         # no-op steps there too.
-        y = orient(self.ssm(orient(xbcdt), keep)).sum(0)  # (B, N, E): forward + reversed pass, in place
+        y = orient(self.ssm(orient(xbcdt), keep, segments)).sum(0)  # (B, N, E): forward + reversed pass, in place
         y = self.norm(y * F.silu(upcast(z)))  # (B, N, E): Mamba-2's gated RMSNorm, norm after the gate
         return self.out_proj(y)  # (B, N, D): autocast casts y down, if on

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 
@@ -62,6 +63,30 @@ def assert_fast_scan_matches_chunked(model, d: int, ragged) -> None:
         assert rel(model(x, mask)[mask].float(), outs[1]) < 5e-2
 
 
+def assert_fast_scan_on_packed_rows_matches_chunked(model, d: int) -> None:
+    """On CUDA: the model's fla kernels on packed rows (variable-length mode) against its fp32 chunked form with
+    resets (exact on the CPU tests), outputs at real positions and the input's gradient."""
+    import pytest
+
+    from models._scan import fla_refused
+
+    reason = fla_refused(torch.cuda.current_device())
+    if reason is not None:
+        pytest.skip(reason)
+    ref = copy.deepcopy(model)
+    ref.scan = "chunked"
+    segments = packed_layout(PACKED_ROWS, 29).cuda()
+    real = segments != 0
+    x = torch.randn(len(PACKED_ROWS), 29, d, device="cuda", requires_grad=True)
+    outs, grads = [], []
+    for m in (model, ref):
+        out = m(x, real, segments=segments)[real]
+        grads.append(torch.autograd.grad(out.sum(), x)[0])
+        outs.append(out)
+    for a, b in (outs, grads):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
 def dense_masked_attention(mixer, x: torch.Tensor, mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
     """Full softmax attention with ``mixer``'s projections (``project``, ``out``) under ``allowed`` (N, N) and the
     key mask: the dense reference of a sparse pattern. A row with no key gives 0."""
@@ -71,3 +96,66 @@ def dense_masked_attention(mixer, x: torch.Tensor, mask: torch.Tensor | None, al
     see = allowed[None, None] if mask is None else allowed[None, None] & mask[:, None, None, :]  # (B or 1, 1, N, N)
     weights = scores.masked_fill(~see, float("-inf")).softmax(-1).nan_to_num(0.0)  # (B, H, N, N)
     return mixer.out((weights @ v).transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
+
+
+# Packed rows of 29 positions, as runs of (example, length), 0 a padding gap: with chunks of 4, examples begin
+# inside chunks and at their starts, two in one chunk (either pass); examples of length 1, examples ending
+# exactly at the row's end, a gap between two examples, padding after the last.
+PACKED_ROWS = [[(1, 7), (2, 1), (0, 3), (3, 18)], [(4, 20)], [(5, 1), (6, 28)], [(7, 8), (8, 12), (0, 2), (9, 4)]]
+
+
+def packed_layout(rows: list[list[tuple[int, int]]], n: int) -> torch.Tensor:
+    """(R, n) int64 segment ids from each row's runs of (example id, length), id 0 a padding gap; a row's rest is
+    padding."""
+    segments = torch.zeros(len(rows), n, dtype=torch.long)
+    for r, runs in enumerate(rows):
+        col = 0
+        for example, length in runs:
+            segments[r, col : col + length] = example
+            col += length
+        assert col <= n
+    return segments
+
+
+def assert_packed_rows_equal_each_example_alone(model, rows, n: int, d: int, dtype=torch.float64, tol=1e-10) -> None:
+    """``model`` on packed rows (``packed_layout``) against each example alone in its own unpadded row: outputs
+    at every real position, and the gradients of the input and of every parameter."""
+    segments = packed_layout(rows, n)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(len(rows), n, d, generator=gen, dtype=dtype).requires_grad_()
+    cot = torch.randn(len(rows), n, d, generator=gen, dtype=dtype) * (segments != 0)[..., None]  # real positions
+    params = list(model.parameters())
+    out = model(x, segments != 0, segments=segments)  # (R, n, d)
+    assert out.isfinite().all()
+    got = torch.autograd.grad((out * cot).sum(), [x, *params])
+    loss = 0.0
+    for r, runs in enumerate(rows):
+        col = 0
+        for example, length in runs:
+            if example:
+                alone = model(x[r, col : col + length][None], None)[0]  # (length, d): its own row, no padding
+                torch.testing.assert_close(out[r, col : col + length], alone, rtol=tol, atol=tol)
+                loss = loss + (alone * cot[r, col : col + length]).sum()
+            col += length
+    want = torch.autograd.grad(loss, [x, *params])
+    for name, a, b in zip(["x", *(name for name, _ in model.named_parameters())], got, want):
+        assert a.isfinite().all(), name
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_reset_scan_equals_separate_pieces(q, k, v, g, reset, chunk: int, scale: float, tol=1e-10) -> None:
+    """``_scan``'s recurrent and chunked forms with ``reset`` (B, N) against the recurrence run on each piece
+    between resets alone, from a zero state."""
+    from models import _scan
+
+    want = torch.zeros_like(v)
+    for b in range(v.shape[0]):
+        cuts = [0, *reset[b].nonzero()[:, 0].tolist(), v.shape[2]]
+        for s, e in itertools.pairwise(cuts):
+            if e > s:
+                piece = (t[b : b + 1, :, s:e] for t in (q, k, v, g))
+                want[b, :, s:e] = _scan.recurrent(*piece, scale)[0][0]
+    torch.testing.assert_close(_scan.recurrent(q, k, v, g, scale, reset=reset)[0], want, rtol=tol, atol=tol)
+    got = _scan.chunked(q, k, v, g, chunk, scale, reset)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

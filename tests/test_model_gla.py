@@ -1,14 +1,23 @@
 """``gla``: the chunked form (both of its per-key branches) against the recurrence with padding, the whole
-bidirectional mixer against the paper's equations step by step, and the fla (CUDA) path against the reference
-(its wrapper also on CPU, with a stand-in kernel)."""
+bidirectional mixer against the paper's equations step by step, packed rows against each example alone (every
+scan form, both branches, gates that forget fast), and the fla (CUDA) path against the reference (its wrapper
+also on CPU, with a stand-in kernel, variable-length mode included)."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from models import _scan, create_model
-from tests.mixer_checks import assert_fast_scan_matches_chunked
+from tests.mixer_checks import (
+    PACKED_ROWS,
+    assert_fast_scan_matches_chunked,
+    assert_fast_scan_on_packed_rows_matches_chunked,
+    assert_packed_rows_equal_each_example_alone,
+    assert_reset_scan_equals_separate_pieces,
+)
 
 BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len": 128}  # heads: Dk 4, Dv 8
 
@@ -107,11 +116,18 @@ def test_chunked_scan_is_exact_and_finite_however_fast_it_forgets(gate_scale):
     torch.testing.assert_close(S[1], _scan.recurrent(*(t[1:, :, :-10] for t in (q, k, v, g)), 0.5)[1][0])
 
 
-def fake_chunk_gla(q, k, v, g, scale):
-    """fla's chunk_gla per its documented semantics ((B, T, H, K) layout, g (B, T, H, K) log decay), from its
-    naive recurrence, so the wrapper's layout, padding and scale can be checked on CPU."""
+def fake_chunk_gla(q, k, v, g, scale, cu_seqlens=None):
+    """fla's chunk_gla per its documented semantics ((B, T, H, K) layout, g (B, T, H, K) log decay; with
+    ``cu_seqlens``, B = 1 and each sequence from a zero state), from its naive recurrence, so the wrapper's
+    layout, padding, scale and variable-length mode can be checked on CPU."""
     assert q.is_contiguous() and g.is_contiguous() and q.shape == k.shape == g.shape
     assert q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0
+    if cu_seqlens is not None:
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and cu_seqlens[0] == 0
+        assert cu_seqlens[-1] == q.shape[1] and (cu_seqlens.diff() > 0).all()
+        pieces = [fake_chunk_gla(*(t[:, s:e] for t in (q, k, v, g)), scale)[0]
+                  for s, e in itertools.pairwise(cu_seqlens.tolist())]
+        return torch.cat(pieces, 1), None
     o, S = _scan.recurrent(*(t.transpose(1, 2) for t in (q, k, v, g)), scale)
     return o.transpose(1, 2), S
 
@@ -121,6 +137,49 @@ def test_fla_wrapper_layout_padding_and_scale_on_cpu(monkeypatch):
     q, k, v, g = scan_inputs(K=4, V=8)  # padded to 16 for the kernel
     torch.testing.assert_close(_scan.fla(q, k, v, g, 0.5).double(), _scan.chunked(q, k, v, g, 16, 0.5),
                                rtol=1e-5, atol=1e-5)
+    reset = torch.zeros(2, 45, dtype=torch.bool)
+    reset[0, [0, 7, 8, 30]] = reset[1, [3, 34]] = True  # row 1 begins mid-example: its own sequence from 0
+    torch.testing.assert_close(_scan.fla(q, k, v, g, 0.5, reset).double(), _scan.chunked(q, k, v, g, 16, 0.5, reset),
+                               rtol=1e-5, atol=1e-5)
+
+
+def reset_of(B=2, N=45):
+    """Resets inside a chunk of 15, at chunk starts, two in one chunk; row 1's only in its real steps."""
+    reset = torch.zeros(B, N, dtype=torch.bool)
+    reset[0, [0, 7, 15, 16, 30, 44]] = reset[1, [3, 34]] = True
+    return reset
+
+
+@pytest.mark.parametrize("gate_scale", [1.0, 2000.0])  # the factorised branch; the exact one (alpha ~ 0 at times)
+def test_chunked_scan_with_resets_equals_each_piece_alone(gate_scale):
+    q, k, v, g = scan_inputs(gate_scale=gate_scale)
+    assert_reset_scan_equals_separate_pieces(q, k, v, g, reset_of(), 15, 0.5)
+    got = _scan.chunked(*(t.float() for t in (q, k, v, g)), 15, 0.5, reset_of())  # fp32: finite, close
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), _scan.chunked(q, k, v, g, 15, 0.5, reset_of()), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize(("scan", "chunk", "factorised"), [("recurrent", 64, True), ("chunked", 1, True),
+                                                           ("chunked", 4, True), ("chunked", 4, False),
+                                                           ("chunked", 64, True)])
+def test_packed_rows_equal_each_example_alone(scan, chunk, factorised, monkeypatch):
+    """Both passes reset at each example's start (the reversed pass at its last position), in every CPU form."""
+    if not factorised:
+        monkeypatch.setattr(_scan, "FACTOR_LIMIT", -1.0)  # the exact C x C x K branch
+    m = make(chunk_size=chunk, scan=scan)
+    assert_packed_rows_equal_each_example_alone(m, PACKED_ROWS, 29, 16)
+
+
+def test_packed_rows_with_gates_that_forget_fast_stay_finite_and_exact():
+    """Gate logits down to -3000 (log alpha ~ -190 per step): the exact branch, in fp64 and fp32."""
+    m = make(chunk_size=4)
+    with torch.no_grad():
+        for f in m.forget:
+            f[1].bias.uniform_(-3000.0, 3.0)
+        g = F.logsigmoid(m.forget[0](torch.randn(1, 8, 16, dtype=torch.float64))) / m.tau  # (1, 8, Dk)
+    assert -g.unflatten(1, (2, 4)).sum(2).min() > _scan.FACTOR_LIMIT  # chunks past the factorised bound
+    assert_packed_rows_equal_each_example_alone(m, PACKED_ROWS, 29, 16)
+    assert_packed_rows_equal_each_example_alone(m.float(), PACKED_ROWS, 29, 16, torch.float32, tol=1e-4)
 
 
 @pytest.mark.gpu
@@ -134,3 +193,12 @@ def test_fla_path_equals_the_reference_on_cuda(options):
     d = options["d_model"]
     m = create_model("gla", dropout=0.0, max_len=512, **options).cuda()
     assert_fast_scan_matches_chunked(m, d, ragged)
+
+
+@pytest.mark.gpu
+def test_fla_path_on_packed_rows_equals_the_reference_on_cuda():
+    """fla's variable-length mode (one sequence per example) against the chunked form with resets."""
+    pytest.importorskip("fla.ops.gla")
+    torch.manual_seed(0)
+    m = create_model("gla", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).cuda()
+    assert_fast_scan_on_packed_rows_matches_chunked(m, 32)

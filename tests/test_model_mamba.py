@@ -1,8 +1,11 @@
 """``mamba``: the chunked SSD form against the sequential recurrence, the whole mixer against a step-by-step
 selective SSM written from the papers' equations, the reversed pass over real tokens only, padded steps as
-exact no-ops, and the fla (CUDA) path against the reference (its wrapper also on CPU, with a stand-in kernel)."""
+exact no-ops, packed rows against each example alone (convolution and scan, every CPU form, fast decays), and
+the fla (CUDA) path against the reference (its wrapper also on CPU, with a stand-in kernel, variable-length mode
+included)."""
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -11,7 +14,15 @@ import torch.nn.functional as F
 
 from models import _scan, create_model
 from models._scan import orient
-from tests.mixer_checks import assert_fast_scan_matches_chunked
+from models.mamba import causal_conv
+from tests.mixer_checks import (
+    PACKED_ROWS,
+    assert_fast_scan_matches_chunked,
+    assert_fast_scan_on_packed_rows_matches_chunked,
+    assert_packed_rows_equal_each_example_alone,
+    assert_reset_scan_equals_separate_pieces,
+    packed_layout,
+)
 
 BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len": 128}
 
@@ -144,10 +155,17 @@ def test_junk_at_masked_positions_anywhere_changes_no_real_output():
         torch.testing.assert_close(m(u2, mask)[mask], m(u, mask)[mask], rtol=1e-10, atol=1e-10)
 
 
-def fake_chunk_simple_gla(q, k, v, g, scale):
-    """fla's chunk_simple_gla per its documented semantics ((B, T, H, K) layout, g (B, T, H) log decay), from
-    its naive recurrence, so the wrapper's layout, padding and scale can be checked on CPU."""
+def fake_chunk_simple_gla(q, k, v, g, scale, cu_seqlens=None):
+    """fla's chunk_simple_gla per its documented semantics ((B, T, H, K) layout, g (B, T, H) log decay; with
+    ``cu_seqlens``, B = 1 and each sequence from a zero state), from its naive recurrence, so the wrapper's
+    layout, padding, scale and variable-length mode can be checked on CPU."""
     assert q.is_contiguous() and q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and g.dim() == 3
+    if cu_seqlens is not None:
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and cu_seqlens[0] == 0
+        assert cu_seqlens[-1] == q.shape[1] and (cu_seqlens.diff() > 0).all()
+        pieces = [fake_chunk_simple_gla(*(t[:, s:e] for t in (q, k, v, g)), scale)[0]
+                  for s, e in itertools.pairwise(cu_seqlens.tolist())]
+        return torch.cat(pieces, 1), None
     o, S = _scan.recurrent(*(t.transpose(1, 2) for t in (q, k, v)), g.transpose(1, 2)[..., None], scale)
     return o.transpose(1, 2), S
 
@@ -160,6 +178,56 @@ def test_fla_wrapper_layout_padding_and_scale_on_cpu(monkeypatch):
     with torch.no_grad():
         q, k, v, g, _ = m.scan_inputs(orient(m.project(u)[1]), keep_of(mask))
         torch.testing.assert_close(_scan.fla(q, k, v, g).double(), _scan.chunked(q, k, v, g, 8), rtol=1e-5, atol=1e-5)
+        segments = orient(packed_layout(PACKED_ROWS, 29).expand(2, 4, 29))  # (2, R, N), each pass's order
+        u = torch.randn(4, 29, 16, dtype=torch.float64)
+        q, k, v, g, _ = m.scan_inputs(orient(m.project(u)[1]), keep_of(segments[0] != 0), segments)
+        reset = _scan.segment_starts(segments).flatten(0, 1)  # (2R, N)
+        want = _scan.chunked(q, k, v, g, 8, reset=reset)
+        torch.testing.assert_close(_scan.fla(q, k, v, g, reset=reset).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [False, True])  # decays per step down to exp(-500): exp(G_i - G_j) underflows
+def test_scalar_scan_with_resets_equals_each_piece_alone(fast):
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 1, 45, 8, generator=gen, dtype=torch.float64) for _ in range(2))  # shared by heads
+    v = torch.randn(2, 3, 45, 6, generator=gen, dtype=torch.float64)
+    g = -torch.rand(2, 3, 45, 1, generator=gen, dtype=torch.float64) * (500.0 if fast else 0.5)
+    reset = torch.zeros(2, 45, dtype=torch.bool)
+    reset[0, [0, 7, 15, 16, 30, 44]] = reset[1, [3, 34]] = True  # inside chunks of 15, at their starts, two in one
+    assert_reset_scan_equals_separate_pieces(q, k, v, g, reset, 15, 1.0)
+    got = _scan.chunked(*(t.float() for t in (q, k, v, g)), 15, 1.0, reset)  # fp32: finite, close
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), _scan.chunked(q, k, v, g, 15, 1.0, reset), rtol=1e-3, atol=1e-4)
+
+
+def test_the_convolution_reads_only_its_own_example():
+    """Each example's taps as if it began its own row (zeros before it), in both passes' orders."""
+    segments = orient(packed_layout(PACKED_ROWS, 29).expand(2, 4, 29))  # (2, R, N)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 29, 6, generator=gen, dtype=torch.float64)
+    weight, bias = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
+    y = causal_conv(x, weight, bias, segments)  # (2, R, N, 6)
+    for d, r in itertools.product(range(2), range(4)):
+        for example in segments[d, r].unique().tolist():
+            at = segments[d, r] == example  # contiguous positions of one example (or of padding)
+            alone = causal_conv(x[:, r : r + 1, at], weight, bias)[d, 0]  # (n, 6): its own row
+            if example:
+                torch.testing.assert_close(y[d, r, at], alone, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("scan", "chunk"), [("recurrent", 64), ("chunked", 1), ("chunked", 4), ("chunked", 64)])
+def test_packed_rows_equal_each_example_alone(scan, chunk):
+    """Convolution and scan of both passes keep to each example (the reversed pass starts at its last position)."""
+    assert_packed_rows_equal_each_example_alone(make(chunk_size=chunk, scan=scan), PACKED_ROWS, 29, 16)
+
+
+def test_packed_rows_with_decays_that_forget_fast_stay_finite_and_exact():
+    """dt ~ 30 in one head, so A dt reaches -480 per step, in fp64 and fp32."""
+    m = make(chunk_size=4)
+    with torch.no_grad():
+        m.dt_bias[:, 0] = 30.0
+    assert_packed_rows_equal_each_example_alone(m, PACKED_ROWS, 29, 16)
+    assert_packed_rows_equal_each_example_alone(m.float(), PACKED_ROWS, 29, 16, torch.float32, tol=1e-4)
 
 
 def test_missing_fla_names_the_extra(monkeypatch):
@@ -196,3 +264,12 @@ def test_a_triton_known_to_break_fla_on_hopper_falls_back_to_the_chunked_form(mo
         assert _scan.fla_refused(0) is None  # the bug is Hopper's
     finally:
         _scan.fla_refused.cache_clear()
+
+
+@pytest.mark.gpu
+def test_fla_path_on_packed_rows_equals_the_reference_on_cuda():
+    """fla's variable-length mode (one sequence per example) against the chunked form with resets."""
+    pytest.importorskip("fla.ops.simple_gla")
+    torch.manual_seed(0)
+    m = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).cuda()
+    assert_fast_scan_on_packed_rows_matches_chunked(m, 32)
