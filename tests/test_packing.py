@@ -1,5 +1,6 @@
 """Packed batches (lra.packing, trainer.pack): the layout, exact equality with unpacked rows for every mixer that
-declares it keeps segments apart (outputs and gradients), and the runner's use of it."""
+declares it keeps segments apart (outputs and gradients), and the runner's use of it; trimmed batches
+(trainer.trim) and length-grouped batching (schedule.batching)."""
 from __future__ import annotations
 
 import pandas as pd
