@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from models import create_model
-from models.performer import FavorAttention, favor_attention, favor_forward, orthogonal_gaussian
+from models.performer import (
+    FavorAttention,
+    favor_attention,
+    favor_forward,
+    orthogonal_gaussian,
+    segment_members,
+)
 
 BACKBONE = dict(d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=512)
 
@@ -259,6 +265,82 @@ def test_performer_bf16_autocast_is_finite_and_close():
         out = FavorAttention.apply(q, k, v, mask[:, None, :, None], w, False)
     out.sum().backward()
     assert all(t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# Packed rows: row 0 holds a 9-token example, a 6-token one and a 1-token one, row 1 a 15- and a 5-token one;
+# the rest is padding. The 6-token example's keys are 40x larger (see packed_case).
+PACKED_ROWS = [[9, 6, 1], [15, 5]]
+
+
+def packed_case(N=24, D=16, seed=11):
+    """q, k, v (2, 2, N, D) fp64 for PACKED_ROWS, their (2, N) segment ids, and each example's (row, start, n)."""
+    q, k, v = qkv(B=2, H=2, N=N, D=D, seed=seed, dtype=torch.float64)
+    segments = torch.zeros(2, N, dtype=torch.long)
+    spans = []
+    for row, lengths in enumerate(PACKED_ROWS):
+        start = 0
+        for n in lengths:
+            spans.append((row, start, n))
+            segments[row, start : start + n] = len(spans)
+            start += n
+    k[0, :, 9:15] *= 40  # its FAVOR+ key exponents lie thousands below its neighbour's
+    return q, k, v, segments, spans
+
+
+def assert_packed_equals_alone(packed, alone, q, k, v, segments, spans):
+    """packed(q, k, v, segments) on the packed rows and alone(q, k, v) on each example by itself (no padding)
+    give the same outputs and gradients (fp64); padded outputs get no gradient, as in the encoder."""
+    real = (segments != 0)[:, None, :, None]  # (B, 1, N, 1)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype) * real
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = packed(*inputs, segments)
+    grads = torch.autograd.grad(out, inputs, grad)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert all(torch.equal(g * ~real, torch.zeros_like(g)) for g in grads)  # padding receives nothing
+    for row, start, n in spans:
+        part = (slice(row, row + 1), slice(None), slice(start, start + n))
+        own = [t[part].clone().requires_grad_() for t in (q, k, v)]
+        ref = alone(*own)
+        torch.testing.assert_close(out[part], ref, rtol=1e-10, atol=1e-12)
+        for g, r in zip(grads, torch.autograd.grad(ref, own, grad[part])):
+            torch.testing.assert_close(g[part], r, rtol=1e-10, atol=1e-12)
+
+
+def favor_fp64():
+    return create_model("performer", **BACKBONE, n_features=32, seed=2).double().eval()
+
+
+def test_packed_case_needs_per_example_stabilisers():
+    """In packed_case, a stabiliser over the whole row would underflow every key feature of the 6-token example
+    (exp below -745 is 0 in fp64), leaving it a normaliser of eps instead of >= 1."""
+    k = packed_case()[1]
+    w = favor_fp64().features * 16**-0.25
+    exponents = k @ w.t() - (k * k).sum(-1, keepdim=True) / 2 / 4  # (B, H, N, m): w . k' - |k'|^2 / 2
+    assert (exponents[0, :, 9:15].amax(1) - exponents[0, :, :9].amax(1)).max() < -745
+
+
+@pytest.mark.parametrize("path", ["autograd", "recompute"])
+def test_favor_packed_rows_equal_each_example_alone(path):
+    """Both FAVOR+ paths (the model's autograd path, and the hand-written backward that CUDA runs, here eager):
+    per-example stabilisers and summaries make every packed example, the 1-token one and the one whose keys
+    lie far below its neighbour's included, exactly what it is alone."""
+    model = favor_fp64()
+    w = model.features * 16**-0.25
+    if path == "autograd":
+        packed = lambda q, k, v, segments: model.attend(q, k, v, segments != 0, segments=segments)
+        alone = lambda q, k, v: model.attend(q, k, v, torch.ones(1, q.shape[2], dtype=torch.bool))
+    else:
+        keep = lambda segments: (segments != 0)[:, None, :, None]  # (B, 1, N, 1)
+        packed = lambda q, k, v, s: FavorAttention.apply(q, k, v, keep(s), w, False, segment_members(s))
+        alone = lambda q, k, v: FavorAttention.apply(q, k, v, keep(torch.ones(1, q.shape[2])), w, False)
+    assert_packed_equals_alone(packed, alone, *packed_case())
+
+
+def test_performer_relu_packed_rows_equal_each_example_alone():
+    model = create_model("performer", **BACKBONE, kernel="relu").double()
+    packed = lambda q, k, v, segments: model.attend(q, k, v, segments != 0, segments=segments)
+    alone = lambda q, k, v: model.attend(q, k, v, torch.ones(1, q.shape[2], dtype=torch.bool))
+    assert_packed_equals_alone(packed, alone, *packed_case())
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ def test_packed_outputs_and_gradients_equal_unpacked(name, pooling, pair):
 
 
 def test_a_mixer_that_cannot_keep_segments_apart_refuses_them():
-    mixer = create_model("performer", d_model=32, n_heads=4, d_qkv=32, dropout=0.0, max_len=16)
+    mixer = create_model("nystromformer", d_model=32, n_heads=4, d_qkv=32, dropout=0.0, max_len=16)
     segments = torch.ones(2, 16, dtype=torch.long)
     with pytest.raises(ValueError, match="supports_segments=False"):
         mixer(torch.randn(2, 16, 32), segments != 0, segments=segments)
