@@ -166,3 +166,25 @@ def test_a_trimmed_run_equals_an_untrimmed_one_and_length_grouping_is_named(smok
         assert trimmed[key] == pytest.approx(full[key]), key
     plain = runner.run(smoke_cfg(*TINY, f"run_dir={tmp_path / 'plain'}"))
     assert plain["batching"] == "random" and plain["config_hash"] != full["config_hash"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", SEGMENT_MODELS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_cuda_packed_rows_equal_unpacked_compiled_and_eager(name, precision):
+    """The CUDA paths (fused kernels, fla's variable-length scans, compiled cores, the whole model compiled): the
+    logits of packed rows equal the unpacked ones, within the precision's rounding."""
+    torch.manual_seed(0)
+    model = classifier(name, "cls").float().cuda().eval()
+    tokens = padded_batch(24, 48)
+    inputs = tuple(t.cuda() for t in model_inputs(tokens, True, cls_token=True))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    tol = dict(rtol=5e-2, atol=5e-2) if precision == "bf16" else dict(rtol=2e-3, atol=2e-3)
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=precision == "bf16"):
+        ref = model(tokens.cuda()).float()
+        torch.testing.assert_close(model(*inputs).float(), ref, **tol)
+        compiled = torch.compile(model)
+        for seed in range(2):  # two row counts: the compiled model follows
+            batch = padded_batch(24, 48, seed=seed + 1)
+            packed = tuple(t.cuda() for t in model_inputs(batch, True, cls_token=True))
+            torch.testing.assert_close(compiled(*packed).float(), model(batch.cuda()).float(), **tol)
