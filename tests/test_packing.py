@@ -3,6 +3,8 @@ declares it keeps segments apart (outputs and gradients), and the runner's use o
 (trainer.trim) and length-grouped batching (schedule.batching)."""
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch
@@ -15,6 +17,7 @@ from lra.encoder import build_classifier
 from lra.packing import first_fit_decreasing, model_inputs, pack, real_ends, real_lengths, trim
 from models import create_model, list_models
 from models.registry import get_model_class
+from tests.test_data_tasks import aan_root  # noqa: F401 (fixture)
 
 SEGMENT_MODELS = [n for n in list_models() if getattr(get_model_class(n), "supports_segments", False)]
 TINY = ("task.seq_len=1000", "backbone.n_layers=1", "backbone.dropout=0.0", "backbone.attn_dropout=0.0",
@@ -103,6 +106,20 @@ def test_a_packed_run_equals_an_unpacked_one(smoke_cfg, tmp_path):
         assert packed[key] == pytest.approx(plain[key]), key
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert rows.packed.tolist() == [False, True]
+
+
+def test_a_pair_task_packs_both_documents_and_trims_exactly(smoke_cfg, tmp_path, aan_root):  # noqa: F811
+    pair = (f"data.root={aan_root}", "task=retrieval", "task.seq_len=64", "backbone.n_layers=1",
+            "backbone.dropout=0.0", "backbone.attn_dropout=0.0", "schedule.batch_size=4", "schedule.steps=6",
+            "schedule.eval_every=3", "trainer.eval_batch_size=4")
+    plain = runner.run(smoke_cfg(*pair))
+    fast = runner.run(smoke_cfg(*pair, "trainer.pack=true", "trainer.trim=true", f"run_dir={tmp_path / 'fast'}"))
+    assert fast["packed"] is True and fast["config_hash"] == plain["config_hash"]
+    for key in ("val_acc", "test_acc", "final_test_acc", "best_step"):
+        assert fast[key] == pytest.approx(plain[key]), key
+    losses = [[h["train_loss"] for h in json.loads((tmp_path / d / "history.json").read_text())]
+              for d in ("run", "fast")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)  # the same updates, step by step
 
 
 def test_pack_true_says_why_it_cannot_and_auto_falls_back(smoke_cfg, tmp_path):
