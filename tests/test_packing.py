@@ -106,6 +106,9 @@ def test_a_packed_run_equals_an_unpacked_one(smoke_cfg, tmp_path):
         assert packed[key] == pytest.approx(plain[key]), key
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert rows.packed.tolist() == [False, True]
+    losses = [[h["train_loss"] for h in json.loads((tmp_path / d / "history.json").read_text())]
+              for d in ("run", "packed")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)  # the same updates, step by step
 
 
 def test_a_pair_task_packs_both_documents_and_trims_exactly(smoke_cfg, tmp_path, aan_root):  # noqa: F811
