@@ -89,7 +89,7 @@ class TrainerConfig:
     profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder
     devices: int = 1  # processes of one data-parallel run (DistributedDataParallel)
     threads: Optional[int] = None  # CPU threads of each process; null: this process's share of the host's cores
-    eval_batch_size: int = 128
+    eval_batch_size: Optional[int] = None  # null: the training batch, at least 128 (see eval_batch_size())
     ckpt_every: int = 500
     timing_warmup: int = 20
     progress: bool = True
@@ -238,6 +238,13 @@ AT_LEAST_ONE = ("schedule.steps", "schedule.batch_size", "schedule.eval_every", 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+def eval_batch_size(cfg: DictConfig) -> int:
+    """``trainer.eval_batch_size``, or with null the training batch (at least 128): a model small enough for
+    Pathfinder's batch of 512 evaluates in batches as large, where 128 would leave the GPU waiting on launches."""
+    size = cfg.trainer.get("eval_batch_size")
+    return int(size) if size is not None else max(128, int(cfg.schedule.batch_size))
+
+
 def _get(cfg: DictConfig, key: str):
     return OmegaConf.select(cfg, key, throw_on_missing=True)
 
@@ -268,7 +275,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid: choose one of {', '.join(allowed)}")
         _set(cfg, key, value)
     for key in AT_LEAST_ONE:
-        if _get(cfg, key) < 1:
+        if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)} is not valid: it must be at least 1")
     for key in ("data.limit.train", "data.limit.val", "data.limit.test"):
         value = _get(cfg, key)

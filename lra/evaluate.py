@@ -22,7 +22,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lra import engine
 from lra.checkpoint import RunFiles
-from lra.config import ConfigError, RunConfig, model_options, validate
+from lra.config import ConfigError, RunConfig, eval_batch_size, model_options, validate
 from lra.data import DataError, TaskData, load_task
 from lra.results import append_row, config_hash, device_name, git_sha, now_iso
 from lra.run import check_writable, evaluate, seed_everything, task_shape
@@ -205,7 +205,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
     model.to(device)
     precision = engine.resolve_precision(cfg.trainer.precision, device)
     examples = getattr(data, split)
-    accuracy = evaluate(model, examples, cfg.trainer.eval_batch_size, device, engine.autocast(precision, device))
+    accuracy = evaluate(model, examples, eval_batch_size(cfg), device, engine.autocast(precision, device))
 
     row = EvalRow(
         task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment, checkpoint=checkpoint,

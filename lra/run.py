@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from lra import distributed, engine
 from lra.checkpoint import RunFiles, rng_state, set_rng_state
-from lra.config import ConfigError, model_options, validate
+from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.packing import model_inputs, packed_share, real_ends, trim
 from lra.results import RUN_COLUMNS, RunRow, append_row, config_hash, device_name, git_sha, now_iso
@@ -311,7 +311,7 @@ class Trainer:
         return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token, self.trimmed)
 
     def evaluate(self, split: Split) -> float:
-        return evaluate(self.eval_fn, split, self.cfg.trainer.eval_batch_size, self.device, self.autocast,
+        return evaluate(self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast,
                         self.packed, self.model.encoder.cls_token, self.trimmed)
 
     def batch_order(self) -> BatchOrder:

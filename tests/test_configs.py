@@ -10,7 +10,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lra.config import ConfigError, validate
+from lra.config import ConfigError, eval_batch_size, validate
 from lra.data import list_tasks
 from models import list_models, model_options
 from tests.conftest import CONF, ROOT, compose_cfg
@@ -138,3 +138,11 @@ def test_multirun_sweeps_models(tmp_path):
     rows = (tmp_path / "results" / "runs.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 2 and {r.split(",")[1] for r in rows[1:]} == {"transformer", "linear"}
     assert len(list(Path(tmp_path / "multirun").glob("listops/*/*/result.json"))) == 2
+
+
+def test_the_evaluation_batch_follows_the_training_batch_unless_set():
+    assert eval_batch_size(validate(compose_cfg(["task=pathfinder"]))) == 512  # LRA's Pathfinder batch
+    assert eval_batch_size(validate(compose_cfg(["task=listops"]))) == 128  # at least 128
+    assert eval_batch_size(validate(compose_cfg(["task=listops", "trainer.eval_batch_size=64"]))) == 64
+    with pytest.raises(ConfigError, match="trainer.eval_batch_size=0"):
+        validate(compose_cfg(["trainer.eval_batch_size=0"]))
