@@ -141,8 +141,8 @@ def test_multirun_sweeps_models(tmp_path):
 
 
 def test_the_evaluation_batch_follows_the_training_batch_unless_set():
-    assert eval_batch_size(validate(compose_cfg(["task=pathfinder"]))) == 512  # LRA's Pathfinder batch
-    assert eval_batch_size(validate(compose_cfg(["task=listops"]))) == 128  # at least 128
-    assert eval_batch_size(validate(compose_cfg(["task=listops", "trainer.eval_batch_size=64"]))) == 64
+    assert eval_batch_size(validate(compose_cfg(["task=pathfinder", "run_dir=x"]))) == 512  # LRA's Pathfinder batch
+    assert eval_batch_size(validate(compose_cfg(["task=listops", "run_dir=x"]))) == 128  # at least 128
+    assert eval_batch_size(validate(compose_cfg(["task=listops", "trainer.eval_batch_size=64", "run_dir=x"]))) == 64
     with pytest.raises(ConfigError, match="trainer.eval_batch_size=0"):
-        validate(compose_cfg(["trainer.eval_batch_size=0"]))
+        validate(compose_cfg(["trainer.eval_batch_size=0", "run_dir=x"]))
