@@ -146,3 +146,36 @@ def test_the_evaluation_batch_follows_the_training_batch_unless_set():
     assert eval_batch_size(validate(compose_cfg(["task=listops", "trainer.eval_batch_size=64", "run_dir=x"]))) == 64
     with pytest.raises(ConfigError, match="trainer.eval_batch_size=0"):
         validate(compose_cfg(["trainer.eval_batch_size=0", "run_dir=x"]))
+
+
+def documented_commands() -> list[list[str]]:
+    """The overrides of every `lra ...` command in the README and docs/running.md code blocks ($M expanded)."""
+    commands = []
+    for doc in (ROOT / "README.md", ROOT / "docs" / "running.md"):
+        text = doc.read_text()
+        models = dict(line.split("=", 1) for line in text.splitlines() if line.startswith("M="))
+        for line in text.splitlines():
+            if line.startswith("lra "):
+                words = line.split("#")[0].split()[1:]
+                commands.append([w.replace("$M", models.get("M", "")) for w in words])
+    return commands
+
+
+@pytest.mark.parametrize("words", documented_commands(), ids=lambda w: " ".join(w)[:60])
+def test_every_documented_command_composes_and_validates(words):
+    """Each value of each swept key (the others at their first value) composes into a valid configuration."""
+    import hydra_plugins.lra_launchers.lra_launchers as launchers
+
+    for launcher in (w.split("=", 1)[1] for w in words if w.startswith("hydra/launcher=")):
+        assert f"{launcher}.yaml" in launchers.store.list("hydra/launcher"), launcher
+    overrides = [w for w in words if w != "-m" and not w.startswith(("hydra/", "hydra."))]
+    swept = {o.split("=", 1)[0]: o.split("=", 1)[1].split(",") for o in overrides if "," in o}
+    fixed = [o for o in overrides if "," not in o]
+    first = {key: values[0] for key, values in swept.items()}
+    assert overrides, words
+    for key, values in swept.items():
+        for value in values:
+            job = {**first, key: value}
+            validate(compose_cfg([*fixed, *(f"{k}={v}" for k, v in job.items()), "run_dir=x"]))
+    if not swept:
+        validate(compose_cfg([*fixed, "run_dir=x"]))
