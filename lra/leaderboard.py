@@ -236,6 +236,26 @@ def format_leaderboard(lb: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def whole_lra_minutes(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
+    """Per (experiment, model) with a run of each of ListOps, Text, Image and Pathfinder: the wall time of the
+    lowest seed's selected run of each task (training with its evaluations, across resumes) and their sum, in
+    minutes, with the devices they ran on."""
+    picked = select_runs(runs, experiment)
+    picked = picked[picked["best"] & picked["task"].isin(TASKS4)]
+    if "wall_time_s" not in picked or picked.empty:
+        return pd.DataFrame(columns=["experiment", "model", *TASKS4, "total", "devices"])
+    picked = picked.sort_values("seed", kind="stable").drop_duplicates(["experiment", "model", "task"])
+    rows = []
+    for (experiment_name, model), g in picked.groupby(["experiment", "model"], sort=False):
+        minutes = g.set_index("task")["wall_time_s"].astype(float).reindex(TASKS4) / 60
+        if minutes.notna().all():
+            devices = sorted({d for ds in g.get("device", pd.Series(dtype=str)).dropna().astype(str)
+                              for d in ds.split(" + ")})
+            rows.append(dict(experiment=experiment_name, model=model, **minutes.round(1).to_dict(),
+                             total=round(float(minutes.sum()), 1), devices=", ".join(devices)))
+    return pd.DataFrame(rows, columns=["experiment", "model", *TASKS4, "total", "devices"])
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(prog="python -m lra.leaderboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=DEFAULT_RESULTS,
@@ -255,6 +275,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     out.parent.mkdir(parents=True, exist_ok=True)
     lb.to_csv(out, index=False, float_format="%.4f")
     print(format_leaderboard(lb))
+    minutes = whole_lra_minutes(pd.read_csv(runs_path), args.experiment)
+    if not minutes.empty:
+        print("\nWall time of a whole LRA (the four tasks run here), minutes:")
+        print(minutes.to_string(index=False))
     print(f"written to {out}")
     return lb
 

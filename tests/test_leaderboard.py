@@ -211,3 +211,17 @@ def test_compare_two_bench_files(tmp_path, capsys):
     with pytest.raises(SystemExit, match="only with another bench"):
         leaderboard.build_leaderboard(hand_made_runs()).to_csv(tmp_path / "lb.csv", index=False)
         compare.main([str(tmp_path / "a.csv"), str(tmp_path / "lb.csv")])
+
+
+def test_whole_lra_minutes_sum_the_four_tasks_of_the_selected_runs():
+    rows = [dict(run(t, "m", 0, 50.0, 50.0), wall_time_s=60.0 * (i + 1), device="GPU A")
+            for i, t in enumerate(["listops", "text", "image", "pathfinder"])]
+    rows.append(dict(run("listops", "m", 1, 60.0, 60.0), wall_time_s=600.0, device="GPU B"))  # a later seed: not it
+    rows.append(dict(run("listops", "m", 0, 40.0, 40.0, ts="2026-01-03T00:00:00Z"), wall_time_s=900.0,
+                     device="GPU B"))  # a worse rerun of seed 0: not selected
+    rows += [dict(run(t, "partial", 0, 50.0, 50.0), wall_time_s=60.0) for t in ["listops", "text"]]
+    table = leaderboard.whole_lra_minutes(pd.DataFrame(rows).reindex(columns=RUN_COLUMNS))
+    assert table.model.tolist() == ["m"]  # a model without all four tasks has no whole-LRA time
+    got = table.iloc[0]
+    assert (got.listops, got.text, got.image, got.pathfinder, got.total) == (1.0, 2.0, 3.0, 4.0, 10.0)
+    assert got.devices == "GPU A"
