@@ -93,6 +93,20 @@ def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke
     assert len(rows) == 2 and sorted(rows.devices) == [1, 2]
 
 
+def test_ranks_that_pack_their_shares_make_the_same_updates_as_one_unpacked_process(smoke_cfg, tmp_path):
+    same = ("task.seq_len=1000", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
+            "schedule.steps=4", "schedule.eval_every=2", "data.limit.train=64", "data.limit.val=32",
+            "data.limit.test=32")
+    one = runner.run(smoke_cfg(*same, f"run_dir={tmp_path / 'one'}"))
+    packed = runner.run(smoke_cfg(*same, "trainer.devices=2", "trainer.pack=true", f"run_dir={tmp_path / 'two'}"))
+    assert packed["packed"] is True and packed["devices"] == 2
+    for key in ("val_acc", "test_acc", "final_test_acc", "best_step"):
+        assert packed[key] == pytest.approx(one[key], abs=1e-6), key
+    history = [json.loads((tmp_path / d / "history.json").read_text()) for d in ("one", "two")]
+    for a, b in zip(*history, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+
+
 def test_data_parallel_ranks_agree_on_a_stop_every_few_steps_not_every_step(monkeypatch):
     """A per-step agreement (all-reduce + read back) would stall every step's GPU queue; alone, a stop is at once."""
     reduced = []
