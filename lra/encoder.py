@@ -58,8 +58,9 @@ class MaskedBatchNorm(nn.BatchNorm1d):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if mask is None or not self.training:  # every token counts, or the running statistics are used
             return super().forward(x.reshape(-1, x.shape[-1])).view_as(x)
-        m = mask.unsqueeze(-1).to(torch.float32)  # (B, N, 1)
-        xf = x.float()
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays, for tests)
+        m = mask.unsqueeze(-1).to(acc)  # (B, N, 1)
+        xf = x.to(acc)
         count = m.sum()
         mean = (xf * m).sum((0, 1)) / count  # (D,)
         var = ((xf - mean).square() * m).sum((0, 1)) / count  # (D,) biased: what the batch is normalised with
@@ -67,8 +68,9 @@ class MaskedBatchNorm(nn.BatchNorm1d):
             with torch.no_grad():  # as nn.BatchNorm1d: momentum (or a cumulative average), unbiased variance
                 self.num_batches_tracked.add_(1)
                 factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                self.running_mean.lerp_(mean, factor)
-                self.running_var.lerp_(var * count / (count - 1).clamp_min(1.0), factor)
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+                unbiased = var * count / (count - 1).clamp_min(1.0)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
         y = (xf - mean) * torch.rsqrt(var + self.eps)  # (B, N, D)
         if self.affine:
             y = y * self.weight + self.bias

@@ -208,3 +208,17 @@ def test_on_cuda_packed_rows_equal_unpacked_compiled_and_eager(name, precision):
             batch = padded_batch(24, 48, seed=seed + 1)
             packed = tuple(t.cuda() for t in model_inputs(batch, True, cls_token=True))
             torch.testing.assert_close(compiled(*packed).float(), model(batch.cuda()).float(), **tol)
+
+
+@pytest.mark.parametrize("name", SEGMENT_MODELS)
+def test_packed_rows_keep_batchnorm_statistics_and_recipe_backbones_exact(name):
+    """S4-style blocks (BatchNorm over real tokens, post-norm, no MLP, no positions, mean pooling), in training
+    mode: the batch statistics see the same real tokens packed or not."""
+    torch.manual_seed(0)
+    bb = OmegaConf.create(dict(n_layers=2, d_model=32, n_heads=4, d_qkv=32, d_ff=32, dropout=0.0, attn_dropout=0.0,
+                               pooling="mean", cls_token=False, d_classifier=16, norm="batchnorm", prenorm=False,
+                               mlp=False, positions="none"))
+    model = build_classifier(name, {}, bb, vocab_size=20, seq_len=48, n_classes=3).double().train()
+    tokens = padded_batch(12, 48)
+    ref = model(tokens)
+    torch.testing.assert_close(model(*model_inputs(tokens, True, cls_token=False)), ref, rtol=1e-10, atol=1e-10)
