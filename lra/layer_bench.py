@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+import yaml
 
 from lra import engine
 from lra.bench import model_config_options
@@ -121,12 +122,13 @@ def compare(ours: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
     """Our rows beside every public implementation of the same method and length (and batch, where the reference
     has one), with the speed-up (public ms / ours) and the memory ratio (ours MB / public MB)."""
     keys = ["model", "seq_len"] + (["batch_size"] if "batch_size" in reference else [])
-    ours = ours[["model", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb"]]
+    ours = ours.assign(ours=ours["implementation"] if "implementation" in ours else "lra " + ours["model"])
+    ours = ours[["model", "ours", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb"]]  # ours: a variant's label
     merged = ours.merge(reference, on=keys, how="left", suffixes=("", "_public"))
     merged["speedup"] = merged["ms_fwd_bwd_public"] / merged["ms_fwd_bwd"]
     merged["mem_ratio"] = merged["peak_mb"] / merged["peak_mb_public"]
-    return merged[["model", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb", "implementation", "ms_fwd_bwd_public",
-                   "peak_mb_public", "speedup", "mem_ratio"]]
+    return merged[["model", "ours", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb", "implementation",
+                   "ms_fwd_bwd_public", "peak_mb_public", "speedup", "mem_ratio"]]
 
 
 def versus_sdpa(table: pd.DataFrame, sdpa: pd.DataFrame) -> pd.DataFrame:
@@ -161,6 +163,20 @@ def print_table(table: pd.DataFrame, header: str) -> None:
         print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
 
 
+def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
+    """'performer:chunk_size=1024,n_features=128;reformer:n_hashes=4' -> [(label, model, options), ...], values
+    read as YAML scalars (1024, 0.5, true, null), labelled as the bench labels its variants."""
+    cases = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, assignments = part.partition(":")
+        if name not in list_models() or not assignments:
+            raise SystemExit(f"--variants: {part!r} is not <model>:<option>=<value>[,...] with a registered model")
+        options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
+        label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
+        cases.append((label, name, options))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(prog="python -m lra.layer_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(list_models()), help="comma-separated registry names")
@@ -169,6 +185,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
+    parser.add_argument("--variants", default="", help="more rows of our mixers with options changed, e.g. "
+                        "'performer:chunk_size=1024;reformer:n_hashes=4' (rows 'lra performer(chunk_size=1024)', ...)")
     parser.add_argument("--peers", action="store_true",
                         help="also time the public packages of these models and a bare SDPA layer, here and now")
     args = parser.parse_args(argv)
@@ -178,9 +196,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
                   torch=torch.__version__, git_sha=git_sha())
-    ours = [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {name}"),
-                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps), device)
-            for name in models for n, batch in shapes]
+    cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
+    ours = [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
+                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options), device)
+            for label, name, options in cases for n, batch in shapes]
     theirs = [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
                       lambda: time_peer(peer, n, batch, device, args.warmup, args.steps), device)
               for peer in (for_models(models) if args.peers else []) for n, batch in shapes]

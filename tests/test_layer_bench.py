@@ -162,3 +162,16 @@ def test_a_failing_package_is_an_error_row(tmp_path, monkeypatch):
     assert rows.loc["sinkhorn-transformer 0.11.4 (bucket 64)", "status"] == \
         "error: RuntimeError: expected scalar type Float but found BFloat16"
     assert (rows.drop("sinkhorn-transformer 0.11.4 (bucket 64)").status == "ok").all()  # the sweep went on
+
+
+def test_variants_are_rows_of_their_own_labelled_by_their_options(tmp_path):
+    assert layer_bench.parse_variants("performer:n_features=64,recompute=false; linear:chunk_size=16") == [
+        ("performer(n_features=64,recompute=False)", "performer", {"n_features": 64, "recompute": False}),
+        ("linear(chunk_size=16)", "linear", {"chunk_size": 16})]
+    with pytest.raises(SystemExit, match="not <model>:<option>=<value>"):
+        layer_bench.parse_variants("nosuchmodel:x=1")
+    out = tmp_path / "layers.csv"
+    table = layer_bench.main(["--models", "linear", "--variants", "linear:chunk_size=16", "--shapes", "64x2",
+                              "--warmup", "0", "--steps", "1", "--device", "cpu", "--out", str(out)])
+    assert pd.read_csv(out).implementation.tolist() == ["lra linear", "lra linear(chunk_size=16)"]
+    assert table.ours.tolist() == ["lra linear", "lra linear(chunk_size=16)"]
