@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from models import create_model
-from models.performer import (
-    FavorAttention,
-    favor_attention,
-    favor_forward,
-    orthogonal_gaussian,
-    segment_members,
-)
+from models._favor import FavorAttention, favor_attention, favor_forward, segment_members
+from models.performer import orthogonal_gaussian
 
 BACKBONE = dict(d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=512)
 
@@ -178,8 +173,8 @@ def test_favor_bf16_products_stay_close_to_the_fp64_formula():
 
     low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
     assert favor_forward(*low, keep, w.float())[1].dtype == torch.float32  # the summary leaves the bf16 matmul
-    _, _, ksum, den = favor_forward(*low, keep, w.float())
-    _, _, ksum32, den32 = favor_forward(*(t.detach().float() for t in low), keep, w.float())
+    _, _, ksum, den, _ = favor_forward(*low, keep, w.float())
+    _, _, ksum32, den32, _ = favor_forward(*(t.detach().float() for t in low), keep, w.float())
     assert torch.equal(ksum, ksum32) and torch.equal(den, den32)
     for fn in (favor_attention, lambda *a: FavorAttention.apply(*a, False)):
         out = fn(*low, keep, w.float())
@@ -343,10 +338,108 @@ def test_performer_relu_packed_rows_equal_each_example_alone():
     assert_packed_equals_alone(packed, alone, *packed_case())
 
 
+# Chunks (``chunk_size``): 1 position, 7 (not dividing N), N and more than N, against the unchunked forward and
+# autograd's gradients of it, on the autograd path and on the hand-written backward (eager here, compiled on CUDA).
+FAVOR_PATHS = {
+    "autograd": lambda q, k, v, keep, w, member, chunk: favor_attention(q, k, v, keep, w, member, chunk),
+    "recompute": lambda q, k, v, keep, w, member, chunk: FavorAttention.apply(q, k, v, keep, w, False, member, chunk),
+}
+
+
+def assert_chunks_equal_whole(fn, q, k, v, keep, w, member, chunk):
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=q.dtype) * keep
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = favor_attention(*inputs, keep, w, member)  # unchunked, differentiated by autograd
+    ref_grads = torch.autograd.grad(ref, inputs, grad)
+    out = fn(*inputs, keep, w, member, chunk)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, r in zip(torch.autograd.grad(out, inputs, grad), ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    whole, chunked = favor_forward(q, k, v, keep, w, member), favor_forward(q, k, v, keep, w, member, chunk)
+    assert torch.equal(whole[4], chunked[4])  # the key stabiliser: a maximum, exact in any order
+    for a, b in zip(whole[1:4], chunked[1:4]):  # summaries, key sums, normaliser
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", FAVOR_PATHS)
+@pytest.mark.parametrize("chunk", [1, 7, 23, 40])
+def test_favor_chunks_equal_the_whole_sequence_with_padding(chunk, path):
+    q, k, v = qkv(N=23, D=8, scale=1.5, seed=12, dtype=torch.float64)
+    keep = ragged_mask(2, 23, [23, 10])[:, None, :, None]  # row 1: chunks 2 and 3 (of 7) hold only padding
+    w = orthogonal_gaussian(24, 8, torch.Generator().manual_seed(3)).double() * 8**-0.25
+    assert_chunks_equal_whole(FAVOR_PATHS[path], q, k, v, keep, w, None, chunk)
+
+
+@pytest.mark.parametrize("path", FAVOR_PATHS)
+@pytest.mark.parametrize("chunk", [1, 7, 24, 40])
+def test_favor_chunks_equal_the_whole_sequence_in_packed_rows(chunk, path):
+    """Chunks cut across examples (7: the 9-token example spans two chunks, one chunk holds three examples'
+    keys), and each example keeps its own stabiliser: the 40x keys of the 6-token example included."""
+    q, k, v, segments, _ = packed_case()
+    keep = (segments != 0)[:, None, :, None]  # (B, 1, N, 1)
+    w = favor_fp64().features * 16**-0.25
+    assert_chunks_equal_whole(FAVOR_PATHS[path], q, k, v, keep, w, segment_members(segments), chunk)
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements of any tensor an op returns (views count their full size)."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_favor_chunks_never_form_a_whole_feature_map(packed):
+    """The hand-written path with chunks of 8 forms no tensor of B H N m elements, forward or backward (the
+    largest are the (B, H, N, Dh) inputs and outputs); without chunks it does."""
+    B, H, N, D, m = 2, 2, 64, 8, 64
+    q, k, v = (t.requires_grad_() for t in qkv(B=B, H=H, N=N, D=D, dtype=torch.float64))
+    segments = torch.zeros(B, N, dtype=torch.long)
+    segments[0, :30], segments[0, 30:50], segments[1, :64] = 1, 2, 3
+    member = segment_members(segments) if packed else None
+    keep = (segments != 0)[:, None, :, None]
+    w = orthogonal_gaussian(m, D, torch.Generator().manual_seed(0)).double() * D**-0.25
+    largest = {}
+    for chunk in (None, 8):
+        with LargestTensor() as mode:
+            FavorAttention.apply(q, k, v, keep, w, False, member, chunk).square().sum().backward()
+        largest[chunk] = mode.largest
+    assert largest[None] >= B * H * N * m > 2 * B * H * N * D >= largest[8], largest
+
+
+def test_favor_chunks_compile_like_eager():
+    """The chunk loop unrolls under torch.compile (CPU Inductor here, as on CUDA): compiled forward and backward
+    of FavorAttention (``fused``) equal eager, with padding and a chunk that does not divide N."""
+    q, k, v = qkv(B=1, H=2, N=9, D=8, scale=1.5, seed=13, dtype=torch.float64)
+    keep = ragged_mask(1, 9, [7])[:, None, :, None]
+    w = orthogonal_gaussian(16, 8, torch.Generator().manual_seed(4)).double() * 8**-0.25
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(6), dtype=q.dtype)
+    results = []
+    for fused in (False, True):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = FavorAttention.apply(*inputs, keep, w, fused, None, 5)  # chunks of 5 and 4
+        results.append([out, *torch.autograd.grad(out, inputs, grad)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -4])
+def test_performer_chunk_size_must_be_positive_or_none(chunk_size):
+    with pytest.raises(ValueError, match=r"chunk_size must be >= 1 .* or None .*got " + str(chunk_size)):
+        create_model("performer", **BACKBONE, chunk_size=chunk_size)
+    assert create_model("performer", **BACKBONE, chunk_size=None).chunk_size is None
+    assert create_model("performer", **BACKBONE, chunk_size=16).chunk_size == 16
+
+
 @pytest.mark.parametrize(
     "name,bad",
     [("performer", dict(kernel="cos")), ("performer", dict(n_features=0)), ("performer", dict(redraw_every=-1)),
-     ("linear", dict(chunk_size=0))],
+     ("performer", dict(chunk_size=0)), ("linear", dict(chunk_size=0))],
 )
 def test_bad_options_fail_at_construction(name, bad):
     with pytest.raises(ValueError):
@@ -359,7 +452,7 @@ def test_bad_options_fail_at_construction(name, bad):
 @pytest.mark.parametrize(
     "name,options",
     [("linear", {}), ("linear", dict(causal=True, chunk_size=8)), ("performer", {}),
-     ("performer", dict(recompute=False)), ("performer", dict(kernel="relu"))],
+     ("performer", dict(recompute=False)), ("performer", dict(kernel="relu")), ("performer", dict(chunk_size=5))],
 )
 def test_appending_padding_leaves_real_outputs_unchanged(name, options):
     torch.manual_seed(0)
