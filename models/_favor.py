@@ -1,5 +1,6 @@
 """The FAVOR+ kernels under ``performer`` (models/performer.py states the method, its stabilisers, precision and
-packing): the feature maps, the normalised forward, its hand-written backward, the packed-row helpers, the
+packing): the feature maps, the normalised forward, its hand-written backward, the per-example stabiliser of
+packed rows (the packing helpers ``spread`` and ``pick`` are models/base.py's, shared with ``linear``), the
 autograd Function that CUDA runs, and LRA's relu variant.
 
 Chunking (``chunk_size`` C): unchunked, the softmax kernel forms whole (B, H, N, m) fp32 feature maps, several
@@ -29,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .base import compiled, segment_onehot
+from .base import compiled, own_segment, pick, spread
 
 EPS = 1e-6  # normaliser floor (LRA's numerical_stabilizer)
 RELU_EPS = 1e-3  # LRA's kernel_epsilon for the deterministic relu features
@@ -40,35 +41,6 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ packing
-
-
-def segment_members(segments: torch.Tensor) -> torch.Tensor:
-    """(B, N) segment ids -> (B, 1, N, S) bool: n belongs to its row's s-th example. Padding joins the first (its
-    keys are masked to zero, its outputs ignored), so every position has exactly one."""
-    onehot = segment_onehot(segments)  # (B, S, N)
-    onehot[:, 0] |= segments == 0
-    return onehot.transpose(1, 2)[:, None]  # (B, 1, N, S)
-
-
-def own_segment(member: torch.Tensor | None) -> torch.Tensor | None:
-    """(B, 1, N, S) membership -> (B, 1, N, 1) int64: the index s of each position's example."""
-    return None if member is None else member.to(torch.uint8).argmax(-1, keepdim=True)
-
-
-def spread(x: torch.Tensor, member: torch.Tensor | None) -> torch.Tensor:
-    """(B, H, N, D) -> (B, H, N, S D): x_n in its own example's block of D columns, zeros in the others, so that
-    (N x m)^T @ spread(x) sums each example apart. Unpacked: x itself."""
-    if member is None:
-        return x
-    return (x.unsqueeze(-2) * member.unsqueeze(-1)).flatten(-2)  # (B, H, N, S, D) -> (B, H, N, S D)
-
-
-def pick(y: torch.Tensor, index: torch.Tensor | None, d: int) -> torch.Tensor:
-    """(B, H, N, S d) -> (B, H, N, d): each position's block of its own example. Unpacked: y itself."""
-    if index is None:
-        return y
-    blocks = y.unflatten(-1, (-1, d))  # (B, H, N, S, d)
-    return blocks.gather(3, index[..., None].expand(-1, y.shape[1], -1, 1, d)).squeeze(3)  # (B, H, N, d)
 
 
 def rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

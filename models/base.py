@@ -63,6 +63,36 @@ def segment_onehot(segments: torch.Tensor) -> torch.Tensor:
     return onehot & real[:, None, :]
 
 
+def segment_members(segments: torch.Tensor) -> torch.Tensor:
+    """(B, N) segment ids -> (B, 1, N, S) bool: n belongs to its row's s-th example. Padding joins the first (its
+    keys are masked to zero, its outputs ignored), so every position has exactly one. With ``spread`` and
+    ``pick``, kernel mixers sum keys per example in one matmul and each query reads its own example's sums."""
+    onehot = segment_onehot(segments)  # (B, S, N)
+    onehot[:, 0] |= segments == 0
+    return onehot.transpose(1, 2)[:, None]  # (B, 1, N, S)
+
+
+def own_segment(member: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, 1, N, S) membership -> (B, 1, N, 1) int64: the index s of each position's example."""
+    return None if member is None else member.to(torch.uint8).argmax(-1, keepdim=True)
+
+
+def spread(x: torch.Tensor, member: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, N, D) -> (B, H, N, S D): x_n in its own example's block of D columns, zeros in the others, so that
+    (N x m)^T @ spread(x) sums each example apart. Unpacked: x itself."""
+    if member is None:
+        return x
+    return (x.unsqueeze(-2) * member.unsqueeze(-1)).flatten(-2)  # (B, H, N, S, D) -> (B, H, N, S D)
+
+
+def pick(y: torch.Tensor, index: torch.Tensor | None, d: int) -> torch.Tensor:
+    """(B, H, N, S d) -> (B, H, N, d): each position's block of its own example. Unpacked: y itself."""
+    if index is None:
+        return y
+    blocks = y.unflatten(-1, (-1, d))  # (B, H, N, S, d)
+    return blocks.gather(3, index[..., None].expand(-1, y.shape[1], -1, 1, d)).squeeze(3)  # (B, H, N, d)
+
+
 class MultiHeadMixer(nn.Module):
     """Backbone arguments, fixed by the task: ``d_model`` (residual width), ``n_heads``, ``d_qkv`` (total
     width of queries/keys/values over all heads, as LRA's ``qkv_dim``), ``dropout`` (attention dropout,

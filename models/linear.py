@@ -22,8 +22,9 @@ Precision: the feature map, the summaries, the prefix sums and the normaliser ru
 autocast (a bf16 key sum over thousands of tokens loses the normaliser's precision).
 Padding: phi(k) is zeroed at padded keys, so padding never contributes to any output; padded queries get an
 output, which the encoder ignores. The mask is honoured exactly in both forms.
-Packed rows (``segments``, non-causal form): one summary per example of the row, each query reading its own
-example's; S examples in a row cost S summaries and S query products, still O(N Dh^2) per example.
+Packed rows (``segments``, non-causal form): one summary per example of the row in one matmul (values spread
+into S blocks of columns, models/base.py's ``spread``), each query reading its own example's (``pick``); S
+examples in a row cost S-fold products, still O(N Dh^2) per example.
 Deviations from LRA's code (``linear_attention``): LRA applies no padding mask (pads leak into the key sums),
 and offers only the non-causal form. Attention dropout is not applied (there is no attention matrix; LRA
 ignores its dropout rate here too).
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, compiled, segment_onehot
+from .base import MultiHeadMixer, compiled, own_segment, pick, segment_members, spread
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
@@ -79,32 +80,21 @@ def causal_prefix_attention(fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor
     return out.view(B, H, n * chunk, E)[:, :, :N]  # (B, H, N, E)
 
 
-def per_segment_attention(fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
-    """Non-causal linear attention within each segment of a packed row. fq, fk (B, H, N, Dh), v1 (B, H, N, E),
-    onehot (B, S, N) -> (B, H, N, E): query i reads the summary of its own segment only."""
-    member = onehot[:, None, :, :, None].to(fk.dtype)  # (B, 1, S, N, 1)
-    summary = torch.matmul((fk.unsqueeze(2) * member).transpose(-1, -2), v1.unsqueeze(2))  # (B, H, S, Dh, E)
-    per_segment = torch.matmul(fq.unsqueeze(2), summary)  # (B, H, S, N, E): every query against every summary
-    return (per_segment * member).sum(2)  # (B, H, N, E): each query keeps its own segment's
-
-
 def linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, causal: bool, chunk: int,
-    onehot: torch.Tensor | None = None,
+    member: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k, v (B, H, N, Dh), mask (B, N) -> (B, H, N, Dh) in q's dtype; all arithmetic in fp32 (or fp64).
-    ``onehot`` (B, S, N): the segments of packed rows (non-causal form only)."""
+    ``member`` (B, 1, N, S): the examples of packed rows (``segment_members``; non-causal form only)."""
     with torch.autocast(device_type=q.device.type, enabled=False):
         fq = feature_map(q)  # (B, H, N, Dh)
         fk = feature_map(k) * mask[:, None, :, None]  # (B, H, N, Dh): padded keys contribute nothing
         v1 = with_ones(v)  # (B, H, N, Dh + 1)
         if causal:
             o1 = causal_prefix_attention(fq, fk, v1, chunk)  # (B, H, N, Dh + 1)
-        elif onehot is not None:
-            o1 = per_segment_attention(fq, fk, v1, onehot)  # (B, H, N, Dh + 1)
-        else:
-            summary = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, Dh, Dh + 1): [sum fk v^T | sum fk]
-            o1 = torch.matmul(fq, summary)  # (B, H, N, Dh + 1)
+        else:  # packed rows: one summary per example (spread), each query reading its own (pick); else S = 1
+            summary = torch.matmul(fk.transpose(-1, -2), spread(v1, member))  # (B, H, Dh, S (Dh + 1)): [fk v^T | fk]
+            o1 = pick(torch.matmul(fq, summary), own_segment(member), v1.shape[-1])  # (B, H, N, Dh + 1)
         return normalise(o1).to(q.dtype)  # (B, H, N, Dh)
 
 
@@ -134,7 +124,7 @@ class LinearAttention(MultiHeadMixer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         if segments is not None:
-            return linear_attention(q, k, v, mask, False, 1, segment_onehot(segments))  # (B, H, N, Dh)
+            return linear_attention(q, k, v, mask, False, 1, segment_members(segments))  # (B, H, N, Dh)
         core = compiled(linear_attention) if (self.compile_core and q.is_cuda) else linear_attention
         return core(q, k, v, mask, self.causal, self.chunk_size)  # (B, H, N, Dh)
 

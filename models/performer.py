@@ -73,8 +73,8 @@ from typing import Literal
 
 import torch
 
-from ._favor import FavorAttention, favor_attention, relu_attention, segment_members, upcast
-from .base import MultiHeadMixer, compiled
+from ._favor import FavorAttention, favor_attention, relu_attention, upcast
+from .base import MultiHeadMixer, compiled, segment_members
 from .registry import Taxonomy, register_model
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from models import create_model
-from models._favor import FavorAttention, favor_attention, favor_forward, segment_members
+from models._favor import FavorAttention, favor_attention, favor_forward
+from models.base import segment_members
 from models.performer import orthogonal_gaussian
 
 BACKBONE = dict(d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=512)
