@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from lra import engine
-from lra.bench import model_config_options
+from lra.bench import model_config_options, variant_cases
 from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.results import append_row, device_name, git_sha, now_iso
 from models import create_model, list_models
@@ -165,16 +165,18 @@ def print_table(table: pd.DataFrame, header: str) -> None:
 
 def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
     """'performer:chunk_size=1024,n_features=128;reformer:n_hashes=4' -> [(label, model, options), ...], values
-    read as YAML scalars (1024, 0.5, true, null), labelled as the bench labels its variants."""
-    cases = []
+    read as YAML scalars (1024, 0.5, true, null); checked and labelled as the bench's ``bench.variants``."""
+    variants = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         name, _, assignments = part.partition(":")
         if name not in list_models() or not assignments:
             raise SystemExit(f"--variants: {part!r} is not <model>:<option>=<value>[,...] with a registered model")
         options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
-        label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
-        cases.append((label, name, options))
-    return cases
+        variants.append({"model": name, **options})
+    try:
+        return variant_cases(variants)
+    except ValueError as error:  # a misspelt option: before the sweep, in one line
+        raise SystemExit(f"--variants: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:

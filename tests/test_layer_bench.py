@@ -170,6 +170,8 @@ def test_variants_are_rows_of_their_own_labelled_by_their_options(tmp_path):
         ("linear(chunk_size=16)", "linear", {"chunk_size": 16})]
     with pytest.raises(SystemExit, match="not <model>:<option>=<value>"):
         layer_bench.parse_variants("nosuchmodel:x=1")
+    with pytest.raises(SystemExit, match="--variants: .*n_feature"):  # a misspelt option fails before any timing
+        layer_bench.parse_variants("performer:n_feature=64")
     out = tmp_path / "layers.csv"
     table = layer_bench.main(["--models", "linear", "--variants", "linear:chunk_size=16", "--shapes", "64x2",
                               "--warmup", "0", "--steps", "1", "--device", "cpu", "--out", str(out)])
