@@ -311,8 +311,15 @@ class Trainer:
         return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token, self.trimmed)
 
     def evaluate(self, split: Split) -> float:
-        return evaluate(self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast,
-                        self.packed, self.model.encoder.cls_token, self.trimmed)
+        def run() -> float:
+            return evaluate(self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast,
+                            self.packed, self.model.encoder.cls_token, self.trimmed)
+
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - run_eagerly_after re-raises all but compile errors
+            self.run_eagerly_after(e)
+            return run()
 
     def batch_order(self) -> BatchOrder:
         cfg = self.cfg
@@ -389,23 +396,31 @@ class Trainer:
         return bool(self.world.any(flags)[0] > 0)
 
     def step(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
-        """One training step. With ``trainer.compile=auto``, a model that torch.compile cannot compile (an error
-        while compiling, before any update) runs eagerly instead, saying so; the row then says compiled=False."""
+        """One training step (eagerly from here on if torch.compile fails: ``run_eagerly_after``)."""
         cfg = self.cfg
+
+        def run() -> torch.Tensor:
+            return engine.train_step(self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
+                                     grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
+
         try:
-            return engine.train_step(self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
-                                     grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
-        except Exception as e:
-            if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(e)):
-                raise
-            log.warning("torch.compile failed for %s (%s: %s); running it eagerly", cfg.model.name, type(e).__name__,
-                        str(e).splitlines()[0][:200])
-            torch._dynamo.reset()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.compiled, self.train_fn = False, self.eager_train_fn
-            self.eval_fn = self.model
-            return engine.train_step(self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
-                                     grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
+            return run()
+        except Exception as e:  # noqa: BLE001 - run_eagerly_after re-raises all but compile errors
+            self.run_eagerly_after(e)
+            return run()
+
+    def run_eagerly_after(self, error: Exception) -> None:
+        """With ``trainer.compile=auto``, a model that torch.compile cannot compile (an error while compiling a
+        training step, before its update, or an evaluation) runs eagerly from then on, saying so; the row then
+        says compiled=False. Any other error is raised."""
+        cfg = self.cfg
+        if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
+            raise error
+        log.warning("torch.compile failed for %s (%s: %s); running it eagerly", cfg.model.name,
+                    type(error).__name__, str(error).splitlines()[0][:200])
+        torch._dynamo.reset()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
 
     def finite(self, loss_sum: torch.Tensor) -> bool:
         bad = torch.stack([torch.zeros((), device=self.device), (~torch.isfinite(loss_sum)).float()])

@@ -107,6 +107,23 @@ def ordered_tiles(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, torch.empty_like(active).scatter_(-1, slot, columns)  # (B, H, R), (B, H, R, C)
 
 
+@torch.library.custom_op("lra_models::realized", mutates_args=())
+def realized(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` that ``torch.compile`` makes as one opaque kernel, so it is a buffer of its own.
+
+    A tensor that a ``mask_mod`` reads must be a realised buffer. Inside a compiled inference graph Inductor
+    fused the key mask computed from the input into its consumers instead (torch 2.11 CUDA: ``'function'
+    object has no attribute 'graph'``; BigBird: ``convert FlexibleLayout to FixedLayout first``; torch 2.13
+    CPU: ``All the buffers in the score and mask subgraph should be in ... input_buffers``), which broke every
+    evaluation of the padded block-sparse models under ``trainer.compile``. A training graph realised it."""
+    return x.clone()
+
+
+@realized.register_fake
+def _realized_shape(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def listed_tiles(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The inverse of ``ordered_tiles``: (B, H, R) counts and (B, H, R, C) indices -> (B, H, R, C) bool tiles."""
     listed = torch.arange(index.shape[-1], device=index.device) < count[..., None]  # the first `count` are real
@@ -155,7 +172,7 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     full = (every & real_all[:, None, :])[:, :ntr, :ntr]  # (B, ntr, ntr): computed without mask_mod
     partial = (some & real_any[:, None, :])[:, :ntr, :ntr] & ~full  # (B, ntr, ntr): mask_mod decides inside
 
-    keep_flat = keep.reshape(-1)  # (B * Np,)
+    keep_flat = realized(keep.reshape(-1))  # (B * Np,), a buffer of its own for the mask_mod
 
     def mask_mod(b, h, q_idx, kv_idx):
         if B == 1:  # one mask for the whole batch (FlexAttention broadcasts it): look everything up in sample 0
@@ -258,6 +275,7 @@ class BlockSparseMixer(MultiHeadMixer):
         else:
             keep = F.pad(mask, (0, pad), value=False)  # (B, Np): internal padding is masked like any other
         layout, context = self.block_layout(keep)
+        context = tuple(realized(c) for c in context)  # read by the mask_mod: buffers of their own
 
         def rule(b, q_block, k_block):
             return self.pattern(b, q_block, k_block, *context)

@@ -318,3 +318,23 @@ def test_bad_settings_fail_in_init():
         make("longformer", window=-1)
     with pytest.raises(ValueError, match="at most 256"):
         make("bigbird", max_len=256)(*batch(300))
+
+
+@pytest.mark.parametrize("name", ["local", "sparse", "longformer", "bigbird"])
+def test_compiled_evaluation_with_padding_equals_the_dense_mask(name):
+    """A model compiled whole and evaluated (no autograd) on a padded batch: the mask_mod's captured key mask and
+    pattern context must be buffers of their own (``patterns.realized``), else Inductor fails to lower the
+    FlexAttention call (every padded ListOps evaluation failed so before the fix)."""
+    torch.manual_seed(0)
+    m = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=512).eval()
+    x = torch.randn(3, 300, 32)
+    mask = torch.ones(3, 300, dtype=torch.bool)
+    mask[0, 200:] = False
+    mask[2, ::3] = False
+    torch._dynamo.reset()
+    with torch.no_grad():
+        m.backend = "flex"
+        compiled = torch.compile(m)(x, mask)
+        m.backend = "dense"
+        dense = m(x, mask)
+    torch.testing.assert_close(compiled * mask[..., None], dense * mask[..., None], atol=1e-5, rtol=1e-4)

@@ -265,6 +265,34 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, 
                              "resume=false"))
 
 
+def test_an_evaluation_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, monkeypatch, caplog):
+    """Training compiles but evaluation (no autograd, another graph) does not: the run goes on eagerly, as the
+    padded block-sparse ListOps runs needed before ``patterns.realized``."""
+    class InductorError(RuntimeError):
+        pass
+
+    InductorError.__module__ = "torch._inductor.exc"
+
+    class FailsWithoutGrad(torch.nn.Module):  # a module, as torch.compile returns
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args, **kw):
+            if not torch.is_grad_enabled():
+                raise InductorError("LoweringException: cannot lower this")
+            return self.model(*args, **kw)
+
+    def compile_that_fails_without_grad(model, **kwargs):
+        return FailsWithoutGrad(model)
+
+    monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)
+    monkeypatch.setattr(torch, "compile", compile_that_fails_without_grad)
+    row = runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=auto"))
+    assert row["status"] == "ok" and row["compiled"] is False and "running it eagerly" in caplog.text
+    assert row["steps"] == 4 and row["val_acc"] == row["val_acc"]  # evaluated, not NaN
+
+
 def test_a_long_schedule_on_the_cpu_warns_with_its_estimate(smoke_cfg, monkeypatch, caplog):
     monkeypatch.setattr(runner, "CPU_WARN_AFTER_S", 0.0)  # any run counts as long here
     runner.run(smoke_cfg(*TINY, "experiment=lra", "device=cpu", "trainer.timing_warmup=1", "schedule.steps=6",
