@@ -18,6 +18,7 @@ import torch
 from lra.data.common import atomic_save, atomic_write_text
 
 log = logging.getLogger("lra")
+SETTLED_STATUSES = ("ok", "diverged")  # a run that ended so is not run again by a relaunch
 
 CHECKPOINT, PREVIOUS, BEST, RESULT, HISTORY = "checkpoint.pt", "checkpoint.prev.pt", "best.pt", "result.json", \
     "history.json"
@@ -87,12 +88,19 @@ class RunFiles:
         return torch.load(self.best, map_location=device, weights_only=True)
 
     def finished(self) -> dict | None:
+        """The recorded row of an ended run (any status), or None."""
         if not self.result.exists():
             return None
         try:
             return json.loads(self.result.read_text())
         except (OSError, ValueError):
             return None
+
+    def settled(self) -> dict | None:
+        """The recorded row when it is a result (``ok`` or ``diverged``: a rerun computes the same), else None. An
+        ``oom`` or ``error`` row records a failure of the code or the machine, which a relaunch retries."""
+        done = self.finished()
+        return done if done is not None and done.get("status") in SETTLED_STATUSES else None
 
     def write_result(self, row: dict, history: list) -> None:
         atomic_write_text(self.history, json.dumps(history))

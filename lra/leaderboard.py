@@ -6,7 +6,7 @@ Table 1. Rules:
 * runs of the chosen experiments only (default ``lra``: LRA's protocol; smoke runs never count); other
   experiments (recipes, variants) are separate rows, labelled by their ``experiment``;
 * only ``status == ok`` rows carry a result; ``diverged``, ``oom`` and ``error`` runs are counted (``n_failed``)
-  and never averaged;
+  while their seed has no ok run, and never averaged;
 * per (experiment, model, task, seed) the ok run with the best validation accuracy (a re-run of the same seed
   replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
   1 point of the validation split's majority-class share: it still counts, and ``n_stalled`` says so;
@@ -92,7 +92,9 @@ def select_runs(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFr
 def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     best = g[g["best"]]
     n = len(best)
-    failed = int((g["status"] != "ok").sum())
+    # a failed run counts while its seed has no ok run (a seed rerun to ok after an oom or a fixed error is a result)
+    unresolved = (g["status"] != "ok") & ~g["seed"].isin(best["seed"])
+    failed = int(unresolved.sum())
     row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
                n_stalled=int(best["stalled"].sum()), note="")
     if n:
@@ -101,7 +103,7 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
                    final_test_std=best["final_test_acc"].std(ddof=1) if n > 1 else None)
     notes = []
     if failed:
-        kinds = g.loc[g["status"] != "ok", "status"].str.split(":").str[0].value_counts()
+        kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()
         notes.append("failed: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))
     if row["n_stalled"]:
         notes.append(f"{row['n_stalled']} of {n} seeds stalled (best val within {STALL_BAND:g} point of the "

@@ -7,9 +7,10 @@ Nothing is lost when a run is stopped: a checkpoint (model, optimiser, scheduler
 every ``trainer.ckpt_every`` steps and when a signal arrives (Ctrl-C, SIGTERM, or Slurm's SIGUSR2 before a
 timeout or preemption: the current step finishes, the checkpoint is saved, the run exits with code 75);
 rerunning the same command continues from it. A finished run rerun says so and writes no second row
-(``resume=false`` starts it over). No wrong number is recorded: a non-finite loss stops the run as
-``status=diverged``, an out-of-memory as ``status=oom``, a failure as ``status=error: ...``, all without
-accuracies. With ``trainer.devices=N`` (or under ``torchrun``) the run is data-parallel (``lra.distributed``).
+(``resume=false`` starts it over); one that ended in ``oom`` or ``error`` runs again. No wrong number is recorded:
+a non-finite loss stops the run as ``status=diverged``, an out-of-memory as ``status=oom``, a failure as
+``status=error: ...``, all without accuracies. With ``trainer.devices=N`` (or under ``torchrun``) the run is
+data-parallel (``lra.distributed``).
 """
 from __future__ import annotations
 
@@ -226,6 +227,10 @@ class Trainer:
             self.world.barrier()
             return None
         done = files.finished()
+        if done is not None and files.settled() is None:
+            log.warning("%s ended with status %r: running it again (from its checkpoint when there is one)",
+                        files.dir, done.get("status"))
+            done = None
         if done is not None:
             if done.get("config_hash") != self.chash:
                 raise ConfigError(f"{files.dir} holds a finished run of another configuration (hash "

@@ -320,7 +320,7 @@ def test_bad_settings_fail_in_init():
         make("bigbird", max_len=256)(*batch(300))
 
 
-@pytest.mark.parametrize("name", ["local", "sparse", "longformer", "bigbird"])
+@pytest.mark.parametrize("name", ["local", "bigbird"])  # a static pattern and one read from per-sample context
 def test_compiled_evaluation_with_padding_equals_the_dense_mask(name):
     """A model compiled whole and evaluated (no autograd) on a padded batch: the mask_mod's captured key mask and
     pattern context must be buffers of their own (``patterns.realized``), else Inductor fails to lower the

@@ -307,10 +307,16 @@ def test_out_of_memory_is_a_row_without_accuracies(smoke_cfg, tmp_path, monkeypa
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
+    real_step = engine.train_step
     monkeypatch.setattr(engine, "train_step", oom)
     row = runner.run(smoke_cfg(*TINY))
     got = rows(tmp_path).iloc[0]
     assert row["status"] == got.status == "oom" and pd.isna(got.test_acc) and pd.isna(got.train_steps_per_s)
+    # not a result: the same command runs it again (say, on a larger card) and records the outcome beside it
+    monkeypatch.setattr(engine, "train_step", real_step)
+    again = runner.run(smoke_cfg(*TINY))
+    assert again["status"] == "ok" and list(rows(tmp_path).status) == ["oom", "ok"]
+    assert runner.run(smoke_cfg(*TINY))["timestamp"] == again["timestamp"]  # now finished: not run a third time
 
 
 def test_profiled_steps_write_a_kernel_table_and_stay_out_of_the_timing(smoke_cfg, tmp_path):

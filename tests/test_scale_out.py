@@ -37,7 +37,8 @@ def lra_cli(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.C
 def test_the_gpu_launcher_runs_in_parallel_never_two_jobs_on_one_gpu_and_resumes(tmp_path):
     args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", *FAST, "model=transformer,linear,local,sparse"]
     first = lra_cli(args, tmp_path)
-    assert "4 jobs: 0 already finished (skipped, no new row), 0 resume from a checkpoint, 4 new" in first.stdout
+    assert ("4 jobs: 0 already finished (skipped, no new row), 0 run again after an oom or error, 0 resume from a "
+            "checkpoint, 4 new") in first.stdout
     slots = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "multirun").rglob("gpu_slot.json")]
     assert len(slots) == 4 and {s["slot"] for s in slots} <= {0, 1}
     for a in slots:
@@ -67,6 +68,11 @@ def test_job_states_from_the_run_folder(tmp_path):
     assert job_state(files.dir) == "resume"
     files.write_result({"status": "ok"}, [])
     assert job_state(files.dir) == "finished"
+    files.write_result({"status": "diverged"}, [])  # a result too: a rerun would diverge again
+    assert job_state(files.dir) == "finished"
+    for failure in ("oom", "error: InductorError: LoweringException"):
+        files.write_result({"status": failure}, [])
+        assert job_state(files.dir) == "retry"
 
 
 def test_a_held_gpu_is_never_claimed_twice(tmp_path):

@@ -40,23 +40,27 @@ log = logging.getLogger(__name__)
 
 
 def job_state(run_dir: Path) -> str:
-    """finished | resume | new, as the runner will find the job's folder."""
+    """finished | retry | resume | new, as the runner will find the job's folder (retry: it ended in ``oom`` or
+    ``error`` and runs again)."""
     from lra.checkpoint import RunFiles
 
     files = RunFiles(run_dir)
-    if files.finished() is not None:
+    if files.settled() is not None:
         return "finished"
+    if files.finished() is not None:
+        return "retry"
     return "resume" if files.has_checkpoint() else "new"
 
 
 def report(launcher, job_overrides: Sequence[Sequence[str]]) -> Counter:
-    """Log (and return) how many jobs are finished, resumable and new."""
+    """Log (and return) how many jobs are finished, retried after a failure, resumable and new."""
     counts: Counter = Counter()
     for overrides in job_overrides:
         cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
         counts[job_state(Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir))] += 1
-    log.info("sweep %s: %d jobs: %d already finished (skipped, no new row), %d resume from a checkpoint, %d new",
-             launcher.config.hydra.sweep.dir, len(job_overrides), counts["finished"], counts["resume"], counts["new"])
+    log.info("sweep %s: %d jobs: %d already finished (skipped, no new row), %d run again after an oom or error, "
+             "%d resume from a checkpoint, %d new", launcher.config.hydra.sweep.dir, len(job_overrides),
+             counts["finished"], counts["retry"], counts["resume"], counts["new"])
     return counts
 
 
