@@ -3,6 +3,7 @@ declares it keeps segments apart (outputs and gradients), and the runner's use o
 (trainer.trim) and length-grouped batching (schedule.batching)."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pandas as pd
@@ -12,7 +13,7 @@ from omegaconf import OmegaConf
 
 import lra.run as runner
 from lra.config import ConfigError
-from lra.data import BatchOrder
+from lra.data import BatchOrder, Split
 from lra.encoder import build_classifier
 from lra.packing import first_fit_decreasing, model_inputs, pack, real_ends, real_lengths, trim
 from models import create_model, list_models
@@ -186,6 +187,28 @@ def test_a_trimmed_run_equals_an_untrimmed_one_and_length_grouping_is_named(smok
         assert trimmed[key] == pytest.approx(full[key]), key
     plain = runner.run(smoke_cfg(*TINY, f"run_dir={tmp_path / 'plain'}"))
     assert plain["batching"] == "random" and plain["config_hash"] != full["config_hash"]
+
+
+def test_a_trimmed_evaluation_goes_in_length_order_and_counts_the_same():
+    """Evaluation batches sorted by length are each cut near their own length; the accuracy is the untrimmed one."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 1024, (96,), generator=g)
+    tokens = torch.where(torch.arange(1024)[None] < lengths[:, None], torch.randint(1, 9, (96, 1024), generator=g), 0)
+    split = Split(tokens, torch.randint(0, 2, (96,), generator=g))
+    seen = []
+
+    class ParityOfTheFirstToken(torch.nn.Module):  # a fixed rule per example, whatever its padding
+        def forward(self, tokens):
+            seen.append(tokens.shape[-1])
+            first = tokens[:, 0] % 2
+            return torch.stack([1 - first, first], -1).float()
+
+    model, no_autocast = ParityOfTheFirstToken(), contextlib.nullcontext
+    full = runner.evaluate(model, split, 16, torch.device("cpu"), no_autocast, cls_token=False)
+    widths_full, seen[:] = list(seen), []
+    cut = runner.evaluate(model, split, 16, torch.device("cpu"), no_autocast, cls_token=False, trimmed=True)
+    assert cut == full and widths_full == [1024] * 6
+    assert seen == sorted(seen) and sum(seen) < 0.7 * sum(widths_full)  # short batches first, most cut well short
 
 
 @pytest.mark.gpu
