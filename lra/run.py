@@ -112,9 +112,9 @@ def evaluate(model, split: Split, batch_size: int, device: torch.device, autocas
     correct = torch.zeros((), dtype=torch.long, device=device)
     # Trimmed batches in length order: each is cut near its own examples' length (a count of correct answers does
     # not depend on the order; a random order leaves nearly every batch at full length).
-    order = torch.argsort(real_ends(split.tokens), stable=True) if trimmed else torch.arange(len(split))
+    order = torch.argsort(real_ends(split.tokens), stable=True) if trimmed else None
     for i in range(0, len(split), batch_size):
-        rows = order[i : i + batch_size]
+        rows = slice(i, i + batch_size) if order is None else order[i : i + batch_size]
         inputs = device_inputs(split.tokens[rows], device, packed, cls_token, trimmed)
         labels = split.labels[rows].to(device)
         with autocast():
@@ -320,15 +320,9 @@ class Trainer:
         return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token, self.trimmed)
 
     def evaluate(self, split: Split) -> float:
-        def run() -> float:
-            return evaluate(self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast,
-                            self.packed, self.model.encoder.cls_token, self.trimmed)
-
-        try:
-            return run()
-        except Exception as e:  # noqa: BLE001 - run_eagerly_after re-raises all but compile errors
-            self.run_eagerly_after(e)
-            return run()
+        return self.eager_if_compile_fails(lambda: evaluate(
+            self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast, self.packed,
+            self.model.encoder.cls_token, self.trimmed))
 
     def batch_order(self) -> BatchOrder:
         cfg = self.cfg
@@ -405,31 +399,27 @@ class Trainer:
         return bool(self.world.any(flags)[0] > 0)
 
     def step(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
-        """One training step (eagerly from here on if torch.compile fails: ``run_eagerly_after``)."""
-        cfg = self.cfg
+        """One training step (eagerly from here on if torch.compile fails: ``eager_if_compile_fails``)."""
+        return self.eager_if_compile_fails(lambda: engine.train_step(
+            self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
+            grad_clip=self.cfg.optim.grad_clip, scheduler=self.scheduler))
 
-        def run() -> torch.Tensor:
-            return engine.train_step(self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
-                                     grad_clip=cfg.optim.grad_clip, scheduler=self.scheduler)
-
+    def eager_if_compile_fails(self, work):
+        """``work()``; with ``trainer.compile=auto``, a model that torch.compile cannot compile (an error while
+        compiling a training step, before its update, or an evaluation) runs eagerly from then on, saying so,
+        and ``work()`` runs again; the row then says compiled=False. Any other error is raised."""
         try:
-            return run()
-        except Exception as e:  # noqa: BLE001 - run_eagerly_after re-raises all but compile errors
-            self.run_eagerly_after(e)
-            return run()
-
-    def run_eagerly_after(self, error: Exception) -> None:
-        """With ``trainer.compile=auto``, a model that torch.compile cannot compile (an error while compiling a
-        training step, before its update, or an evaluation) runs eagerly from then on, saying so; the row then
-        says compiled=False. Any other error is raised."""
-        cfg = self.cfg
-        if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
-            raise error
-        log.warning("torch.compile failed for %s (%s: %s); running it eagerly", cfg.model.name,
-                    type(error).__name__, str(error).splitlines()[0][:200])
+            return work()
+        except Exception as error:
+            cfg = self.cfg
+            if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
+                raise
+            log.warning("torch.compile failed for %s (%s: %s); running it eagerly", cfg.model.name,
+                        type(error).__name__, str(error).splitlines()[0][:200])
         torch._dynamo.reset()
         self.optimizer.zero_grad(set_to_none=True)
         self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
+        return work()  # the lambdas read self.train_fn / self.eval_fn, now the eager ones
 
     def finite(self, loss_sum: torch.Tensor) -> bool:
         bad = torch.stack([torch.zeros((), device=self.device), (~torch.isfinite(loss_sum)).float()])
