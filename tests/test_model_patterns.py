@@ -338,3 +338,26 @@ def test_compiled_evaluation_with_padding_equals_the_dense_mask(name):
         m.backend = "dense"
         dense = m(x, mask)
     torch.testing.assert_close(compiled * mask[..., None], dense * mask[..., None], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name,options,padded,small", [
+    ("local", {}, False, False),  # full 128-tiles, no lookups: the kernel's default tile
+    ("sparse", {}, False, False),
+    ("local", {}, True, True),  # key padding: partial tiles read the key mask
+    ("sparse", {"block": 64, "stride": 5}, False, True),  # 64-blocks: partial tiles by the pattern (LRA's preset)
+    ("bigbird", {}, False, True),  # the pattern reads per-sample context
+])
+def test_forward_tiles_shrink_where_partial_tiles_look_tensors_up(monkeypatch, name, options, padded, small):
+    """The flex path asks for 64 x 64 forward tiles exactly where the mask_mod reads tensors in partial tiles (a
+    128 x 128 forward tile then ran 10x slower than the backward on the GPU, ``SMALL_FORWARD_TILES``)."""
+    import models.patterns as patterns
+
+    seen = []
+    monkeypatch.setattr(patterns, "flex_attend", lambda q, k, v, block_mask, small_tiles=False: (
+        seen.append(small_tiles), q)[1])
+    m = create_model(name, d_model=D, n_heads=H, d_qkv=D, dropout=0.0, max_len=512, **options)
+    q = torch.randn(2, H, 300, D // H)
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    mask[0, 200:] = False
+    patterns._block_sparse_attend(m, q, q, q, mask if padded else None, use_flex=True)
+    assert seen == [small]
