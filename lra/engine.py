@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 
 from lra.encoder import Classifier, build_classifier
@@ -62,6 +63,10 @@ def configure(device: torch.device, threads: int) -> None:
         if device.index is not None:
             torch.cuda.set_device(device.index)
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
+        # Saving AOTAutograd's cache entry at the first backward segfaults now and then on CUDA (pytorch#177442:
+        # pickling a compiled graph); a ListOps performer job died so on a fresh machine. The cache only saves a
+        # recompile of a graph another process compiled before; Inductor's own kernel cache stays on.
+        torch._functorch.config.enable_autograd_cache = False
 
 
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lra.run as runner
-from hydra_plugins.lra_launchers.lra_launchers import claim_gpu, job_state
+from hydra_plugins.lra_launchers.lra_launchers import JobCrashed, claim_gpu, job_state, run_isolated
 from lra.checkpoint import RunFiles
 from lra.config import sweep_slug
 from tests.conftest import ROOT
@@ -73,6 +73,26 @@ def test_job_states_from_the_run_folder(tmp_path):
     for failure in ("oom", "error: InductorError: LoweringException"):
         files.write_result({"status": failure}, [])
         assert job_state(files.dir) == "retry"
+
+
+def _segfault() -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _fail() -> None:
+    raise ValueError("a bad option")
+
+
+def test_a_job_runs_in_a_process_of_its_own_and_a_crash_is_reported_not_spread():
+    """A job whose process dies (a segfault in torch.compile's cache killed a worker, and with it its whole sweep)
+    is reported as crashed, by signal; the launcher's process lives on; results and errors come back."""
+    assert run_isolated(divmod, 7, 2) == (3, 1)
+    with pytest.raises(JobCrashed, match="SIGSEGV"):
+        run_isolated(_segfault)
+    with pytest.raises(RuntimeError, match="ValueError: a bad option"):
+        run_isolated(_fail)
 
 
 def test_a_held_gpu_is_never_claimed_twice(tmp_path):

@@ -15,7 +15,10 @@ interrupted by a machine going away continues with the same command.
 # cannot resolve string annotations.
 import json
 import logging
+import multiprocessing
 import os
+import pickle
+import signal
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -52,12 +55,17 @@ def job_state(run_dir: Path) -> str:
     return "resume" if files.has_checkpoint() else "new"
 
 
+def job_dir(hydra_context, config, overrides: Sequence[str]) -> Path:
+    """The folder a sweep's job runs in."""
+    cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+
+
 def report(launcher, job_overrides: Sequence[Sequence[str]]) -> Counter:
     """Log (and return) how many jobs are finished, retried after a failure, resumable and new."""
     counts: Counter = Counter()
     for overrides in job_overrides:
-        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
-        counts[job_state(Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir))] += 1
+        counts[job_state(job_dir(launcher.hydra_context, launcher.config, overrides))] += 1
     log.info("sweep %s: %d jobs: %d already finished (skipped, no new row), %d run again after an oom or error, "
              "%d resume from a checkpoint, %d new", launcher.config.hydra.sweep.dir, len(job_overrides),
              counts["finished"], counts["retry"], counts["resume"], counts["new"])
@@ -89,11 +97,60 @@ def claim_gpu(lock_dir: Path, slots: int, poll_s: float = 1.0) -> tuple[int, Fil
         time.sleep(poll_s)
 
 
+def _send_result(conn, fn, args) -> None:
+    """In the job's own process: ``fn(*args)``, its result sent back pickled (an exception as a RuntimeError that
+    names it, since not every exception pickles). Loky's pickler, as joblib's own workers use: Hydra runs this
+    module outside ``sys.modules``, so its classes pickle by value."""
+    from joblib.externals.loky.backend.reduction import dumps
+
+    try:
+        result = fn(*args)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+        result = RuntimeError(f"{type(error).__name__}: {error}")
+    if isinstance(getattr(result, "_return_value", None), BaseException):
+        error = result._return_value
+        result._return_value = RuntimeError(f"{type(error).__name__}: {error}")
+    conn.send_bytes(bytes(dumps(result)))
+    conn.close()
+
+
+class JobCrashed(RuntimeError):
+    """The process of one job died (a signal such as SIGSEGV, or the kernel's OOM killer) without a result."""
+
+
+def run_isolated(fn, *args):
+    """``fn(*args)`` in a process of its own, so that a job that crashes (a segfault inside torch.compile's cache,
+    the OOM killer) takes down neither the worker nor the other jobs of its sweep. Returns its result, or raises
+    ``JobCrashed`` saying how it ended. Forked where the platform can (no CUDA has started in the worker yet)."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_send_result, args=(send, fn, args))
+    child.start()
+    send.close()
+    try:
+        payload = receive.recv_bytes()
+    except EOFError:  # the child ended without sending
+        payload = None
+    child.join()
+    if payload is None:
+        code = child.exitcode
+        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        raise JobCrashed(f"the job's process died ({how}) before it returned")
+    result = pickle.loads(payload)
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 if JoblibLauncher is not None:
 
     def execute_on_a_free_gpu(idx, overrides, hydra_context, config, task_function, singleton_state, slots: int,
                               real_gpus: int, lock_dir: str) -> JobReturn:
-        """One job in a joblib worker: claim a GPU, run on it (``device=cuda:<slot>``), release it."""
+        """One job in a joblib worker: claim a GPU, run on it (``device=cuda:<slot>``) in a process of its own,
+        release it. A job whose process dies returns as failed, naming its folder; the others run on, and the
+        sweep fails at its end (relaunched, the job resumes from its last checkpoint)."""
+        from hydra.core.utils import JobStatus
         from hydra_plugins.hydra_joblib_launcher import _core
 
         slot, lock = claim_gpu(Path(lock_dir), slots)
@@ -101,13 +158,17 @@ if JoblibLauncher is not None:
         extra = [f"device=cuda:{slot}"] if slot < real_gpus else []
         start = time.time()
         try:
-            ret = _core.execute_job(idx, list(overrides) + extra, hydra_context, config, task_function, singleton_state)
+            ret = run_isolated(_core.execute_job, idx, list(overrides) + extra, hydra_context, config, task_function,
+                               singleton_state)
+            out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir))
+        except JobCrashed as crash:
+            out = job_dir(hydra_context, config, list(overrides) + extra)
+            log.error("job %s: %s; relaunching the sweep resumes it from its last checkpoint", out, crash)
+            ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED,
+                            _return_value=JobCrashed(f"{out}: {crash}"))
         finally:
             lock.release()
-        if isinstance(getattr(ret, "_return_value", None), BaseException):  # back to the launcher, picklable
-            error = ret._return_value
-            ret._return_value = RuntimeError(f"{type(error).__name__}: {error}")
-        out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir))  # the job's folder: which GPU it held, and when
+        out.mkdir(parents=True, exist_ok=True)  # the job's folder: which GPU it held, and when
         (out / "gpu_slot.json").write_text(json.dumps({"slot": slot, "start": start, "end": time.time()}))
         return ret
 
