@@ -446,9 +446,11 @@ class Trainer:
                 self.files.save_best(self.model.state_dict(), state["step"], val_acc)
             state["history"].append({"step": state["step"], "train_loss": train_loss, "val_acc": val_acc, "lr": lr})
             bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_acc:.4f}", best=f"{state['best_val']:.4f}")
-            if not self.cfg.trainer.progress:  # no bar: the log carries the progress instead
-                log.info("step %d/%d: train loss %.4f, val %.4f (best %.4f at %d), lr %.3g", state["step"],
-                         self.cfg.schedule.steps, train_loss, val_acc, state["best_val"], state["best_step"], lr)
+            if not self.cfg.trainer.progress:  # no bar: the log carries the progress instead, naming the run,
+                cfg = self.cfg  # since a sweep's jobs side by side write to one stream
+                log.info("%s/%s seed %d: step %d/%d: train loss %.4f, val %.4f (best %.4f at %d), lr %.3g",
+                         cfg.task.name, cfg.model.name, cfg.seed, state["step"], cfg.schedule.steps, train_loss,
+                         val_acc, state["best_val"], state["best_step"], lr)
             if self.logger is not None:
                 self.logger.log({"train/loss": train_loss, "val/acc": val_acc, "lr": lr}, step=state["step"])
         world.barrier()

@@ -326,3 +326,10 @@ def test_profiled_steps_write_a_kernel_table_and_stay_out_of_the_timing(smoke_cf
     assert row["status"] == "ok" and row["train_steps_per_s"] > 0
     with pytest.raises(ConfigError, match="trainer.profile_steps=-1"):
         runner.run(smoke_cfg(*SHORT, "trainer.profile_steps=-1"))
+
+
+def test_without_a_bar_the_progress_lines_name_their_run(smoke_cfg, caplog):
+    """A sweep's jobs side by side write to one stream: each progress line says which run it is."""
+    with caplog.at_level("INFO", logger="lra"):
+        runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.progress=false", "seed=3"))
+    assert "listops/transformer seed 3: step 2/4: train loss" in caplog.text
