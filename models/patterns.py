@@ -201,9 +201,9 @@ def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask
 
 
 # The forward kernel's work tile where many tiles evaluate a mask_mod that reads tensors. Inductor's default
-# forward tile on Hopper (bf16, head 64) is 128 x 128; with such a mask_mod inside it ran 10x slower than the
-# backward (ListOps' shape, B 32, N 2001, 8 heads of 64, on H200: BigBird with LRA's 64-blocks and key padding
-# 44 ms forward, 5 ms backward per layer; 4.2 ms forward with 64 x 64). Full tiles keep the default.
+# forward tile on Hopper (bf16, head 64) is 128 x 128; with such a mask_mod inside, the forward ran up to 10x
+# slower than the backward (ListOps with LRA's 64-blocks and key padding; results/README.md has the figures).
+# Full tiles keep the default.
 SMALL_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
 
 
