@@ -312,9 +312,10 @@ class BlockSparseMixer(MultiHeadMixer):
 def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:
     N = q.shape[2]
     if use_flex:
-        # partial tiles that read the key mask or the pattern's context, or blocks smaller than a tile
-        lookups = mask is not None or not mixer.static_pattern or mixer.block < FLEX_BLOCK
-        return flex_attend(q, k, v, mixer.block_mask(mask, N, q.device), small_tiles=lookups)
+        # many partial tiles (their mask_mod reads the key mask and any pattern context): key padding cuts through
+        # tiles in every sample, blocks smaller than a tile split them; otherwise only the last tile can be partial
+        many_partial = mask is not None or mixer.block < FLEX_BLOCK
+        return flex_attend(q, k, v, mixer.block_mask(mask, N, q.device), small_tiles=many_partial)
     keep, layout, _ = mixer.lay_out(mask, N, q.device)
     q, k, v = (F.pad(t, (0, 0, 0, keep.shape[1] - N)) for t in (q, k, v))  # (B, H, Np, Dh)
     return dense_attend(q, k, v, layout, keep, mixer.block, mixer.global_tokens)[:, :, :N]  # (B, H, N, Dh)

@@ -345,11 +345,12 @@ def test_compiled_evaluation_with_padding_equals_the_dense_mask(name):
     ("sparse", {}, False, False),
     ("local", {}, True, True),  # key padding: partial tiles read the key mask
     ("sparse", {"block": 64, "stride": 5}, False, True),  # 64-blocks: partial tiles by the pattern (LRA's preset)
-    ("bigbird", {}, False, True),  # the pattern reads per-sample context
+    ("bigbird", {}, True, True),  # padded: partial tiles read the key mask and BigBird's per-sample blocks
+    ("bigbird", {}, False, False),  # no padding, 128-blocks: only the last tile can be partial
 ])
 def test_forward_tiles_shrink_where_partial_tiles_look_tensors_up(monkeypatch, name, options, padded, small):
-    """The flex path asks for 64 x 64 forward tiles exactly where the mask_mod reads tensors in partial tiles (a
-    128 x 128 forward tile then ran 10x slower than the backward on the GPU, ``SMALL_FORWARD_TILES``)."""
+    """The flex path asks for 64 x 64 forward tiles exactly where many tiles are partial and their mask_mod reads
+    tensors (a 128 x 128 forward tile then ran 10x slower than the backward on the GPU, ``SMALL_FORWARD_TILES``)."""
     import models.patterns as patterns
 
     seen = []
