@@ -520,6 +520,20 @@ class Trainer:
         return out
 
 
+def record_crash(cfg: DictConfig, run_dir: str | Path, how: str) -> dict:
+    """The row of a run whose process died before it could record one (a segfault, the OOM killer), written by
+    the launcher that started it: ``status=error: crashed (<how>)``, no accuracies. ``result.json`` says the same,
+    so relaunching the sweep runs the job again, from its checkpoint when it has one."""
+    row = asdict(RunRow(
+        task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment,
+        status=f"error: crashed ({how})", seq_len=cfg.task.seq_len, batch_size=cfg.schedule.batch_size,
+        eval_every=cfg.schedule.eval_every, torch=torch.__version__, git_sha=git_sha(), timestamp=now_iso(),
+        run_dir=str(run_dir), batching=cfg.schedule.batching))
+    append_row(Path(cfg.results.dir) / "runs.csv", row, RUN_COLUMNS)
+    RunFiles(run_dir).write_result(row, [])
+    return row
+
+
 def is_compile_error(error: BaseException) -> bool:
     """An error raised while torch.compile traced or compiled (Dynamo, Inductor), not by the model's own code."""
     return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))

@@ -98,6 +98,36 @@ def test_a_job_runs_in_a_process_of_its_own_and_a_crash_is_reported_not_spread()
         run_isolated(_fail)
 
 
+def _crashing_task(cfg) -> None:
+    _segfault()
+
+
+def test_a_job_that_crashes_under_the_gpus_launcher_gets_an_error_row_and_runs_again(tmp_path, monkeypatch):
+    """The gpus launcher's job function, given a task that segfaults: the job returns as failed, naming its folder;
+    the row says how it ended (no accuracy); a relaunch runs it again."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import JobStatus
+    from hydra.types import HydraContext, RunMode
+
+    from hydra_plugins.lra_launchers.lra_launchers import execute_on_a_free_gpu
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LRA_RESULTS_DIR", str(tmp_path / "results"))
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://lra.conf"))
+    config = loader.load_configuration("config", overrides=["sweep=crash"], run_mode=RunMode.MULTIRUN)
+    context = HydraContext(config_loader=loader, callbacks=Callbacks(config))
+    ret = execute_on_a_free_gpu(0, ["experiment=smoke", "model=linear", "seed=4"], context, config, _crashing_task,
+                                Singleton.get_state(), 1, 0, str(tmp_path / "locks"))
+    assert ret.status == JobStatus.FAILED and "SIGSEGV" in str(ret._return_value)
+    rows = pd.read_csv(tmp_path / "results" / "runs.csv")
+    assert rows["status"].tolist() == ["error: crashed (signal SIGSEGV)"] and rows["test_acc"].isna().all()
+    assert (rows["model"].tolist(), rows["seed"].tolist(), rows["experiment"].tolist()) == (["linear"], [4], ["smoke"])
+    assert job_state(tmp_path / rows["run_dir"][0]) == "retry"
+
+
 def test_a_held_gpu_is_never_claimed_twice(tmp_path):
     slot, lock = claim_gpu(tmp_path, 2)
     other = subprocess.run([sys.executable, "-c", "import sys; from hydra_plugins.lra_launchers.lra_launchers import "

@@ -55,17 +55,21 @@ def job_state(run_dir: Path) -> str:
     return "resume" if files.has_checkpoint() else "new"
 
 
-def job_dir(hydra_context, config, overrides: Sequence[str]) -> Path:
+def sweep_job(hydra_context, config, overrides: Sequence[str]):
+    """A sweep's job as Hydra composes it (its ``hydra`` node included)."""
+    return hydra_context.config_loader.load_sweep_config(config, list(overrides))
+
+
+def job_dir(job) -> Path:
     """The folder a sweep's job runs in."""
-    cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-    return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+    return Path(str(job.hydra.sweep.dir)) / str(job.hydra.sweep.subdir)
 
 
 def report(launcher, job_overrides: Sequence[Sequence[str]]) -> Counter:
     """Log (and return) how many jobs are finished, retried after a failure, resumable and new."""
     counts: Counter = Counter()
     for overrides in job_overrides:
-        counts[job_state(job_dir(launcher.hydra_context, launcher.config, overrides))] += 1
+        counts[job_state(job_dir(sweep_job(launcher.hydra_context, launcher.config, overrides)))] += 1
     log.info("sweep %s: %d jobs: %d already finished (skipped, no new row), %d run again after an oom or error, "
              "%d resume from a checkpoint, %d new", launcher.config.hydra.sweep.dir, len(job_overrides),
              counts["finished"], counts["retry"], counts["resume"], counts["new"])
@@ -117,6 +121,10 @@ def _send_result(conn, fn, args) -> None:
 class JobCrashed(RuntimeError):
     """The process of one job died (a signal such as SIGSEGV, or the kernel's OOM killer) without a result."""
 
+    def __init__(self, how: str):
+        super().__init__(f"the job's process died ({how}) before it returned")
+        self.how = how
+
 
 def run_isolated(fn, *args):
     """``fn(*args)`` in a process of its own, so that a job that crashes (a segfault inside torch.compile's cache,
@@ -135,8 +143,8 @@ def run_isolated(fn, *args):
     child.join()
     if payload is None:
         code = child.exitcode
-        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        raise JobCrashed(f"the job's process died ({how}) before it returned")
+        killed = code is not None and code < 0
+        raise JobCrashed(f"signal {signal.Signals(-code).name}" if killed else f"exit code {code}")
     result = pickle.loads(payload)
     if isinstance(result, BaseException):
         raise result
@@ -162,10 +170,15 @@ if JoblibLauncher is not None:
                                singleton_state)
             out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir))
         except JobCrashed as crash:
-            out = job_dir(hydra_context, config, list(overrides) + extra)
-            log.error("job %s: %s; relaunching the sweep resumes it from its last checkpoint", out, crash)
+            job = sweep_job(hydra_context, config, list(overrides) + extra)
+            out = job_dir(job)
+            log.error("job %s: %s; its row says so, and relaunching the sweep runs it again from its last checkpoint",
+                      out, crash)
+            from lra.run import record_crash
+
+            record_crash(job, out, crash.how)  # the job never got to write its own row
             ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED,
-                            _return_value=JobCrashed(f"{out}: {crash}"))
+                            _return_value=RuntimeError(f"{out}: {crash}"))
         finally:
             lock.release()
         out.mkdir(parents=True, exist_ok=True)  # the job's folder: which GPU it held, and when
