@@ -84,6 +84,9 @@ class TrainerConfig:
 
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: str = "auto"  # torch.compile the model: auto (on CUDA only) | true | false
+    # torch.compile's mode: default | reduce-overhead (CUDA graphs: one launch per graph, for models whose step is
+    # launch-bound, e.g. Pathfinder's) | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     pack: str = "false"  # several examples per row (lra.packing): false | auto (where the model can) | true (or fail)
     trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
     profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder
@@ -221,6 +224,7 @@ CHOICES = {
     "experiment": None,  # any preset name (checked by Hydra: it must be a file of conf/experiment/)
     "trainer.precision": ("auto", "bf16", "fp32"),
     "trainer.compile": ("auto", "true", "false"),
+    "trainer.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "trainer.pack": ("false", "auto", "true"),
     "schedule.batching": ("random", "length_grouped"),
     "resume": ("auto", "true", "false"),

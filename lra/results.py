@@ -188,8 +188,8 @@ def device_name(device: torch.device) -> str:
 
 # Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
-NOT_HASHED_TRAINER = ("compile", "pack", "trim", "devices", "threads", "eval_batch_size", "ckpt_every", "timing_warmup",
-                      "progress", "profile_steps")
+NOT_HASHED_TRAINER = ("compile", "compile_mode", "pack", "trim", "devices", "threads", "eval_batch_size", "ckpt_every",
+                      "timing_warmup", "progress", "profile_steps")
 # Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
 # values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.

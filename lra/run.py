@@ -117,6 +117,7 @@ def evaluate(model, split: Split, batch_size: int, device: torch.device, autocas
         rows = slice(i, i + batch_size) if order is None else order[i : i + batch_size]
         inputs = device_inputs(split.tokens[rows], device, packed, cls_token, trimmed)
         labels = split.labels[rows].to(device)
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (compile_mode): the last batch's outputs are dead
         with autocast():
             correct += (model(*inputs).argmax(-1) == labels).sum()
     model.train()
@@ -287,9 +288,10 @@ class Trainer:
             train_model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda"
                                                   else None, gradient_as_bucket_view=True)
         self.eager_train_fn = train_model
-        self.train_fn = torch.compile(train_model) if self.compiled else train_model
+        mode = cfg.trainer.compile_mode
+        self.train_fn = torch.compile(train_model, mode=mode) if self.compiled else train_model
         self.eval_fn = self.train_fn if not self.world.distributed else (
-            torch.compile(self.model) if self.compiled else self.model)
+            torch.compile(self.model, mode=mode) if self.compiled else self.model)
         if self.world.is_main:
             log.info("%s: %s parameters", cfg.model.name, f"{self.n_params:,}")
 
@@ -400,6 +402,7 @@ class Trainer:
 
     def step(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         """One training step (eagerly from here on if torch.compile fails: ``eager_if_compile_fails``)."""
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (compile_mode): the last step's outputs are dead
         return self.eager_if_compile_fails(lambda: engine.train_step(
             self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
             grad_clip=self.cfg.optim.grad_clip, scheduler=self.scheduler))

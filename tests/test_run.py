@@ -333,3 +333,22 @@ def test_without_a_bar_the_progress_lines_name_their_run(smoke_cfg, caplog):
     with caplog.at_level("INFO", logger="lra"):
         runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.progress=false", "seed=3"))
     assert "listops/transformer seed 3: step 2/4: train loss" in caplog.text
+
+
+def test_compile_mode_reaches_torch_compile_and_leaves_the_config_hash(smoke_cfg, monkeypatch):
+    """``trainer.compile_mode=reduce-overhead`` (CUDA graphs for launch-bound models) is how a run executes: it goes
+    to every torch.compile call, and the row's config hash is the default mode's."""
+    modes = []
+
+    def recording_compile(model, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return model
+
+    monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    base = (*TINY, "schedule.steps=2", "schedule.eval_every=2")
+    row = runner.run(smoke_cfg(*base, "trainer.compile_mode=reduce-overhead"))
+    assert modes and set(modes) == {"reduce-overhead"} and row["status"] == "ok"
+    assert row["config_hash"] == runner.run(smoke_cfg(*base, "resume=false"))["config_hash"]
+    with pytest.raises(ConfigError, match="compile_mode"):
+        runner.run(smoke_cfg(*base, "trainer.compile_mode=fast", "resume=false"))
