@@ -107,7 +107,7 @@ def device_inputs(tokens: torch.Tensor, device: torch.device, packed: bool = Fal
 
 @torch.no_grad()
 def evaluate(model, split: Split, batch_size: int, device: torch.device, autocast, packed: bool = False,
-             cls_token: bool = True, trimmed: bool = False) -> float:
+             cls_token: bool = True, trimmed: bool = False, cuda_graphs: bool = False) -> float:
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
     # Trimmed batches in length order: each is cut near its own examples' length (a count of correct answers does
@@ -117,7 +117,8 @@ def evaluate(model, split: Split, batch_size: int, device: torch.device, autocas
         rows = slice(i, i + batch_size) if order is None else order[i : i + batch_size]
         inputs = device_inputs(split.tokens[rows], device, packed, cls_token, trimmed)
         labels = split.labels[rows].to(device)
-        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (compile_mode): the last batch's outputs are dead
+        if cuda_graphs:  # compiled graphs replay as CUDA graphs (compile_mode): the last batch's outputs are dead
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             correct += (model(*inputs).argmax(-1) == labels).sum()
     model.train()
@@ -289,6 +290,7 @@ class Trainer:
                                                   else None, gradient_as_bucket_view=True)
         self.eager_train_fn = train_model
         mode = cfg.trainer.compile_mode
+        self.cuda_graphs = self.compiled and device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
         self.train_fn = torch.compile(train_model, mode=mode) if self.compiled else train_model
         self.eval_fn = self.train_fn if not self.world.distributed else (
             torch.compile(self.model, mode=mode) if self.compiled else self.model)
@@ -324,7 +326,7 @@ class Trainer:
     def evaluate(self, split: Split) -> float:
         return self.eager_if_compile_fails(lambda: evaluate(
             self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast, self.packed,
-            self.model.encoder.cls_token, self.trimmed))
+            self.model.encoder.cls_token, self.trimmed, self.cuda_graphs))
 
     def batch_order(self) -> BatchOrder:
         cfg = self.cfg
@@ -402,7 +404,8 @@ class Trainer:
 
     def step(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         """One training step (eagerly from here on if torch.compile fails: ``eager_if_compile_fails``)."""
-        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (compile_mode): the last step's outputs are dead
+        if self.cuda_graphs:  # compiled graphs replay as CUDA graphs (compile_mode): the last step's outputs are dead
+            torch.compiler.cudagraph_mark_step_begin()
         return self.eager_if_compile_fails(lambda: engine.train_step(
             self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
             grad_clip=self.cfg.optim.grad_clip, scheduler=self.scheduler))
@@ -422,6 +425,7 @@ class Trainer:
         torch._dynamo.reset()
         self.optimizer.zero_grad(set_to_none=True)
         self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
+        self.cuda_graphs = False
         return work()  # the lambdas read self.train_fn / self.eval_fn, now the eager ones
 
     def finite(self, loss_sum: torch.Tensor) -> bool:
