@@ -38,6 +38,7 @@ from models.registry import get_model_class
 
 log = logging.getLogger("lra")
 STOP_CHECK_EVERY = 10  # steps between the data-parallel ranks' agreement on a stop request
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay graphs as CUDA graphs
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
 
 
@@ -290,7 +291,6 @@ class Trainer:
                                                   else None, gradient_as_bucket_view=True)
         self.eager_train_fn = train_model
         mode = cfg.trainer.compile_mode
-        self.cuda_graphs = self.compiled and device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
         self.train_fn = torch.compile(train_model, mode=mode) if self.compiled else train_model
         self.eval_fn = self.train_fn if not self.world.distributed else (
             torch.compile(self.model, mode=mode) if self.compiled else self.model)
@@ -322,6 +322,11 @@ class Trainer:
 
     def inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token, self.trimmed)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled graphs replay as CUDA graphs (``trainer.compile_mode``; off once running eagerly)."""
+        return self.compiled and self.device.type == "cuda" and self.cfg.trainer.compile_mode in CUDA_GRAPH_MODES
 
     def evaluate(self, split: Split) -> float:
         return self.eager_if_compile_fails(lambda: evaluate(
@@ -425,7 +430,6 @@ class Trainer:
         torch._dynamo.reset()
         self.optimizer.zero_grad(set_to_none=True)
         self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
-        self.cuda_graphs = False
         return work()  # the lambdas read self.train_fn / self.eval_fn, now the eager ones
 
     def finite(self, loss_sum: torch.Tensor) -> bool:
@@ -501,21 +505,18 @@ class Trainer:
         counts = torch.bincount(data.val.labels, minlength=data.n_classes)
         steps_per_s = self.timer.steps_per_s if ok and hasattr(self, "timer") else None
         row = RunRow(
-            task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment, status=status,
-            **(metrics or {}), val_majority=counts.max().item() / max(len(data.val), 1), steps=state["step"],
-            seq_len=data.seq_len, batch_size=cfg.schedule.batch_size, eval_every=cfg.schedule.eval_every,
+            **run_identity(cfg), status=status, **(metrics or {}),
+            val_majority=counts.max().item() / max(len(data.val), 1), steps=state["step"], seq_len=data.seq_len,
             train_steps_per_s=steps_per_s, examples_per_s=steps_per_s * cfg.schedule.batch_size if steps_per_s
             else None, peak_mem_mb=state["peak_mem_mb"] if ok else None, params=getattr(self, "n_params", None),
             wall_time_s=state["wall_s"] + time.time() - self.wall_start, precision=self.precision,
             compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
             split=data.info.get("split", ""), device=" + ".join(state["devices"]), torch=torch.__version__,
             git_sha=" + ".join(state["git_shas"]), config_hash=self.chash, timestamp=now_iso(),
-            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None),
-            batching=cfg.schedule.batching)
+            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None))
         out = asdict(row)
         if self.world.is_main:
-            append_row(Path(cfg.results.dir) / "runs.csv", out, RUN_COLUMNS)
-            self.files.write_result(out, state["history"])
+            save_row(cfg, self.files, out, state["history"])
             if ok:
                 log.info("%s/%s: best val %.4f at step %d, test %.4f (final %.4f), %.1f steps/s, %.0f MB",
                          cfg.task.name, cfg.model.name, out["val_acc"], out["best_step"], out["test_acc"],
@@ -532,13 +533,22 @@ def record_crash(cfg: DictConfig, run_dir: str | Path, how: str) -> dict:
     the launcher that started it: ``status=error: crashed (<how>)``, no accuracies. ``result.json`` says the same,
     so relaunching the sweep runs the job again, from its checkpoint when it has one."""
     row = asdict(RunRow(
-        task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment,
-        status=f"error: crashed ({how})", seq_len=cfg.task.seq_len, batch_size=cfg.schedule.batch_size,
-        eval_every=cfg.schedule.eval_every, torch=torch.__version__, git_sha=git_sha(), timestamp=now_iso(),
-        run_dir=str(run_dir), batching=cfg.schedule.batching))
-    append_row(Path(cfg.results.dir) / "runs.csv", row, RUN_COLUMNS)
-    RunFiles(run_dir).write_result(row, [])
+        **run_identity(cfg), status=f"error: crashed ({how})", seq_len=cfg.task.seq_len, torch=torch.__version__,
+        git_sha=git_sha(), timestamp=now_iso(), run_dir=str(run_dir)))
+    save_row(cfg, RunFiles(run_dir), row, [])
     return row
+
+
+def run_identity(cfg: DictConfig) -> dict:
+    """The row fields that the config alone fixes: what ran, under which schedule."""
+    return dict(task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment,
+                batch_size=cfg.schedule.batch_size, eval_every=cfg.schedule.eval_every, batching=cfg.schedule.batching)
+
+
+def save_row(cfg: DictConfig, files: RunFiles, row: dict, history: list) -> None:
+    """Append the row to ``runs.csv``, then record it in the run's folder (which marks the run as ended)."""
+    append_row(Path(cfg.results.dir) / "runs.csv", row, RUN_COLUMNS)
+    files.write_result(row, history)
 
 
 def is_compile_error(error: BaseException) -> bool:
