@@ -245,12 +245,14 @@ def test_sigusr2_checkpoints_then_hands_over_to_the_previous_handler(smoke_cfg, 
     assert runner.run(smoke_cfg(*TINY, "schedule.steps=8", "schedule.eval_every=4"))["steps"] == 8  # resumes
 
 
+class InductorError(RuntimeError):
+    """What torch raises when lowering fails (``lra.run.is_compile_error`` tells it by its module)."""
+
+
+InductorError.__module__ = "torch._inductor.exc"
+
+
 def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, monkeypatch, caplog):
-    class InductorError(RuntimeError):
-        pass
-
-    InductorError.__module__ = "torch._inductor.exc"  # what torch raises when lowering fails
-
     def broken_compile(model, **kwargs):
         def fn(*args, **kw):
             raise InductorError("LoweringException: cannot lower this")
@@ -268,11 +270,6 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, 
 def test_an_evaluation_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, monkeypatch, caplog):
     """Training compiles but evaluation (no autograd, another graph) does not: the run goes on eagerly, as the
     padded block-sparse ListOps runs needed before ``patterns.realized``."""
-    class InductorError(RuntimeError):
-        pass
-
-    InductorError.__module__ = "torch._inductor.exc"
-
     class FailsWithoutGrad(torch.nn.Module):  # a module, as torch.compile returns
         def __init__(self, model):
             super().__init__()
