@@ -62,6 +62,7 @@ class RunRow:
     overrides: str | None = None
     packed: bool | None = None  # several examples per row (trainer.pack); exact, so not in the config hash
     batching: str | None = None  # random (LRA's) | length_grouped (schedule.batching)
+    val_is_test: bool | None = None  # validation is the test set (Text, as LRA): the final weights are the result
 
 
 @dataclass

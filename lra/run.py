@@ -513,7 +513,8 @@ class Trainer:
             compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
             split=data.info.get("split", ""), device=" + ".join(state["devices"]), torch=torch.__version__,
             git_sha=" + ".join(state["git_shas"]), config_hash=self.chash, timestamp=now_iso(),
-            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None))
+            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None),
+            val_is_test=bool(data.info.get("val_is_test", False)))
         out = asdict(row)
         if self.world.is_main:
             save_row(cfg, self.files, out, state["history"])

@@ -105,6 +105,24 @@ def test_stalled_runs_count_and_are_flagged():
     assert "~1" in leaderboard.format_leaderboard(lb)
 
 
+def test_where_validation_is_the_test_set_the_final_weights_of_the_latest_run_count(tmp_path):
+    """Text validates on its test set (as LRA): choosing a checkpoint or a re-run by validation would choose on test."""
+    text = dict(val_is_test=True, split="train=train, val=test, test=test")
+    runs = pd.DataFrame([
+        dict(run("text", "m", 0, 72.0, 72.0, final=66.0, ts="2026-01-01T00:00:00Z"), **text),
+        dict(run("text", "m", 0, 70.0, 70.0, final=64.0, ts="2026-01-02T00:00:00Z"), **text),  # the latest counts
+        dict(run("text", "m", 1, 69.0, 69.0, final=62.0), split=text["split"]),  # older row: its recipe says so
+        dict(run("listops", "m", 0, 40.0, 38.0, final=35.0), val_is_test=False, split="LRA files"),
+    ]).reindex(columns=RUN_COLUMNS)
+    runs.to_csv(tmp_path / "runs.csv", index=False)  # as the CLI reads them: True / False / blank
+    lb = leaderboard.build_leaderboard(pd.read_csv(tmp_path / "runs.csv"))
+    assert cell(lb, "m", "text") == pytest.approx(63.0) and cell(lb, "m", "text", "test_std") == pytest.approx(2**0.5)
+    assert cell(lb, "m", "text", "headline") == "final" and cell(lb, "m", "text", "val_acc") == pytest.approx(69.5)
+    assert "validation split is the test set" in cell(lb, "m", "text", "note")
+    assert cell(lb, "m", "listops") == 38.0 and cell(lb, "m", "listops", "headline") == "best_val"
+    assert "text: final weights" in leaderboard.format_leaderboard(lb)
+
+
 def test_other_experiments_are_rows_of_their_own():
     runs = pd.DataFrame([run("listops", "m", 0, 30.0, 30.0),
                          run("listops", "m", 0, 40.0, 40.0, experiment="mean_pool")]).reindex(columns=RUN_COLUMNS)

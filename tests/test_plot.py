@@ -240,6 +240,9 @@ def test_accuracy_chart_draws_and_saves(tmp_path):
     assert [label.split("\n")[0] for _, label in rows] == ["mymodel", "transformer", "linear"]  # the best on top
     png, _ = plot.save(fig, tmp_path, "listops_accuracy")
     assert png.stat().st_size > 10_000
+    assert ax.get_xlabel().endswith("best-validation checkpoint")
+    text = accuracy_rows().assign(headline=lambda d: d.task.map({"text": "final", "listops": "best_val"}))
+    assert plot.accuracy_chart(text, "text").axes[0].get_xlabel() == "text test accuracy (%), final weights"
 
 
 # --- speed and memory against length -------------------------------------------------------------------------

@@ -39,6 +39,7 @@ def smoke_cli(task: str, options: list[str], tmp_path) -> float:
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert len(rows) == 1 and rows.status[0] == "ok" and rows.task[0] == task and rows.experiment[0] == "smoke"
     assert 0.0 <= rows.test_acc[0] <= 1.0
+    assert rows.val_is_test[0] == (task == "text")  # IMDb has no validation split: Text validates on test
     return seconds
 
 

@@ -142,7 +142,8 @@ def load(task, data, *, seed: int, progress: bool) -> TaskData:
         vocab_size=VOCAB, n_classes=N_CLASSES, seq_len=seq_len,
         info={"task": task.name, "source": desc, "cache": "hit" if hit else "miss", "skipped": skipped,
               "split": "train=train, val=test, test=test (LRA: IMDb has no validation set)"
-                       + limit_recipe(limits, seed)},
+                       + limit_recipe(limits, seed),
+              "val_is_test": True},  # the best-validation checkpoint is picked on test: report the final weights
     )
     log.info("text: %s, %s, cache %s, %d files skipped", desc, out.info["split"], out.info["cache"], skipped)
     return out
