@@ -3,6 +3,7 @@
     python -m lra.layer_bench                                 # every registered mixer, the three shapes below
     python -m lra.layer_bench --models linear,performer --shapes 4096x32 --out results/layer_bench.csv
     python -m lra.layer_bench --peers                         # the public packages too, here and now
+    python -m lra.layer_bench --peers --compile               # every layer through torch.compile, as lra trains
 
 Protocol (the one the public packages were measured with): d 256, 4 heads of 64, projections included, no
 dropout, inputs without padding (mask=None where the mixer takes it, else an all-true mask), bf16 autocast on
@@ -13,7 +14,9 @@ CUDA (fp32 on CPU); N 1024 and 4096 at batch 32, N 16384 at batch 8; ms per forw
 and the bare SDPA layer as the baseline, in the same process on the same card with the same timing loop, and
 sets ours beside them. Without it, the packages' numbers are the stored ``peers_h200_layer`` rows of
 ``results/published.csv`` (an H200, torch 2.11: another card than this one, so their ms compare only roughly).
-``--out`` appends rows (device, torch, commit, implementation) to a CSV. 2-D mixers run at square lengths only
+``--compile`` puts every timed layer (ours, the packages', SDPA's) through ``torch.compile`` first, as the runner
+compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. ``--out`` appends rows
+(device, torch, commit, implementation) to a CSV. 2-D mixers run at square lengths only
 (their grid is the square).
 """
 from __future__ import annotations
@@ -40,13 +43,16 @@ SHAPES = [(1024, 32), (4096, 32), (16384, 8)]  # (N, batch)
 # implementation: "lra <model>" for ours (blank in rows written before it existed), the package's name for theirs;
 # package / pin: the distribution installed and the one the protocol pins (blank for ours and for SDPA)
 COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device", "torch",
-           "git_sha", "timestamp", "implementation", "package", "pin"]
+           "git_sha", "timestamp", "implementation", "package", "pin", "compiled"]
 
 
 def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,
-                 warmup: int = 3, steps: int = 10) -> tuple[float, float | None]:
-    """(median ms of one forward + backward, peak MB or None off CUDA) of ``layer`` on a (batch, n, D) input.
-    The one timing loop of this module: our mixers and the public packages are timed by the same code."""
+                 warmup: int = 3, steps: int = 10, compile_layer: bool = False) -> tuple[float, float | None]:
+    """(median ms of one forward + backward, peak MB or None off CUDA) of ``layer`` on a (batch, n, D) input,
+    through ``torch.compile`` with ``compile_layer`` (compiled during the warm-up). The one timing loop of this
+    module: our mixers and the public packages are timed by the same code."""
+    if compile_layer:
+        layer = torch.compile(layer)
     x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
     autocast = engine.autocast(engine.resolve_precision("auto", device), device)
 
@@ -69,7 +75,7 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
 
 
 def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 10,
-               options: dict | None = None) -> tuple[float, float | None]:
+               options: dict | None = None, compile_layer: bool = False) -> tuple[float, float | None]:
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n)."""
     torch.manual_seed(0)
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=0.0, max_len=n,
@@ -81,14 +87,14 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
         if side * side != n:
             raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
         extra["grid"] = Grid(side, side)
-    return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps)
+    return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps, compile_layer)
 
 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
-              steps: int = 10) -> tuple[float, float | None]:
+              steps: int = 10, compile_layer: bool = False) -> tuple[float, float | None]:
     """``time_forward`` of a public package's layer (lra/peers.py), built for length n, at (batch, n)."""
     torch.manual_seed(0)
-    return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps)
+    return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps, compile_layer)
 
 
 def measure(row: dict, timer: Callable[[], tuple[float, float | None]], device: torch.device) -> dict:
@@ -191,19 +197,22 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         "'performer:chunk_size=1024;reformer:n_hashes=4' (rows 'lra performer(chunk_size=1024)', ...)")
     parser.add_argument("--peers", action="store_true",
                         help="also time the public packages of these models and a bare SDPA layer, here and now")
+    parser.add_argument("--compile", action="store_true",
+                        help="time every layer (ours, the packages', SDPA's) through torch.compile, as lra trains")
     args = parser.parse_args(argv)
     device = engine.resolve_device(args.device)
     engine.configure(device, engine.cpu_threads(None))
     models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
-                  torch=torch.__version__, git_sha=git_sha())
+                  torch=torch.__version__, git_sha=git_sha(), compiled=args.compile)
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours = [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
-                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options), device)
+                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile),
+                    device)
             for label, name, options in cases for n, batch in shapes]
     theirs = [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
-                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps), device)
+                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile), device)
               for peer in (for_models(models) if args.peers else []) for n, batch in shapes]
     if args.out is not None:
         for row in ours + theirs:
@@ -215,7 +224,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                            "torch 2.11), another card than this one; --peers measures them here.")
         return table
     table = live_table(ours, theirs)
-    print_table(table, f"Public packages measured in this call on {common['device']} (torch {torch.__version__}). "
+    how = ", every layer compiled" if args.compile else ""
+    print_table(table, f"Public packages measured in this call on {common['device']} (torch {torch.__version__}{how}). "
                        "speedup = package ms / ours, mem_ratio = ours MB / package MB, x_sdpa = SDPA ms / ms, "
                        "mem_x_sdpa = MB / SDPA MB.")
     for _, row in theirs[theirs["status"] != "ok"].drop_duplicates("implementation").iterrows():

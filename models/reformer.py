@@ -10,9 +10,13 @@ chunks of ``chunk`` positions, and lets every query attend to its own chunk and 
 token attends to itself only when no other key is visible (its logit is -5e4 rather than -inf);
 padded keys are masked out. Outputs are unsorted, and the rounds are combined with weights
 softmax_r(logsumexp of round r's logits), i.e. attention over the union of the rounds' windows.
-With one round (LRA's setting) the chunk attention is one fused ``scaled_dot_product_attention`` call
-(chunks as heads, self masked, a query left with no key takes its own value); with several, it is
-computed explicitly in fp32 because the combination needs each round's logsumexp.
+With one round (LRA's setting) the chunk attention is one fused kernel (self masked, a query left with no key
+takes its own value): on CUDA without attention dropout (evaluation, and the bench, which runs every mixer
+without it) FlexAttention over the sorted sequence, whose band of two chunks per query is a block mask of
+partial 128 x 128 tiles, so no chunk is copied into a window; otherwise ``scaled_dot_product_attention`` with
+chunks as heads and (chunk, 2 chunks) windows, since FlexAttention has no dropout. Both compute the same
+attention (tested). With several rounds it is computed explicitly in fp32, because the combination needs each
+round's logsumexp.
 
 Chunking: with ``bucket_size`` (default) the chunk is ``bucket_size`` positions and n_buckets =
 ceil(max_len / bucket_size) (rounded up to even); with ``n_buckets`` given, the chunk is
@@ -45,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, compiled
+from .patterns import FLEX_BLOCK, flex_attend, realized, tile_block_mask
 from .registry import Taxonomy, register_model
 
 SELF_LOGIT = -5e4  # a token sees itself only if nothing else is visible
@@ -81,6 +86,7 @@ class Reformer(MultiHeadMixer):
         gen = torch.Generator().manual_seed(seed)
         rot = torch.randn(n_hashes, n_heads, self.d_head, max(n_buckets // 2, 1), generator=gen)
         self.register_buffer("rotations", rot)  # (R, H, Dh, n_buckets/2)
+        self.backend = "auto"  # one round: "flex" (CUDA, no attention dropout) or "sdpa"; how it runs, not what
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, N, _ = x.shape
@@ -122,6 +128,13 @@ class Reformer(MultiHeadMixer):
         flat = order.reshape(B, H, R * N, 1)  # (B, H, R*N, 1)
         s_qk = qk.gather(2, flat.expand(-1, -1, -1, Dh)).view(B, H, R, C, L, Dh)  # (B, H, R, C, L, Dh)
         s_v = v.gather(2, flat.expand(-1, -1, -1, Dh)).view(B, H, R, C, L, Dh)  # (B, H, R, C, L, Dh)
+        inv = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))  # (B, H, R, N): position -> slot
+        if R == 1 and self.flex_round_runs(qk.is_cuda):
+            s_qk, s_v = s_qk.view(B, H, N, Dh), s_v.view(B, H, N, Dh)
+            n_real = mask.sum(-1)  # (B,): padding hashes to the last bucket, so real keys are a prefix of the order
+            fn = _flex_round if torch.compiler.is_compiling() or not qk.is_cuda else compiled(_flex_round, False)
+            o = fn(self, s_qk, F.normalize(s_qk, dim=-1), s_v, n_real)  # (B, H, N, Dh), sorted
+            return o.gather(2, inv.view(B, H, N, 1).expand(-1, -1, -1, Dh))  # (B, H, N, Dh)
         s_real = mask[:, None, None, :].expand(B, H, R, N).gather(-1, order).view(B, H, R, C, L)  # (B, H, R, C, L)
 
         # Keys: own chunk + previous chunk (none for chunk 0 or a single chunk).
@@ -142,7 +155,6 @@ class Reformer(MultiHeadMixer):
             o, lse = self.rounds_with_mass(s_qk, k_win, v_win, real_win, self_key)
 
         # Unsort: gather each position's row back through the inverse permutation.
-        inv = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))  # (B, H, R, N): position -> slot
         o = o.view(B, H, R, N, Dh).gather(3, inv.unsqueeze(-1).expand(-1, -1, -1, -1, Dh))  # (B, H, R, N, Dh)
         if R == 1:
             return o.squeeze(2)  # (B, H, N, Dh)
@@ -150,6 +162,10 @@ class Reformer(MultiHeadMixer):
             lse = lse.reshape(B, H, R, N).gather(-1, inv)  # (B, H, R, N)
             w = torch.softmax(lse, dim=2).unsqueeze(-1)  # (B, H, R, N, 1): each round's share of the mass
             return (o.float() * w).sum(dim=2).to(o.dtype)  # (B, H, N, Dh)
+
+    def flex_round_runs(self, on_cuda: bool) -> bool:
+        """Whether one round runs as FlexAttention: asked for, or on CUDA where no attention dropout is active."""
+        return self.backend == "flex" or (self.backend == "auto" and on_cuda and self.dropout_p == 0)
 
     def one_round(self, q, k, v, v_self, real, self_key):
         """Chunked attention for a single hash round through fused SDPA, with chunks as heads. Self is
@@ -177,3 +193,32 @@ class Reformer(MultiHeadMixer):
             lse = dots.logsumexp(dim=-1)  # (B, H, R, C, L): this round's mass
         p = F.dropout(p.to(v.dtype), self.dropout_p, training=self.training)
         return torch.einsum("bhrclm,bhrcmd->bhrcld", p, v), lse  # (B, H, R, C, L, Dh), (B, H, R, C, L)
+
+
+def _flex_round(mixer: Reformer, q, k, v, n_real):
+    """One hash round as FlexAttention over the sorted sequence (B, H, N, Dh): query slot i sees the keys of its
+    own chunk and of the previous one (chunk 0 does not wrap), not itself, and only real keys (slots below
+    ``n_real[b]``). Tiles outside the band or wholly past the real keys are skipped; every other tile is partial
+    (the diagonal and the chunk edges cut through it). A query left with no key takes its own value."""
+    N, L, device = q.shape[2], mixer.chunk, q.device
+    nt = -(-N // FLEX_BLOCK)
+    first = torch.arange(nt, device=device) * FLEX_BLOCK  # (nt,): each tile's first slot
+    last = (first + FLEX_BLOCK).clamp(max=N) - 1  # (nt,)
+    lo = ((first // L - 1).clamp(min=0) * L)[:, None]  # (nt, 1): lowest key a query of the tile may see
+    hi = (((last // L + 1) * L).clamp(max=N) - 1)[:, None]  # (nt, 1): highest
+    band = (last[None, :] >= lo) & (first[None, :] <= hi)  # (nt q, nt kv)
+    tiles = band[None] & (first[None, None, :] < n_real[:, None, None])  # (B, nt, nt): some real key inside
+    limit = realized(n_real)  # (B,), read by the mask_mod: a buffer of its own
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_chunk, kv_chunk = q_idx // L, kv_idx // L
+        near = (kv_chunk == q_chunk) | (kv_chunk == q_chunk - 1)
+        return near & (q_idx != kv_idx) & (kv_idx < limit[b])
+
+    block_mask = tile_block_mask(tiles[:, None], torch.zeros_like(tiles[:, None]), N, mask_mod)
+    o = flex_attend(q, k, v, block_mask, small_tiles=True)  # (B, H, N, Dh); a row with no key gives 0
+    # the real keys a query sees but itself: slots in [start, end) below n_real, less one when the query is real
+    slot = torch.arange(N, device=device)
+    start, end = (slot // L - 1).clamp(min=0) * L, (slot // L + 1) * L  # (N,)
+    seen = (torch.minimum(end, n_real[:, None]) - start).clamp(min=0) - (slot < n_real[:, None]).long()  # (B, N)
+    return torch.where((seen == 0)[:, None, :, None], v, o)  # (B, H, N, Dh)

@@ -1,6 +1,7 @@
 """On CUDA: the block-sparse models' FlexAttention path equals their dense-mask path (outputs and gradients), with
 and without padding and with no mask at all, at lengths that are and are not multiples of the block, for the
-defaults and for the settings that leave tiles partial (LRA's 64-blocks, a global token)."""
+defaults and for the settings that leave tiles partial (LRA's 64-blocks, a global token). Reformer's FlexAttention
+round equals its SDPA round the same way."""
 from __future__ import annotations
 
 import pytest
@@ -37,5 +38,23 @@ def test_flex_attention_equals_the_dense_mask(name, options, n, padding):
         mask = None
     flex, dense = outputs_and_grads(m, x, mask, "flex"), outputs_and_grads(m, x, mask, "dense")
     for what, a, b in zip(("output", "dx", "dW"), flex, dense, strict=True):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-4, f"{what}: relative error {err:.1e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"n_buckets": 10}], ids=["bucket64", "lra-10-chunks"])
+@pytest.mark.parametrize("n", [1152, 1025])
+def test_reformer_flex_round_equals_the_sdpa_round(options, n):
+    """Reformer's one hash round: FlexAttention over the sorted sequence (compiled, as it runs on CUDA) equals the
+    SDPA round over chunk windows, outputs and gradients, with padding and a sample that is one real token."""
+    torch.manual_seed(0)
+    m = create_model("reformer", d_model=64, n_heads=2, d_qkv=64, dropout=0.0, max_len=2048, **options).cuda()
+    x = torch.randn(3, n, 64, device="cuda")
+    mask = torch.ones(3, n, dtype=torch.bool, device="cuda")
+    mask[1, 600:] = False
+    mask[2, 1:] = False
+    flex, sdpa = outputs_and_grads(m, x, mask, "flex"), outputs_and_grads(m, x, mask, "sdpa")
+    for what, a, b in zip(("output", "dx", "dW"), flex, sdpa, strict=True):
         err = ((a - b).abs().max() / b.abs().max()).item()
         assert err < 1e-4, f"{what}: relative error {err:.1e}"

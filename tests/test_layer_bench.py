@@ -102,7 +102,7 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     monkeypatch.setattr(layer_bench, "time_forward", lambda layer, *a: timed.append(layer) or real(layer, *a))
     table = layer_bench.main(["--models", "performer,transformer", "--out", str(out), *PEER_ARGS])
     rows = pd.read_csv(out)
-    assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin"]  # added at the end
+    assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin", "compiled"]  # at the end
     assert rows.implementation.isna().tolist() == [True, False, False, False, False]  # the old row is kept
     new = rows.iloc[1:].set_index("implementation")
     assert list(new.index) == ["lra performer", "lra transformer", "SDPA exact (cuDNN flash)",
@@ -119,6 +119,19 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     transformer = table[table.model == "transformer"].iloc[0]
     assert transformer.implementation == "SDPA exact (cuDNN flash)" and transformer.x_sdpa_public == 1.0
     assert "measured in this call" in capsys.readouterr().out
+
+
+def test_compile_puts_every_timed_layer_through_torch_compile(tmp_path, monkeypatch, capsys):
+    """--compile: ours, the package's and SDPA's layers alike (a stand-in for torch.compile records them)."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda layer: compiled.append(layer) or layer)
+    out = tmp_path / "layers.csv"
+    layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile"])
+    rows = pd.read_csv(out)
+    assert len(compiled) == len(rows) == 3 and rows.compiled.all() and (rows.status == "ok").all()
+    assert "every layer compiled" in capsys.readouterr().out
+    layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS[:-1]])
+    assert len(compiled) == 3 and not pd.read_csv(out).compiled.iloc[-1]  # without the flag: eager
 
 
 def test_without_peers_the_header_says_the_numbers_are_stored(capsys):

@@ -238,3 +238,24 @@ def test_synthesizer_variants_padding_and_gradients(variant, keep_dot_product):
 def test_synthesizer_rejects_unknown_variant():
     with pytest.raises(ValueError, match="variant"):
         build("synthesizer", max_len=8, variant="mixture")
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("options,n", [(dict(bucket_size=8), 37), (dict(bucket_size=64), 300),
+                                       (dict(n_buckets=4), 200), (dict(n_buckets=1), 50)])
+def test_reformer_flex_round_equals_the_sdpa_round(options, n):
+    """One hash round as FlexAttention over the sorted sequence (CUDA's path without attention dropout; eager
+    here, forward only) gives what the SDPA path over (chunk, 2 chunks) windows gives, padding, lone queries
+    (a real token whose window holds no other real key) and chunk 0 included."""
+    model = build("reformer", max_len=320, **options)
+    x = torch.randn(3, n, D)
+    mask = lengths_mask([n, n - 11, 1], n)  # the last sample is one real token: it can only see itself
+    with torch.no_grad():
+        model.backend = "sdpa"
+        sdpa = model(x, mask)
+        model.backend = "flex"
+        flex = model(x, mask)
+    torch.testing.assert_close(flex[mask], sdpa[mask], atol=1e-5, rtol=1e-5)
+    model.backend, model.attn_dropout = "auto", 0.1  # on CUDA, unless attention dropout is on: FlexAttention has none
+    assert model.flex_round_runs(on_cuda=True) and not model.flex_round_runs(on_cuda=False)
+    assert not model.train().flex_round_runs(on_cuda=True)
