@@ -111,6 +111,20 @@ def select_runs(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFr
     return runs.assign(stalled=runs["best"] & (runs["val_acc"] <= majority + STALL_BAND))
 
 
+def headline(best: pd.DataFrame) -> pd.Series:
+    """The test accuracy the leaderboard reports for each selected run: the final weights' where validation is the
+    test set, else the best-validation checkpoint's."""
+    return best["final_test_acc"].where(best["val_is_test"], best["test_acc"])
+
+
+def seed_accuracies(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
+    """One row per (experiment, model, task, seed) of the selected runs, ``test_acc`` = its headline accuracy (%):
+    the values behind each cell's mean and std."""
+    best = select_runs(runs, experiment)
+    best = best[best["best"]]
+    return best[["experiment", "model", "task", "seed"]].assign(test_acc=headline(best)).reset_index(drop=True)
+
+
 def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     best = g[g["best"]]
     n = len(best)
@@ -121,9 +135,8 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
                n_stalled=int(best["stalled"].sum()), note="")
     notes = []
     if n:
-        final = bool(best["val_is_test"].all())
-        headline = "final_test_acc" if final else "test_acc"
-        row.update(test_acc=best[headline].mean(), test_std=best[headline].std(ddof=1) if n > 1 else None,
+        final, values = bool(best["val_is_test"].all()), headline(best)
+        row.update(test_acc=values.mean(), test_std=values.std(ddof=1) if n > 1 else None,
                    val_acc=best["val_acc"].mean(), final_test_acc=best["final_test_acc"].mean(),
                    final_test_std=best["final_test_acc"].std(ddof=1) if n > 1 else None,
                    headline="final" if final else "best_val")

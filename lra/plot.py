@@ -34,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from lra.leaderboard import DEFAULT_RESULTS, TASKS5
+from lra.leaderboard import DEFAULT_RESULTS, TASKS5, seed_accuracies
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
@@ -45,7 +45,7 @@ NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_m
 METRIC_LABELS = {"steps_per_s": "training steps/s", "examples_per_s": "training examples/s",
                  "peak_mem_mb": "peak memory (MB)", "rel_speed": "speed relative to transformer"}
 POINT_COLUMNS = ["model", "x", "y", "mem_gb"]
-ACCURACY_COLUMNS = ["model", "mean", "std", "n_seeds", "n_stalled", "paper", "headline"]
+ACCURACY_COLUMNS = ["model", "mean", "std", "n_seeds", "n_stalled", "paper", "headline", "seeds"]
 
 PAPER_BATCH = 32  # LRA Table 2's batch: Figure 3's x positions fit 4K steps/s x 32
 LOG_SPAN = 8.0  # an axis whose values span more than this factor is drawn log
@@ -450,10 +450,11 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
 # (b) One task's accuracy with error bars over seeds
 
 
-def accuracy_points(leaderboard: pd.DataFrame, task: str = "listops") -> pd.DataFrame:
+def accuracy_points(leaderboard: pd.DataFrame, task: str = "listops", runs: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per model with a result on ``task`` (experiment ``lra``): ``mean`` test accuracy, ``std`` over seeds (NaN
-    with one seed: no bar), ``n_seeds``, ``n_stalled``, ``paper`` = the leaderboard's LRA Table 1 cell, and
-    ``headline`` = which weights the accuracy is of (``best_val`` or ``final``); the best mean first."""
+    with one seed: no bar), ``n_seeds``, ``n_stalled``, ``paper`` = the leaderboard's LRA Table 1 cell,
+    ``headline`` = which weights the accuracy is of (``best_val`` or ``final``) and, given the ``runs`` behind the
+    leaderboard, ``seeds`` = each seed's accuracy (a list; empty without them); the best mean first."""
     rows = lra_rows(leaderboard)
     rows = rows[rows["task"] == task]
 
@@ -465,6 +466,11 @@ def accuracy_points(leaderboard: pd.DataFrame, task: str = "listops") -> pd.Data
                            "n_stalled": column("n_stalled", 0).fillna(0).astype(int), "paper": column("published"),
                            "headline": rows.get("headline", "best_val")},
                           columns=ACCURACY_COLUMNS).dropna(subset=["mean"])
+    per_seed = {}
+    if runs is not None:
+        chosen = seed_accuracies(runs)
+        per_seed = chosen[chosen["task"] == task].sort_values("seed").groupby("model")["test_acc"].agg(list)
+    points["seeds"] = [per_seed.get(m, []) for m in points["model"]]
     points.loc[points["n_seeds"] < 2, "std"] = np.nan  # one seed has no spread to show, whatever the cell says
     return points.sort_values(["mean", "model"], ascending=[False, True], kind="stable").reset_index(drop=True)
 
@@ -482,11 +488,13 @@ def accuracy_label(r) -> str:
 
 
 PAPER_ROW_SHIFT = 0.22  # the paper's marker sits just below ours, so equal values stay apart
+SEED_ROW_SHIFT = 0.2  # and each seed's tick just above
 
 
 def draw_accuracy(points: pd.DataFrame, task: str) -> Figure:
     """``accuracy_points`` as one row per model, the best on top: our mean with the std over seeds as a bar (filled
-    marker), a single seed as a hollow marker without a bar, LRA Table 1's value as a grey diamond just below."""
+    marker), each seed as a small tick just above it (where ``seeds`` lists them), a single seed as a hollow marker
+    without a bar, LRA Table 1's value as a grey diamond just below."""
     fig = _new_figure(8.5, 1.8 + 0.5 * max(len(points), 1))
     ax = fig.add_subplot()
     pos = np.arange(len(points))[::-1].astype(float)  # the first (best) row on top
@@ -495,6 +503,11 @@ def draw_accuracy(points: pd.DataFrame, task: str) -> Figure:
     if seeds.any():
         handles.append(ax.errorbar(points["mean"][seeds], pos[seeds], xerr=points["std"][seeds], fmt="o",
                                    color="tab:blue", capsize=4, label="ours: mean ± std over seeds"))
+    each = [(value, y + SEED_ROW_SHIFT) for values, y, several in zip(points["seeds"], pos, seeds, strict=True)
+            if several for value in values]  # (accuracy, row) of every seed behind a bar
+    if each:
+        handles += ax.plot(*zip(*each, strict=True), "|", color="tab:blue", markersize=7, linestyle="none",
+                           label="ours: each seed")
     if (~seeds).any():
         handles += ax.plot(points["mean"][~seeds], pos[~seeds], "o", mfc="white", color="tab:blue",
                            linestyle="none", label="ours: one seed (no bar)")
@@ -671,7 +684,8 @@ def _leaderboard_charts(args, bench: pd.DataFrame, board: pd.DataFrame, tasks: l
     suffix = f"_{len(tasks)}tasks" if tasks else ""
     written = list(save(fig, args.out, f"lra_bubble_{length_label(args.length)}{suffix}"))
     task = args.errorbars_task
-    points = accuracy_points(board, task)
+    runs_path = Path(args.results) / "runs.csv"  # the runs behind the leaderboard: each seed's accuracy
+    points = accuracy_points(board, task, pd.read_csv(runs_path) if runs_path.exists() else None)
     if len(points):
         written += save(draw_accuracy(points, task), args.out, f"{task}_accuracy")
     else:

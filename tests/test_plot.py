@@ -233,6 +233,26 @@ def test_accuracy_points_sorted_by_mean_with_a_bar_only_over_several_seeds():
     assert plot.accuracy_points(accuracy_rows(), "image").empty
 
 
+def test_each_seed_of_the_selected_runs_is_drawn_beside_the_mean():
+    """Given the runs, every seed behind a bar is a tick at its own accuracy: the values of the leaderboard's cell."""
+    from lra.leaderboard import build_leaderboard
+
+    def row(model, seed, test, val=40.0, ts="2026-01-01T00:00:00Z"):
+        return dict(task="listops", model=model, seed=seed, experiment="lra", status="ok", val_acc=val,
+                    test_acc=test, final_test_acc=test, timestamp=ts, val_majority=10.0)
+    runs = pd.DataFrame([row("m", 0, 31.8), row("m", 1, 36.2), row("m", 2, 23.0),
+                         row("m", 0, 20.0, val=30.0, ts="2026-01-02T00:00:00Z"),  # a worse re-run of seed 0: not drawn
+                         row("one", 0, 35.0)])
+    points = plot.accuracy_points(build_leaderboard(runs), "listops", runs)
+    seeds = dict(zip(points["model"], points["seeds"], strict=True))
+    assert seeds == {"m": [31.8, 36.2, 23.0], "one": [35.0]}
+    assert points.set_index("model").loc["m", "mean"] == pytest.approx(sum(seeds["m"]) / 3)
+    ax = plot.draw_accuracy(points, "listops").axes[0]
+    ticks = [line for line in ax.get_lines() if line.get_label() == "ours: each seed"]
+    assert len(ticks) == 1 and sorted(ticks[0].get_xdata()) == [23.0, 31.8, 36.2]  # one seed alone: no tick
+    assert plot.accuracy_points(build_leaderboard(runs), "listops")["seeds"].map(len).eq(0).all()  # no runs given
+
+
 def test_accuracy_chart_draws_and_saves(tmp_path):
     fig = plot.accuracy_chart(accuracy_rows(), "listops")
     ax = fig.axes[0]
