@@ -130,7 +130,7 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path):
 
 def test_multirun_sweeps_models(tmp_path):
     """`-m model=a,b` runs both through the CLI and both rows land in one runs.csv."""
-    proc = cli("-m", "model=transformer,linear", "seed=1", "experiment=smoke", "schedule.steps=3",
+    proc = cli("-m", "model=transformer,linear", "seed=1", "experiment=smoke", "schedule.steps=3", "task.seq_len=256",
                "schedule.eval_every=3", "data.limit.train=24", "data.limit.val=8", "data.limit.test=8",
                f"results.dir={tmp_path / 'results'}", f"data.cache_dir={tmp_path / 'cache'}",
                f"hydra.sweep.dir={tmp_path / 'multirun'}")

@@ -82,7 +82,8 @@ def test_a_plugin_model_trains_and_passes_the_registry_wide_tests(plugin, tmp_pa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]),
            "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results")}
     run = subprocess.run([sys.executable, "-m", "lra", "model=plugin_mean", "model.scale=0.5", "experiment=smoke",
-                          "schedule.steps=2", "schedule.eval_every=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                          "schedule.steps=2", "schedule.eval_every=2", "task.seq_len=256",
+                          f"hydra.run.dir={tmp_path / 'run'}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert pd.read_csv(tmp_path / "results" / "runs.csv").model.tolist() == ["plugin_mean"]

@@ -293,7 +293,8 @@ def test_an_evaluation_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke
 def test_a_long_schedule_on_the_cpu_warns_with_its_estimate(smoke_cfg, monkeypatch, caplog):
     monkeypatch.setattr(runner, "CPU_WARN_AFTER_S", 0.0)  # any run counts as long here
     runner.run(smoke_cfg(*TINY, "experiment=lra", "device=cpu", "trainer.timing_warmup=1", "schedule.steps=6",
-                         "schedule.eval_every=6", "data.limit.train=64", "data.limit.val=8", "data.limit.test=8"))
+                         "schedule.eval_every=6", "data.limit.train=64", "data.limit.val=8", "data.limit.test=8",
+                         "schedule.batch_size=4", "backbone.d_model=64", "backbone.d_qkv=64", "backbone.d_ff=64"))
     assert "training on the CPU: 6 steps" in caplog.text and "experiment=smoke" in caplog.text
     caplog.clear()
     runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=6", "resume=false"))  # the smoke preset
