@@ -286,9 +286,12 @@ class Trainer:
         if self.world.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
-            # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no copy in and out of them)
+            # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no copy in and out of them).
+            # broadcast_buffers=False: no broadcast of rank 0's buffers before every forward. They are constants
+            # (positions, hash rotations) or BatchNorm statistics, which only rank 0 uses (it alone evaluates and
+            # saves), and rank 0's own evolve the same either way.
             train_model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda"
-                                                  else None, gradient_as_bucket_view=True)
+                                                  else None, gradient_as_bucket_view=True, broadcast_buffers=False)
         self.eager_train_fn = train_model
         mode = cfg.trainer.compile_mode
         self.train_fn = torch.compile(train_model, mode=mode) if self.compiled else train_model
