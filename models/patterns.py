@@ -220,6 +220,16 @@ def flex_attend(q, k, v, block_mask: BlockMask, small_tiles: bool = False) -> to
     return out[..., :Dh]
 
 
+def flex_call(fn, on_cuda: bool, *args):
+    """``fn(*args)`` for a function that calls FlexAttention with a mask_mod built inside it. FlexAttention is fast
+    only compiled: on CUDA, outside a graph being traced, ``fn`` goes through ``torch.compile`` here, with the
+    mixer among its arguments, so that the per-batch mask_mod closure is traced instead of guarded on; a model
+    compiled as a whole (lra's default on CUDA) traces straight through. Elsewhere it runs eagerly (tests)."""
+    if on_cuda and not torch.compiler.is_compiling():
+        return compiled(fn, dynamic=False)(*args)
+    return fn(*args)
+
+
 def real_blocks(keep: torch.Tensor, block: int) -> torch.Tensor:
     """(B, N) key mask -> (B,) blocks up to the last real token: unchanged by padding appended after it."""
     extent = (keep.long() * torch.arange(1, keep.shape[1] + 1, device=keep.device)).amax(-1)  # (B,)
@@ -301,12 +311,9 @@ class BlockSparseMixer(MultiHeadMixer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.check_length(q.shape[2])
         use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
-        if use_flex and q.is_cuda and not torch.compiler.is_compiling():
-            # FlexAttention is fast only compiled. Compiling from here, with the mixer as an argument, lets
-            # the per-batch mask_mod closure be traced instead of guarded on; a model compiled as a whole
-            # (lra's default on CUDA) traces straight through and never takes this branch.
-            return compiled(_block_sparse_attend, dynamic=False)(self, q, k, v, mask, True)
-        return _block_sparse_attend(self, q, k, v, mask, use_flex)
+        if use_flex:
+            return flex_call(_block_sparse_attend, q.is_cuda, self, q, k, v, mask, True)
+        return _block_sparse_attend(self, q, k, v, mask, False)
 
 
 def _block_sparse_attend(mixer: BlockSparseMixer, q, k, v, mask, use_flex: bool) -> torch.Tensor:

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer, compiled
-from .patterns import FLEX_BLOCK, flex_attend, realized, tile_block_mask
+from .base import MultiHeadMixer
+from .patterns import FLEX_BLOCK, flex_attend, flex_call, realized, tile_block_mask
 from .registry import Taxonomy, register_model
 
 SELF_LOGIT = -5e4  # a token sees itself only if nothing else is visible
@@ -132,8 +132,8 @@ class Reformer(MultiHeadMixer):
         if R == 1 and self.flex_round_runs(qk.is_cuda):
             s_qk, s_v = s_qk.view(B, H, N, Dh), s_v.view(B, H, N, Dh)
             n_real = mask.sum(-1)  # (B,): padding hashes to the last bucket, so real keys are a prefix of the order
-            fn = _flex_round if torch.compiler.is_compiling() or not qk.is_cuda else compiled(_flex_round, False)
-            o = fn(self, s_qk, F.normalize(s_qk, dim=-1), s_v, n_real)  # (B, H, N, Dh), sorted
+            keys = F.normalize(s_qk, dim=-1)  # (B, H, N, Dh): unit length
+            o = flex_call(_flex_round, qk.is_cuda, self, s_qk, keys, s_v, n_real)  # (B, H, N, Dh), sorted order
             return o.gather(2, inv.view(B, H, N, 1).expand(-1, -1, -1, Dh))  # (B, H, N, Dh)
         s_real = mask[:, None, None, :].expand(B, H, R, N).gather(-1, order).view(B, H, R, C, L)  # (B, H, R, C, L)
 
