@@ -23,6 +23,13 @@ def outputs_and_grads(model, x, mask, backend):
     return y.detach(), x.grad, model.qkv.weight.grad.clone()
 
 
+def assert_same(flex, reference):
+    """Output, input gradient and weight gradient within 1e-4 of the reference's largest value."""
+    for what, a, b in zip(("output", "dx", "dW"), flex, reference, strict=True):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-4, f"{what}: relative error {err:.1e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,options", SPECS, ids=[n + "".join(f"-{k}{v}" for k, v in o.items()) for n, o in SPECS])
 @pytest.mark.parametrize("n,padding", CASES, ids=[f"{n}-{p}" for n, p in CASES])
@@ -36,10 +43,7 @@ def test_flex_attention_equals_the_dense_mask(name, options, n, padding):
         mask[2, ::3] = False
     if padding == "mask=None":
         mask = None
-    flex, dense = outputs_and_grads(m, x, mask, "flex"), outputs_and_grads(m, x, mask, "dense")
-    for what, a, b in zip(("output", "dx", "dW"), flex, dense, strict=True):
-        err = ((a - b).abs().max() / b.abs().max()).item()
-        assert err < 1e-4, f"{what}: relative error {err:.1e}"
+    assert_same(outputs_and_grads(m, x, mask, "flex"), outputs_and_grads(m, x, mask, "dense"))
 
 
 @pytest.mark.gpu
@@ -54,7 +58,4 @@ def test_reformer_flex_round_equals_the_sdpa_round(options, n):
     mask = torch.ones(3, n, dtype=torch.bool, device="cuda")
     mask[1, 600:] = False
     mask[2, 1:] = False
-    flex, sdpa = outputs_and_grads(m, x, mask, "flex"), outputs_and_grads(m, x, mask, "sdpa")
-    for what, a, b in zip(("output", "dx", "dW"), flex, sdpa, strict=True):
-        err = ((a - b).abs().max() / b.abs().max()).item()
-        assert err < 1e-4, f"{what}: relative error {err:.1e}"
+    assert_same(outputs_and_grads(m, x, mask, "flex"), outputs_and_grads(m, x, mask, "sdpa"))
