@@ -97,8 +97,10 @@ def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int 
     return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps, compile_layer)
 
 
-def measure(row: dict, timer: Callable[[], tuple[float, float | None]], device: torch.device) -> dict:
-    """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on."""
+def measure(row: dict, timer: Callable[[], tuple[float, float | None]], device: torch.device,
+            out: Path | None) -> dict:
+    """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on. The row
+    is appended to ``out`` at once, so a sweep killed midway (a device call's time limit) keeps what it measured."""
     row["timestamp"] = now_iso()
     try:
         row["ms_fwd_bwd"], row["peak_mb"] = timer()
@@ -113,6 +115,8 @@ def measure(row: dict, timer: Callable[[], tuple[float, float | None]], device: 
         torch.cuda.empty_cache()
     print(f"{row['implementation']:45s} N {row['seq_len']:6d} B {row['batch_size']:3d}: {row['status']:5s} "
           f"{row.get('ms_fwd_bwd', float('nan')):8.2f} ms", flush=True)
+    if out is not None:
+        append_row(out, row, COLUMNS)  # an older header is rewritten with the new columns at the end
     return row
 
 
@@ -209,14 +213,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours = [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
                     lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile),
-                    device)
+                    device, args.out)
             for label, name, options in cases for n, batch in shapes]
     theirs = [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
-                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile), device)
+                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile), device,
+                      args.out)
               for peer in (for_models(models) if args.peers else []) for n, batch in shapes]
-    if args.out is not None:
-        for row in ours + theirs:
-            append_row(args.out, row, COLUMNS)  # an older header is rewritten with the new columns at the end
     ours, theirs = frame(ours), frame(theirs)
     if not args.peers:
         table = compare(ours[ours["status"] == "ok"], peers())

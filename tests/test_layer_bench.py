@@ -47,6 +47,24 @@ def test_main_writes_rows(tmp_path, capsys):
     assert "linear" in capsys.readouterr().out
 
 
+def test_rows_measured_before_a_kill_are_kept(tmp_path, monkeypatch):
+    """A sweep stopped midway (a device call's time limit) has written every row it measured."""
+    calls = []
+
+    def timer(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a SIGINT raises; a BaseException, so measure() does not record it
+        return 1.0, None
+
+    monkeypatch.setattr(layer_bench, "time_layer", timer)
+    out = tmp_path / "layers.csv"
+    with pytest.raises(KeyboardInterrupt):
+        layer_bench.main(["--models", "linear,transformer,local", "--shapes", "64x2", "--device", "cpu",
+                          "--out", str(out)])
+    assert list(pd.read_csv(out).model) == ["linear"]
+
+
 # --- the public packages in the same process (lra/peers.py, --peers) ---
 
 PEER_ARGS = ["--shapes", "128x2", "--warmup", "0", "--steps", "1", "--device", "cpu", "--peers"]
