@@ -24,7 +24,8 @@ Padding: phi(k) is zeroed at padded keys, so padding never contributes to any ou
 output, which the encoder ignores. The mask is honoured exactly in both forms.
 Packed rows (``segments``, non-causal form): one summary per example of the row in one matmul (values spread
 into S blocks of columns, models/base.py's ``spread``), each query reading its own example's (``pick``); S
-examples in a row cost S-fold products, still O(N Dh^2) per example.
+examples in a row cost S-fold products, still O(N Dh^2) per example. On CUDA this is compiled like the unpacked
+form; the membership is read off the data outside the graph, so S is one more size of the compiled function.
 Deviations from LRA's code (``linear_attention``): LRA applies no padding mask (pads leak into the key sums),
 and offers only the non-causal form. Attention dropout is not applied (there is no attention matrix; LRA
 ignores its dropout rate here too).
@@ -123,19 +124,9 @@ class LinearAttention(MultiHeadMixer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:
-        if segments is not None:
-            return linear_attention(q, k, v, mask, False, 1, segment_members(segments))  # (B, H, N, Dh)
+        member = None if segments is None else segment_members(segments)  # (B, 1, N, S), S read off the data
         core = compiled(linear_attention) if (self.compile_core and q.is_cuda) else linear_attention
-        return core(q, k, v, mask, self.causal, self.chunk_size)  # (B, H, N, Dh)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        if segments is None:
-            return super().forward(x, mask)
-        return self.forward_packed(x, mask, segments)
-
-    @torch.compiler.disable  # S, the most segments in a row, is read off the data: this layer runs eagerly
-    def forward_packed(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-        return super().forward(x, mask, segments)  # (B, N, D)
+        return core(q, k, v, mask, self.causal, self.chunk_size, member)  # (B, H, N, Dh)
 
     def recurrent_step(
         self,

@@ -3,8 +3,14 @@ https://arxiv.org/abs/1706.03762), the baseline every other mixer in this packag
 
 softmax(Q K^T / sqrt(d)) V through ``torch.nn.functional.scaled_dot_product_attention``, which picks a
 fused kernel (cuDNN / FlashAttention / memory-efficient) on CUDA and a fused CPU kernel otherwise.
-Padded keys are masked out; padded queries still compute an output, which the encoder ignores. Packed rows
-(``segments``): a block-diagonal mask keeps each example's queries on its own keys.
+Padded keys are masked out; padded queries still compute an output, which the encoder ignores.
+
+Packed rows (``segments``, ``lra/packing.py``): each example's queries see its own keys only. On CUDA the
+row's runs of one segment (each example, and the padding after the last one) become the sequences of a
+jagged nested tensor, for which SDPA runs the variable-length fused kernels, attention dropout included: a
+dense block-diagonal mask would leave SDPA only its memory-efficient kernel, 3.4x slower at ListOps' shape
+with LRA's dropout, which made packed training slower than unpacked. Elsewhere (or ``backend = "dense"``)
+the (B, 1, N, N) block-diagonal mask, the reference the tests hold the jagged path to.
 
 Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored).
 Deviation from LRA: none in the mechanism (LRA also masks padded queries, which only changes outputs at
@@ -27,17 +33,46 @@ class Transformer(MultiHeadMixer):
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
+        self.backend = "auto"  # packed rows: "jagged" (CUDA's default) or "dense"; how it runs, not what
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
-        if segments is not None:
-            key_mask = same_segment(segments)  # (B, 1, N, N): each example's queries see its own keys
-        else:
-            key_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, N): queries see the real keys
         d_head = q.shape[-1]
         # The fused CUDA kernels take head sizes in multiples of 8; off that SDPA falls back to the math kernel,
         # which stores the N x N scores (Pathfinder's head size 4: 10x slower, 30 GB at batch 512).
         q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=self.dropout_p,
-                                           scale=d_head ** -0.5)
+        if segments is not None and (self.backend == "jagged" or (self.backend == "auto" and q.is_cuda)):
+            o = jagged_attention(q, k, v, segments, self.dropout_p, d_head ** -0.5)
+        else:
+            if segments is not None:
+                key_mask = same_segment(segments)  # (B, 1, N, N): each example's queries see its own keys
+            else:
+                key_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, N): the real keys
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=self.dropout_p,
+                                               scale=d_head ** -0.5)
         return o[..., :d_head]  # (B, H, N, d_head)
+
+
+def run_starts(segments: torch.Tensor) -> torch.Tensor:
+    """(R, M) segment ids -> (S + 1,) int64 offsets into the R * M flattened positions: where each run of one
+    segment starts (a change of id, or a new row), then R * M. The padding after a row's last example is a run
+    of its own: its queries see only padding, as in ``same_segment``, and its outputs are ignored."""
+    R, M = segments.shape
+    start = F.pad(segments[:, 1:] != segments[:, :-1], (1, 0), value=True)  # (R, M): True where a run begins
+    return F.pad(start.flatten().nonzero().squeeze(1), (0, 1), value=R * M)  # (S + 1,)
+
+
+@torch.compiler.disable  # the number of runs is read off the data: SDPA's jagged call runs outside the graph
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, dropout_p: float,
+                     scale: float) -> torch.Tensor:
+    """Packed rows q, k, v (R, H, M, Dh) -> (R, H, M, Dh): softmax attention within each run of one segment,
+    as SDPA over a jagged nested tensor (one sequence per run; CUDA: the variable-length fused kernels)."""
+    R, H, M, Dh = q.shape
+    offsets = run_starts(segments)  # (S + 1,)
+
+    def jagged(x: torch.Tensor) -> torch.Tensor:  # (R, H, M, Dh) -> (S, H, j, Dh), j = each run's length
+        flat = x.transpose(1, 2).reshape(R * M, H, Dh).contiguous()  # (R M, H, Dh): positions in row order
+        return torch.nested.nested_tensor_from_jagged(flat, offsets, max_seqlen=M).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), dropout_p=dropout_p, scale=scale)
+    return o.transpose(1, 2).values().view(R, M, H, Dh).transpose(1, 2)  # (R, H, M, Dh)

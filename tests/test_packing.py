@@ -18,6 +18,7 @@ from lra.encoder import build_classifier
 from lra.packing import first_fit_decreasing, model_inputs, pack, real_ends, real_lengths, trim
 from models import create_model, list_models
 from models.registry import get_model_class
+from models.transformer import run_starts
 from tests.test_data_tasks import aan_root  # noqa: F401 (fixture)
 
 SEGMENT_MODELS = [n for n in list_models() if getattr(get_model_class(n), "supports_segments", False)]
@@ -57,12 +58,18 @@ def test_a_pad_inside_an_example_is_refused():
 
 
 def classifier(name: str, pooling: str, pair: bool = False):
+    """A small fp64 classifier; ``name`` may be "<model>:<backend>" (a mixer attribute: how it runs, e.g. the
+    transformer's "jagged", CUDA's packed path, on the CPU), set on every layer."""
+    name, _, backend = name.partition(":")
     bb = OmegaConf.create(dict(n_layers=2, d_model=32, n_heads=4, d_qkv=32, d_ff=64, dropout=0.0, attn_dropout=0.0,
                                pooling=pooling, d_classifier=16))
-    return build_classifier(name, {}, bb, vocab_size=20, seq_len=48, n_classes=3, pair=pair).double()
+    model = build_classifier(name, {}, bb, vocab_size=20, seq_len=48, n_classes=3, pair=pair).double()
+    for block in model.encoder.blocks if backend else ():
+        block.mixer.backend = backend
+    return model
 
 
-@pytest.mark.parametrize("name", SEGMENT_MODELS)
+@pytest.mark.parametrize("name", SEGMENT_MODELS + ["transformer:jagged"])  # CUDA's path for the transformer, on CPU
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 @pytest.mark.parametrize("pair", [False, True])
 def test_packed_outputs_and_gradients_equal_unpacked(name, pooling, pair):
@@ -86,6 +93,12 @@ def test_packed_outputs_and_gradients_equal_unpacked(name, pooling, pair):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10)
+
+
+def test_jagged_runs_of_packed_rows():
+    """Each example is one sequence of the jagged batch; the padding after a row's last example is another."""
+    segments = torch.tensor([[1, 1, 1, 2, 2, 0], [3, 3, 3, 3, 3, 3], [4, 4, 0, 0, 0, 0]])
+    assert run_starts(segments).tolist() == [0, 3, 5, 6, 12, 14, 18]
 
 
 def test_a_mixer_that_cannot_keep_segments_apart_refuses_them():
@@ -136,14 +149,16 @@ def test_pack_true_says_why_it_cannot_and_auto_falls_back(smoke_cfg, tmp_path):
     assert row["status"] == "ok" and row["packed"] is False
 
 
-@pytest.mark.parametrize("name", SEGMENT_MODELS)
+@pytest.mark.parametrize("name", SEGMENT_MODELS + ["transformer:jagged"])
 def test_a_compiled_model_takes_packed_batches_of_any_row_count(name):
-    """The row count changes every batch: torch.compile must follow (dynamic shapes) and match eager."""
+    """The row count changes every batch: torch.compile must follow (the second shape compiles a dynamic graph)
+    and match eager; the jagged transformer and the kernel mixers read sizes off the data outside the graph."""
     torch.manual_seed(0)
     model = classifier(name, "cls").float()
     compiled = torch.compile(model)
-    for seed in range(3):
-        inputs = model_inputs(padded_batch(10, 48, seed=seed), True, cls_token=True)
+    batches = [model_inputs(padded_batch(10, 48, seed=seed), True, cls_token=True) for seed in (0, 2)]
+    assert batches[0][0].shape[0] != batches[1][0].shape[0]  # two row counts
+    for inputs in batches:
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
 
 
@@ -231,6 +246,23 @@ def test_on_cuda_packed_rows_equal_unpacked_compiled_and_eager(name, precision):
             batch = padded_batch(24, 48, seed=seed + 1)
             packed = tuple(t.cuda() for t in model_inputs(batch, True, cls_token=True))
             torch.testing.assert_close(compiled(*packed).float(), model(batch.cuda()).float(), **tol)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_packed_transformer_trains_jagged_with_attention_dropout(monkeypatch):
+    """LRA's attention dropout on packed rows goes to the jagged fused kernels (a block-diagonal mask would leave
+    SDPA only its slow memory-efficient kernel) and trains: finite gradients. Equality: the CPU tests."""
+    import models.transformer as transformer
+    calls, jagged = [], transformer.jagged_attention
+    monkeypatch.setattr(transformer, "jagged_attention", lambda *a: calls.append(a[4]) or jagged(*a))  # dropout_p
+    torch.manual_seed(0)
+    bb = OmegaConf.create(dict(n_layers=2, d_model=64, n_heads=4, d_qkv=64, d_ff=64, dropout=0.0, attn_dropout=0.1,
+                               pooling="cls", d_classifier=16))
+    model = build_classifier("transformer", {}, bb, vocab_size=20, seq_len=48, n_classes=3).cuda().train()
+    tokens = padded_batch(24, 48)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(*(t.cuda() for t in model_inputs(tokens, True, cls_token=True))).float().sum().backward()
+    assert calls == [0.1, 0.1] and all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("name", SEGMENT_MODELS)
