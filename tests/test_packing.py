@@ -57,11 +57,11 @@ def test_a_pad_inside_an_example_is_refused():
         real_lengths(torch.tensor([[1, 2, 0], [1, 0, 2]]))
 
 
-def classifier(name: str, pooling: str, pair: bool = False):
+def classifier(name: str, pooling: str, pair: bool = False, n_layers: int = 2):
     """A small fp64 classifier; ``name`` may be "<model>:<backend>" (a mixer attribute: how it runs, e.g. the
     transformer's "jagged", CUDA's packed path, on the CPU), set on every layer."""
     name, _, backend = name.partition(":")
-    bb = OmegaConf.create(dict(n_layers=2, d_model=32, n_heads=4, d_qkv=32, d_ff=64, dropout=0.0, attn_dropout=0.0,
+    bb = OmegaConf.create(dict(n_layers=n_layers, d_model=32, n_heads=4, d_qkv=32, d_ff=64, dropout=0.0, attn_dropout=0.0,
                                pooling=pooling, d_classifier=16))
     model = build_classifier(name, {}, bb, vocab_size=20, seq_len=48, n_classes=3, pair=pair).double()
     for block in model.encoder.blocks if backend else ():
@@ -154,7 +154,7 @@ def test_a_compiled_model_takes_packed_batches_of_any_row_count(name):
     """The row count changes every batch: torch.compile must follow (the second shape compiles a dynamic graph)
     and match eager; the jagged transformer and the kernel mixers read sizes off the data outside the graph."""
     torch.manual_seed(0)
-    model = classifier(name, "cls").float()
+    model = classifier(name, "cls", n_layers=1).float()  # one layer: the compile time is the test's
     compiled = torch.compile(model)
     batches = [model_inputs(padded_batch(10, 48, seed=seed), True, cls_token=True) for seed in (0, 2)]
     assert batches[0][0].shape[0] != batches[1][0].shape[0]  # two row counts
