@@ -61,8 +61,8 @@ def classifier(name: str, pooling: str, pair: bool = False, n_layers: int = 2):
     """A small fp64 classifier; ``name`` may be "<model>:<backend>" (a mixer attribute: how it runs, e.g. the
     transformer's "jagged", CUDA's packed path, on the CPU), set on every layer."""
     name, _, backend = name.partition(":")
-    bb = OmegaConf.create(dict(n_layers=n_layers, d_model=32, n_heads=4, d_qkv=32, d_ff=64, dropout=0.0, attn_dropout=0.0,
-                               pooling=pooling, d_classifier=16))
+    bb = OmegaConf.create(dict(n_layers=n_layers, d_model=32, n_heads=4, d_qkv=32, d_ff=64, dropout=0.0,
+                               attn_dropout=0.0, pooling=pooling, d_classifier=16))
     model = build_classifier(name, {}, bb, vocab_size=20, seq_len=48, n_classes=3, pair=pair).double()
     for block in model.encoder.blocks if backend else ():
         block.mixer.backend = backend
