@@ -24,7 +24,8 @@ from lra import engine
 from lra.checkpoint import RunFiles
 from lra.config import ConfigError, RunConfig, eval_batch_size, model_options, validate
 from lra.data import DataError, TaskData, load_task
-from lra.results import append_row, config_hash, device_name, git_sha, now_iso
+from lra.provenance import config_hash
+from lra.results import append_row, device_name, git_sha, now_iso
 from lra.run import check_writable, evaluate, seed_everything, task_shape
 
 log = logging.getLogger("lra")

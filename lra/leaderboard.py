@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from lra.provenance import PARTIAL_PRESETS, departures
+
 TASKS4 = ["listops", "text", "image", "pathfinder"]
 TASKS5 = ["listops", "text", "retrieval", "image", "pathfinder"]
 TASKS6 = TASKS5 + ["pathx"]
@@ -65,7 +67,8 @@ def as_percent(runs: pd.DataFrame) -> pd.DataFrame:
 def normalise(runs: pd.DataFrame) -> pd.DataFrame:
     """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A run with
     length-grouped batches did not follow its preset's protocol: its experiment reads ``<preset>+length_grouped``,
-    so it is never averaged with the preset's own runs."""
+    so it is never averaged with the preset's own runs; nor is one whose command line changed what the preset
+    computes (``lra.results.departures``, e.g. ``backbone.n_layers=2``): ``<preset>+modified``."""
     runs = as_percent(runs)
     if "status" not in runs:
         runs["status"] = "ok"
@@ -75,6 +78,10 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
     if "batching" in runs:
         grouped = runs["batching"].astype(str) == "length_grouped"
         runs.loc[grouped, "experiment"] = runs.loc[grouped, "experiment"] + "+length_grouped"
+    if "overrides" in runs:  # a preset changed on the command line is not the preset
+        changed = [bool(departures(o, t)) and e not in PARTIAL_PRESETS
+                   for o, t, e in zip(runs["overrides"].fillna(""), runs["val_is_test"], runs["experiment"])]
+        runs.loc[changed, "experiment"] = runs.loc[changed, "experiment"] + "+modified"
     return runs
 
 

@@ -8,9 +8,7 @@ Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-import json
 import os
 import platform
 import subprocess
@@ -187,32 +185,6 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-# Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
-NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
-NOT_HASHED_TRAINER = ("compile", "compile_mode", "pack", "trim", "devices", "threads", "eval_batch_size", "ckpt_every",
-                      "timing_warmup", "progress", "profile_steps")
-# Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
-# values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
-# resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.
-HASHED_ONLY_IF_NOT = {
-    "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "embedding": "tokens", "pixel_mean": 0.5,
-                 "pixel_std": 0.5},
-    "schedule": {"batching": "random"},
-}
-
-
-def config_hash(cfg_dict: dict) -> str:
-    """A short hash of everything that defines what a run computes (paths, logging and execution settings such as
-    the number of devices or threads excluded): equal hashes, equal results up to floating-point order."""
-    keep = {k: v for k, v in cfg_dict.items() if k not in NOT_HASHED}
-    if isinstance(keep.get("trainer"), dict):
-        keep["trainer"] = {k: v for k, v in keep["trainer"].items() if k not in NOT_HASHED_TRAINER}
-    if isinstance(keep.get("data"), dict):  # where the cache lives is not what the data is
-        keep["data"] = {k: v for k, v in keep["data"].items() if k != "cache_dir"}
-    for section, old_values in HASHED_ONLY_IF_NOT.items():
-        if isinstance(keep.get(section), dict):
-            keep[section] = {k: v for k, v in keep[section].items() if k not in old_values or v != old_values[k]}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def now_iso() -> str:

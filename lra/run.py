@@ -32,7 +32,8 @@ from lra.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.packing import model_inputs, packed_share, real_ends, trim
-from lra.results import RUN_COLUMNS, RunRow, append_row, config_hash, device_name, git_sha, now_iso
+from lra.provenance import PARTIAL_PRESETS, config_hash, departures
+from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso
 from models import list_models
 from models.registry import get_model_class
 
@@ -211,6 +212,10 @@ class Trainer:
         self.data = load_task(cfg)
         if self.world.is_main:
             log.info(self.data.summary())
+            changed = departures(_overrides(), bool(self.data.info.get("val_is_test", False)))
+            if changed and cfg.experiment not in PARTIAL_PRESETS:
+                log.warning("%s changes what experiment=%s computes: the leaderboard shows this run as %s+modified, "
+                            "apart from the preset's own runs", " ".join(changed), cfg.experiment, cfg.experiment)
         try:
             self.build(checkpoint)
             status = self.train()

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from lra import compare, leaderboard
+from lra.provenance import departures
 from lra.results import RUN_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,6 +141,25 @@ def test_length_grouped_runs_are_never_averaged_with_their_presets_own():
     cells = both[both.task == "listops"].set_index("experiment")
     assert cells.loc["lra", "test_acc"] == 31.0 and cells.loc["lra", "n_seeds"] == 2
     assert cells.loc["lra+length_grouped", "test_acc"] == 40.0
+
+
+def test_a_preset_changed_on_the_command_line_is_kept_apart_from_it():
+    """Overrides that change what the preset computes make the row ``<preset>+modified``; the choice of task, model
+    and seed, data and output places, execution settings, and (where validation is the test set) the evaluation
+    cadence do not."""
+    neutral = ("task=listops model=m seed=1 sweep=g trainer.progress=False device=cuda:1 hydra/launcher=gpus "
+               "data.path=x results.dir=y trainer.pack=true")
+    runs = pd.DataFrame([dict(run("listops", "m", 0, 30.0, 30.0), overrides="task=listops model=m"),
+                         dict(run("listops", "m", 1, 32.0, 32.0), overrides=neutral),
+                         dict(run("listops", "m", 2, 60.0, 60.0), overrides="model=m backbone.n_layers=2"),
+                         dict(run("listops", "m", 3, 50.0, 50.0), overrides="schedule.eval_every=10"),
+                         dict(run("text", "m", 0, 70.0, 70.0), overrides="train.eval_every=1000", split="val=test"),
+                         dict(run("listops", "m", 0, 90.0, 90.0, experiment="scaling"), overrides="schedule.steps=9")])
+    cells = leaderboard.build_leaderboard(runs, experiment="all").set_index(["experiment", "task"])
+    assert cells.loc[("lra", "listops"), "test_acc"] == 31.0 and cells.loc[("lra", "listops"), "n_seeds"] == 2
+    assert cells.loc[("lra+modified", "listops"), "test_acc"] == 55.0  # seeds 2 and 3
+    assert cells.loc[("lra", "text"), "test_acc"] == 70.0 and ("scaling", "listops") in cells.index
+    assert departures("+backbone.norm=batchnorm optim.lr=0.1 seed=3") == ["+backbone.norm=batchnorm", "optim.lr=0.1"]
 
 
 def test_fractions_are_read_as_percent_and_experiment_filter():

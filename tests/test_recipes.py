@@ -20,7 +20,7 @@ import lra.run as runner
 from lra import engine
 from lra.config import ConfigError, model_options, validate
 from lra.encoder import Block, Classifier, Encoder, LayerNorm, MaskedBatchNorm
-from lra.results import config_hash
+from lra.provenance import config_hash
 from models import create_model
 from tests.conftest import compose_cfg
 

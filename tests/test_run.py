@@ -2,6 +2,7 @@
 number (divergence, empty splits), survives bad checkpoints, and refuses unwritable folders at start."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pickle
@@ -42,6 +43,15 @@ def test_smoke_run_writes_a_valid_row(smoke_cfg, tmp_path):
     assert got.peak_mem_mb > 0 and got.params == row["params"] > 0 and got.eval_every == 2 and got.devices == 1
     assert got.best_step in (2, 4) and got.device.startswith("cpu") and got.precision == "fp32"
     assert len(str(got.config_hash)) == 12 and (tmp_path / "run" / "result.json").exists()
+
+
+def test_a_preset_changed_on_the_command_line_is_said_at_the_start(smoke_cfg, monkeypatch, caplog):
+    cfg = smoke_cfg(*SHORT)
+    cfg.experiment = "lra"  # a full preset's name: smoke runs are short by design, their overrides say nothing
+    monkeypatch.setattr(runner, "_overrides", lambda: "task=listops backbone.n_layers=1 trainer.progress=false")
+    with caplog.at_level(logging.WARNING, logger="lra"):
+        runner.run(cfg)
+    assert "backbone.n_layers=1 changes what experiment=lra computes" in caplog.text and "lra+modified" in caplog.text
 
 
 def test_same_seed_same_metrics_a_finished_run_is_not_rerun(smoke_cfg, tmp_path):

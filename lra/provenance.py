@@ -1,0 +1,55 @@
+"""What a run computes, apart from where and how it runs: the config hash of every row, and the command-line
+overrides that change a preset (the leaderboard keeps such rows apart). No torch: the leaderboard reads it."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+# Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
+NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
+NOT_HASHED_TRAINER = ("compile", "compile_mode", "pack", "trim", "devices", "threads", "eval_batch_size", "ckpt_every",
+                      "timing_warmup", "progress", "profile_steps")
+# Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
+# values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
+# resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.
+HASHED_ONLY_IF_NOT = {
+    "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "embedding": "tokens", "pixel_mean": 0.5,
+                 "pixel_std": 0.5},
+    "schedule": {"batching": "random"},
+}
+
+
+PARTIAL_PRESETS = ("smoke", "scaling")  # short runs by design: overriding them is what they are for
+PRESET_CHOICES = ("task", "model", "seed", "experiment")  # what a preset is applied to, not a change of it
+DATA_SOURCE = ("cache_dir", "path", "root", "workers")  # where the data is read from and with how many processes
+EVAL_CADENCE = ("schedule.eval_every", "train.eval_every")  # train.*: the key's name in rows before schedule.*
+
+
+def departures(overrides: str, val_is_test: bool = False) -> list[str]:
+    """The command-line overrides (a row's ``overrides``) that change what its preset computes: all but the choice
+    of task, model, seed and preset, where the data and outputs live, and how the run executes (the settings
+    ``config_hash`` leaves out). Where validation is the test set the headline is the final weights', so the
+    evaluation cadence changes nothing reported either."""
+    changed = []
+    for token in str(overrides or "").split():
+        key = token.split("=", 1)[0].lstrip("+~").replace("/", ".")  # hydra/launcher=gpus: a group choice
+        top, _, sub = key.partition(".")
+        neutral = (key in PRESET_CHOICES or top in NOT_HASHED or (top == "trainer" and sub in NOT_HASHED_TRAINER)
+                   or (top == "data" and sub in DATA_SOURCE) or (val_is_test and key in EVAL_CADENCE))
+        if not neutral:
+            changed.append(token)
+    return changed
+
+
+def config_hash(cfg_dict: dict) -> str:
+    """A short hash of everything that defines what a run computes (paths, logging and execution settings such as
+    the number of devices or threads excluded): equal hashes, equal results up to floating-point order."""
+    keep = {k: v for k, v in cfg_dict.items() if k not in NOT_HASHED}
+    if isinstance(keep.get("trainer"), dict):
+        keep["trainer"] = {k: v for k, v in keep["trainer"].items() if k not in NOT_HASHED_TRAINER}
+    if isinstance(keep.get("data"), dict):  # where the cache lives is not what the data is
+        keep["data"] = {k: v for k, v in keep["data"].items() if k != "cache_dir"}
+    for section, old_values in HASHED_ONLY_IF_NOT.items():
+        if isinstance(keep.get(section), dict):
+            keep[section] = {k: v for k, v in keep[section].items() if k not in old_values or v != old_values[k]}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
