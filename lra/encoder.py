@@ -285,6 +285,12 @@ class Classifier(nn.Module):
     def supports_packing(self) -> bool:
         return self.encoder.supports_segments
 
+    @property
+    def supports_trimming(self) -> bool:
+        """Whether cutting appended padding leaves every real output unchanged (``trainer.trim``): every mixer but
+        one that declares ``padding_invariant = False`` (local's strided groups depend on the length)."""
+        return all(getattr(b.mixer, "padding_invariant", True) for b in self.encoder.blocks)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h, mask = self.encoder(tokens, tokens != 0 if self.padded else None)
         return pool(h, mask, self.pooling)  # (B, D)

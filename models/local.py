@@ -17,12 +17,21 @@ nests in the tiles. Blocks are contiguous, as in the paper: LRA's reshape
 
 Padding: padded keys are masked inside each block, so appending padding leaves real positions unchanged.
 Padded queries in blocks made only of padding attend to nothing and return 0.
+
+``strided: true`` is LRA's code instead: a block holds the positions congruent modulo G = N/block (positions r,
+r + G, r + 2G, ...; on a 32 x 32 image with block 64, two columns of pixels), which it reaches by one transpose of
+the sequence before the same block attention and one after. N counts the internal length (a multiple of 128), so
+the groups depend on the length: appending padding changes them (``padding_invariant`` is False, and
+``trainer.trim`` is then not applied). LRA chunks its padding mask contiguously while grouping by stride, which
+masks the wrong keys wherever there is padding; here the mask follows the positions. For comparison with LRA's
+published numbers on the pixel tasks, which have no padding and where its grouping is exactly this.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .patterns import BlockSparseMixer
+from .patterns import BlockSparseMixer, padded_length
 from .registry import Taxonomy, register_model
 
 
@@ -30,8 +39,30 @@ from .registry import Taxonomy, register_model
 class Local(BlockSparseMixer):
     taxonomy = Taxonomy("Parmar et al. 2018 (block-local attention), arXiv 1802.05751", "N", ("FP",), decode=True)
 
-    def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block: int = 128):
+    def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block: int = 128,
+                 strided: bool = False):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len, block=block)
+        self.strided = bool(strided)
+        self.padding_invariant = not self.strided  # strided groups depend on the length
 
     def pattern(self, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return q == k  # grid: (1, nb, nb), the diagonal blocks
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if not self.strided:
+            return super().attend(q, k, v, mask)
+        self.check_length(q.shape[2])
+        B, N = q.shape[0], q.shape[2]
+        Np = padded_length(N, self.block)
+        if mask is None and Np > N:  # the internal padding is spread over the groups: mask it by position
+            mask = (torch.arange(Np, device=q.device) < N).expand(B, Np)  # (B, Np)
+        elif mask is not None:
+            mask = F.pad(mask, (0, Np - N), value=False)  # (B, Np)
+
+        def by_group(x: torch.Tensor) -> torch.Tensor:  # (..., Np, *) position j G + r -> r block + j
+            return x.unflatten(2, (self.block, -1)).transpose(2, 3).flatten(2, 3)
+
+        q, k, v = (by_group(F.pad(t, (0, 0, 0, Np - N))) for t in (q, k, v))  # (B, H, Np, Dh)
+        keep = None if mask is None else by_group(mask[:, None])[:, 0]  # (B, Np)
+        o = self.attend_blocks(q, k, v, keep)  # (B, H, Np, Dh): block r = the positions r (mod G)
+        return o.unflatten(2, (-1, self.block)).transpose(2, 3).flatten(2, 3)[:, :, :N]  # (B, H, N, Dh)

@@ -310,6 +310,11 @@ class BlockSparseMixer(MultiHeadMixer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.check_length(q.shape[2])
+        return self.attend_blocks(q, k, v, mask)
+
+    def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """The pattern over q, k, v (B, H, N, Dh) as given, by FlexAttention or the dense mask (``backend``)."""
         use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
         if use_flex:
             return flex_call(_block_sparse_attend, q.is_cuda, self, q, k, v, mask, True)

@@ -262,6 +262,29 @@ def test_local_sees_only_its_block():
     assert changed[128:192].all() and not changed[:128].any() and not changed[192:].any()
 
 
+@pytest.mark.parametrize("n", [256, 300])  # a multiple of the tile, and one with internal padding
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_strided_local_groups_positions_congruent_modulo_n_over_block(n, backend):
+    """LRA's code's grouping: a query sees the real keys j with j = i (mod G), G = padded length / block; the same
+    through FlexAttention, and not invariant to appended padding, which the classifier reports."""
+    torch.manual_seed(0)
+    model = make("local", max_len=n, block=64, strided=True)
+    model.backend = backend
+    x, mask = batch(n)
+    q, k, v = model.project(x)  # (B, H, N, Dh)
+    G = padded_length(n, 64) // 64
+    pos = torch.arange(n)
+    allowed = (pos[:, None] % G == pos[None, :] % G) & mask[:, None, None, :]  # (B, 1, N, N)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    with torch.no_grad():
+        out = model.attend(q, k, v, mask)
+    real = mask[:3]  # every real query sees itself; the fourth sample is all padding
+    torch.testing.assert_close(out[:3].transpose(1, 2)[real], expected[:3].transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # no padding in the batch (mask None): the internal padding is masked all the same
+        torch.testing.assert_close(model.attend(q[:1], k[:1], v[:1], None), out[:1], atol=1e-6, rtol=1e-6)
+    assert not model.padding_invariant and make("local").padding_invariant
+
+
 def test_longformer_window_and_global_tokens():
     torch.manual_seed(0)
     model = make("longformer", block=64, window=1, global_tokens=1)

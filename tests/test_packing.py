@@ -162,6 +162,14 @@ def test_a_compiled_model_takes_packed_batches_of_any_row_count(name):
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
 
 
+def test_trim_is_not_applied_where_outputs_depend_on_the_padded_length(smoke_cfg, caplog):
+    cfg = smoke_cfg(*TINY, "model=local", "model.strided=true", "trainer.trim=true")
+    with caplog.at_level("WARNING", logger="lra"):
+        assert runner.run(cfg)["status"] == "ok"
+    assert "trainer.trim: not applied: model local's outputs depend on the padded length" in caplog.text
+    assert classifier("local", "cls").supports_trimming and classifier("transformer", "mean").supports_trimming
+
+
 def test_trim_cuts_after_the_batchs_last_real_token_to_a_multiple():
     tokens = torch.zeros(3, 2, 1000, dtype=torch.long)
     tokens[0, 1, :300] = 5  # the longer document decides
