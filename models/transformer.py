@@ -72,7 +72,8 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
 
     def jagged(x: torch.Tensor) -> torch.Tensor:  # (R, H, M, Dh) -> (S, H, j, Dh), j = each run's length
         flat = x.transpose(1, 2).reshape(R * M, H, Dh).contiguous()  # (R M, H, Dh): positions in row order
-        return torch.nested.nested_tensor_from_jagged(flat, offsets, max_seqlen=M).transpose(1, 2)
+        # bounds, not the exact lengths: SDPA would read those off the device (a synchronisation per call)
+        return torch.nested.nested_tensor_from_jagged(flat, offsets, min_seqlen=1, max_seqlen=M).transpose(1, 2)
 
     o = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), dropout_p=dropout_p, scale=scale)
     return o.transpose(1, 2).values().view(R, M, H, Dh).transpose(1, 2)  # (R, H, M, Dh)
