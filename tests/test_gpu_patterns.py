@@ -9,8 +9,8 @@ import torch
 
 from models import create_model
 
-SPECS = [("local", {}), ("sparse", {}), ("longformer", {}), ("longformer", {"global_tokens": 1}), ("bigbird", {}),
-         ("bigbird", {"block": 64})]
+SPECS = [("local", {}), ("local", {"block": 64, "strided": True}), ("sparse", {}), ("longformer", {}),
+         ("longformer", {"global_tokens": 1}), ("bigbird", {}), ("bigbird", {"block": 64})]
 CASES = [(1152, "none"), (1025, "none"), (1025, "holes"), (1025, "mask=None")]
 
 
