@@ -68,7 +68,7 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
     """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A run with
     length-grouped batches did not follow its preset's protocol: its experiment reads ``<preset>+length_grouped``,
     so it is never averaged with the preset's own runs; nor is one whose command line changed what the preset
-    computes (``lra.results.departures``, e.g. ``backbone.n_layers=2``): ``<preset>+modified``."""
+    computes (``lra.provenance.departures``, e.g. ``backbone.n_layers=2``): ``<preset>+modified``."""
     runs = as_percent(runs)
     if "status" not in runs:
         runs["status"] = "ok"
