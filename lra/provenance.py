@@ -18,7 +18,6 @@ HASHED_ONLY_IF_NOT = {
     "schedule": {"batching": "random"},
 }
 
-
 PARTIAL_PRESETS = ("smoke", "scaling")  # short runs by design: overriding them is what they are for
 PRESET_CHOICES = ("task", "model", "seed", "experiment")  # what a preset is applied to, not a change of it
 DATA_SOURCE = ("cache_dir", "path", "root", "workers")  # where the data is read from and with how many processes

@@ -272,8 +272,9 @@ class Trainer:
         self.model.to(device)
         self.packed = self.resolve_packing()
         # a 2-D task's grid is its whole length (and LRA's pixel_zero_is_pad makes background pixels pads)
-        self.trimmed = bool(cfg.trainer.trim) and self.data.grid is None and self.model.supports_trimming
-        if cfg.trainer.trim and not self.model.supports_trimming:
+        trimmable = self.model.supports_trimming
+        self.trimmed = bool(cfg.trainer.trim) and self.data.grid is None and trimmable
+        if cfg.trainer.trim and not trimmable:
             log.warning("trainer.trim: not applied: model %s's outputs depend on the padded length", cfg.model.name)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = engine.build_optimizer(self.model, cfg.optim, device)
