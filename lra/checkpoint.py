@@ -57,14 +57,17 @@ class RunFiles:
             os.replace(self.checkpoint, self.previous)
         atomic_save(state, self.checkpoint)
 
-    def load_checkpoint(self, device: torch.device) -> dict | None:
+    def load_checkpoint(self) -> dict | None:
         """The latest readable checkpoint (the previous one when the latest is unreadable, saying so); None when
-        there is none. A truncated or corrupt file is named, never silently trusted."""
+        there is none. A truncated or corrupt file is named, never silently trusted.
+
+        Loaded on the CPU: ``load_state_dict`` moves weights and optimizer state to the parameters' device, and the
+        RNG states must stay CPU tensors (``torch.set_rng_state`` and numpy take no CUDA tensor)."""
         for path in (self.checkpoint, self.previous):
             if not path.exists():
                 continue
             try:
-                state = torch.load(path, map_location=device, weights_only=True)
+                state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try the next
                 log.warning("checkpoint %s is unreadable (%s: %s)%s", path, type(e).__name__, str(e)[:200],
                             "; trying the previous one" if path == self.checkpoint else "")

@@ -149,7 +149,7 @@ def load_weights(files: RunFiles, which: str, device: torch.device) -> tuple[dic
     if not files.has_checkpoint():
         raise ConfigError(f"{files.dir} holds no checkpoint.pt (nor checkpoint.prev.pt); it holds "
                           f"{folder_contents(files.dir)}; --checkpoint best uses best.pt")
-    saved = files.load_checkpoint(device)  # the previous checkpoint when the latest is unreadable, saying so
+    saved = files.load_checkpoint()  # the previous checkpoint when the latest is unreadable, saying so
     if saved is None:
         raise DataError(f"{files.checkpoint} and {files.previous} are both unreadable; --checkpoint best uses best.pt")
     return saved["model"], int(saved["state"]["step"])

@@ -252,7 +252,7 @@ class Trainer:
                      done.get("task"), done.get("model"), done.get("seed", 0), files.dir, done.get("status"),
                      done.get("test_acc"))
             return {"row": done}
-        checkpoint = files.load_checkpoint(self.device)
+        checkpoint = files.load_checkpoint()
         if checkpoint is None:
             if resume == "true":
                 raise ConfigError(f"resume=true but {files.dir} holds no readable checkpoint; run without "

@@ -96,6 +96,15 @@ def test_resume_after_interrupt_equals_uninterrupted(smoke_cfg, tmp_path, monkey
     assert len(rows(tmp_path)) == 2
 
 
+@pytest.mark.gpu
+def test_a_run_interrupted_on_cuda_resumes_there(smoke_cfg, tmp_path, monkeypatch):
+    """The checkpoint's RNG states must reach torch and numpy as CPU tensors however the run's device is named."""
+    overrides = (*TINY, "schedule.steps=8", "schedule.eval_every=4", "device=cuda")
+    interrupt_after_one_step(smoke_cfg(*overrides), monkeypatch)
+    resumed = runner.run(smoke_cfg(*overrides, "resume=true"))
+    assert resumed["status"] == "ok" and resumed["steps"] == 8 and not resumed["device"].startswith("cpu")
+
+
 def interrupt_after_one_step(cfg, monkeypatch) -> None:
     real_step = engine.train_step
     stop_during_step(monkeypatch, 1)
