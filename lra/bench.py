@@ -214,7 +214,16 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
                   timed_steps=b.steps)
     baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device")})
     models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))
-    cases = [(label, n, options, int(L)) for label, n, options in models for L in b.lengths]
+    cases = []
+    for label, name, options in models:
+        lengths = [int(L) for L in b.lengths]
+        if getattr(get_model_class(name), "needs_grid", False):  # a 2-D mixer: square lengths only, no error rows
+            square = [L for L in lengths if round(L ** 0.5) ** 2 == L]
+            if len(square) < len(lengths):
+                log.info("%s attends over a 2-D grid: not benched at the non-square lengths %s", label,
+                         ", ".join(str(L) for L in lengths if L not in square))
+            lengths = square
+        cases += [(label, name, options, L) for L in lengths]
     rows = []
     for label, name, options, seq_len in tqdm(cases, desc="bench", disable=not b.get("progress", True)):
         row = BenchRow(model=label, seq_len=seq_len, batch_size=per_length.get(seq_len, int(b.batch_size)),

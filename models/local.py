@@ -23,8 +23,8 @@ r + G, r + 2G, ...; on a 32 x 32 image with block 64, two columns of pixels), wh
 the sequence before the same block attention and one after. N counts the internal length (a multiple of 128), so
 the groups depend on the length: appending padding changes them (``padding_invariant`` is False, and
 ``trainer.trim`` is then not applied). LRA chunks its padding mask contiguously while grouping by stride, which
-masks the wrong keys wherever there is padding; here the mask follows the positions. For comparison with LRA's
-published numbers on the pixel tasks, which have no padding and where its grouping is exactly this.
+masks the wrong keys wherever there is padding; here the mask follows the positions. The ``experiment=lra``
+presets of the pixel tasks (Image, Pathfinder), which have no padding, set it: there LRA's grouping is exactly this.
 """
 from __future__ import annotations
 

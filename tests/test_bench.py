@@ -186,6 +186,13 @@ def test_a_2d_mixer_is_benched_on_a_square_grid_only():
         del registry._REGISTRY["bench_grid"]
 
 
+def test_a_sweep_skips_a_2d_mixers_non_square_lengths_without_error_rows(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="lra.bench"):
+        df = bench.run_bench(make_cfg(tmp_path, ["axial"], [16, 32]))
+    assert list(df["seq_len"]) == [16] and (df["status"] == "ok").all()
+    assert "not benched at the non-square lengths 32" in caplog.text
+
+
 def test_cli(tmp_path):
     out = tmp_path / "b.csv"
     args = ["bench.models=[transformer]", "bench.lengths=[32]", "bench.batch_size=2", "bench.warmup=1",
