@@ -13,9 +13,11 @@ of P for the distance i - j:
 c2p and p2c are computed as the paper's Algorithm 1 does, without an N x N x d tensor: Q K_r^T (N x 2k) and
 Q_r K^T (2k x N) are small tables, and one (N x N) index delta gathers from them, along the rows for
 c2p[i, j] = (Q K_r^T)[i, delta(i, j)] and down the columns for p2c[i, j] = (Q_r K^T)[delta(j, i), j]. The scale
-is applied to Q_r and K_r, and padded keys are masked in the p2c table, both before anything is N x N. The sum
-of the two terms is the float mask of ``scaled_dot_product_attention``, which adds the scaled Q K^T and
-differentiates through the mask too (on CUDA it can pick the memory-efficient kernel, which takes such a bias).
+is applied to Q_r and K_r, and padded keys are masked in the p2c table, both before anything is N x N. On CUDA
+the gathers' backward sums runs of equal distance bucket from prefix sums (``RelativeGather``), not by
+``scatter_add``'s atomics. The sum of the two terms is the float mask of ``scaled_dot_product_attention``,
+which adds the scaled Q K^T and differentiates through the mask too (on CUDA it can pick the memory-efficient
+kernel, which takes such a bias).
 
 delta: v2's ``make_log_bucket_position`` then ``clamp(. + k, 0, 2k - 1)``, k = ``position_buckets``:
 distances |d| <= k / 2 keep their own bucket; beyond, bucket sign(d) (k/2 + ceil(log(|d| / (k/2)) /
@@ -60,6 +62,55 @@ def log_bucket(distance: torch.Tensor, buckets: int, max_distance: int) -> torch
     far = distance.abs().clamp_min(mid).float()  # the log branch only matters where |d| > mid
     log_pos = mid + torch.ceil(torch.log(far / mid) / math.log((max_distance - 1) / mid) * (mid - 1))
     return torch.where(distance.abs() <= mid, distance, (torch.sign(distance) * log_pos).long())
+
+
+class RelativeGather(torch.autograd.Function):
+    """``torch.gather(table, dim, index)`` for an index that never increases along ``dim`` (a relative-position
+    index: delta(i, j) falls as j rises), with a backward that sums each run of equal indices from a prefix sum
+    instead of scattering. Gather's own backward is ``scatter_add``: on CUDA, atomics that thousands of entries
+    aim at one table cell (every distance past the last bucket), in bf16, and in no fixed order. Here each cell's
+    gradient is ``S[end] - S[start]`` of the fp32 prefix sum S of the output's gradient along ``dim``: no
+    contention and deterministic.
+
+    table: (B, H, T, n) gathered along dim -2 with index (n, n), or (B, H, n, T) along -1; ``bounds``: (n, T)
+    each: where each run of one table entry starts and ends along a row of the index (``run_bounds``)."""
+
+    @staticmethod
+    def forward(ctx, table, index, starts, ends, dim):
+        ctx.save_for_backward(starts, ends)
+        ctx.dim, ctx.table_dtype = dim, table.dtype
+        return torch.gather(table, dim, index.expand(*table.shape[:2], *index.shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        starts, ends = ctx.saved_tensors
+        dim = ctx.dim
+        if dim == -2:  # (B, H, n, n) -> runs down the columns: the bounds' rows become columns
+            starts, ends = starts.t(), ends.t()  # (T, n)
+        prefix = grad.to(torch.promote_types(grad.dtype, torch.float32)).cumsum(dim)  # (B, H, n, n): >= fp32
+        prefix = F.pad(prefix, (1, 0) if dim == -1 else (0, 0, 1, 0))  # a leading 0: S[k] = sum of the first k
+        lead = grad.shape[:2]
+        total = prefix.gather(dim, ends.expand(*lead, *ends.shape)) - prefix.gather(dim, starts.expand(*lead,
+                                                                                                      *starts.shape))
+        return total.to(ctx.table_dtype), None, None, None, None
+
+
+def relative_gather(table: torch.Tensor, index: torch.Tensor, delta: torch.Tensor, entries: int,
+                    dim: int) -> torch.Tensor:
+    """``torch.gather`` of a relative-position table; on CUDA through :class:`RelativeGather` (its backward has no
+    atomics; on the CPU gather's own backward, a plain loop, is the faster)."""
+    if table.is_cuda:
+        return RelativeGather.apply(table, index, *run_bounds(delta, entries), dim)
+    return torch.gather(table, dim, index.expand(*table.shape[:2], *index.shape))
+
+
+def run_bounds(index: torch.Tensor, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, n) index, non-increasing along each row -> (starts, ends), (n, entries) each: row i holds entry r at
+    positions starts[i, r] <= j < ends[i, r] (an empty run where r is absent)."""
+    rising = (-index).contiguous()  # (n, n): non-decreasing rows, as searchsorted needs
+    r = -torch.arange(entries, device=index.device).expand(index.shape[0], entries)  # (n, entries)
+    return torch.searchsorted(rising, r.contiguous(), right=False), torch.searchsorted(rising, r.contiguous(),
+                                                                                        right=True)
 
 
 @register_model
@@ -113,16 +164,17 @@ class DeBERTa(MultiHeadMixer):
         """The two position terms gathered from (N x 2k) tables: q, k (B, H, N, Dh) -> (B, H, N, N) each,
         c2p[i, j] = q_i . K_r[delta(i, j)] and p2c[i, j] = k_j . Q_r[delta(j, i)], times ``scale``. With a
         ``mask`` (B, N), p2c is the dtype's minimum at padded keys j (masked in its 2k x N table, not N x N)."""
-        B, H, N, _ = q.shape
+        N = q.shape[2]
         q_r, k_r = (t * scale for t in self.relative_projections())  # (H, 2k, Dh): scaled while still small
-        delta = self.relative_index(N, q.device)  # (N, N): delta(i, j)
-        c2p = torch.gather(q @ k_r.transpose(-1, -2), -1, delta.expand(B, H, N, N))  # from (B, H, N, 2k)
+        delta = self.relative_index(N, q.device)  # (N, N): delta(i, j), non-increasing along each row
+        c2p = relative_gather(q @ k_r.transpose(-1, -2), delta, delta, 2 * self.span, -1)  # from (B, H, N, 2k)
         table = q_r @ k.transpose(-1, -2)  # (B, H, 2k, N): Q_r[r] . k_j, one column per key
         if mask is not None:
             table = table.masked_fill(~mask[:, None, None, :], torch.finfo(table.dtype).min)
         # down the columns: out[i, j] = table[delta(j, i), j], laid out (i, j) already (no transposed N x N
-        # copy); the transposed index made contiguous, which gathers about twice as fast on CPU
-        p2c = torch.gather(table, -2, delta.t().contiguous().expand(B, H, N, N))  # (B, H, N, N)
+        # copy); the transposed index made contiguous, which gathers about twice as fast on CPU. Column j's
+        # index is row j of delta, so delta's runs serve
+        p2c = relative_gather(table, delta.t().contiguous(), delta, 2 * self.span, -2)  # (B, H, N, N)
         return c2p, p2c
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

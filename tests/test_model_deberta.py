@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models import create_model
-from models.deberta import log_bucket
+from models.deberta import RelativeGather, log_bucket, run_bounds
 
 D = 32
 
@@ -91,6 +91,27 @@ def test_gathered_terms_equal_the_dense_formula(options):
 
 
 @pytest.mark.parametrize("options", CONFIGS)
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_relative_gather_equals_torch_gather_forward_and_backward(options, dim):
+    """The prefix-sum backward (no scatter) gives gather's gradient, every distance past the last bucket too."""
+    model, n = build(**options), 40
+    delta = model.relative_index(n, torch.device("cpu"))  # (n, n)
+    entries = 2 * model.span
+    assert (delta[:, 1:] <= delta[:, :-1]).all()  # what the prefix sums rely on
+    starts, ends = run_bounds(delta, entries)
+    index = delta if dim == -1 else delta.t().contiguous()
+    shape = (2, 3, n, entries) if dim == -1 else (2, 3, entries, n)
+    table = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 3, n, n, dtype=torch.float64)
+    got = RelativeGather.apply(table, index, starts, ends, dim)
+    (got_grad,) = torch.autograd.grad(got, table, grad)
+    want = torch.gather(table, dim, index.expand(2, 3, n, n))
+    (want_grad,) = torch.autograd.grad(want, table, grad)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+@pytest.mark.parametrize("options", CONFIGS)
 @pytest.mark.parametrize("d_qkv,n_heads", [(32, 2), (24, 2)])  # head sizes 16 and 12 (zero-padded to 16)
 def test_layer_equals_dense_disentangled_attention(options, d_qkv, n_heads):
     model = build(n_heads=n_heads, d_qkv=d_qkv, **options)
@@ -140,3 +161,20 @@ def test_relative_embeddings_learn_through_both_terms():
 def test_invalid_options_are_refused(options):
     with pytest.raises(ValueError):
         build(**options)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_layer_and_its_gradients_match_the_cpu():
+    """CUDA's relative gathers (prefix-sum backward) against the CPU's (torch.gather's own), in fp32."""
+    model, x = build(position_buckets=8, max_relative_positions=16), torch.randn(2, 50, D)
+    mask = lengths_mask([50, 37], 50)
+    grads = []
+    for device in ("cpu", "cuda"):
+        m = model.to(device)
+        xi = x.to(device).requires_grad_()
+        out = m(xi, mask.to(device))
+        out.backward(torch.ones_like(out))
+        grads.append((out.cpu(), xi.grad.cpu(), m.rel_embeddings.grad.cpu()))
+        m.zero_grad()
+    for cpu, cuda in zip(*grads):
+        torch.testing.assert_close(cuda, cpu, atol=1e-4, rtol=1e-4)
