@@ -38,6 +38,14 @@ def compiled(fn, dynamic: bool | None = None):
     return torch.compile(fn, dynamic=dynamic)
 
 
+def takes_fused_path(backend: str, fused: str, reference: str, on_cuda: bool) -> bool:
+    """A mixer's ``backend`` attribute (how it runs, not what): its fused path when asked for by name (``fused``)
+    or under "auto" on CUDA; its reference path (``reference``) otherwise. Any other name is an error."""
+    if backend not in ("auto", fused, reference):
+        raise ValueError(f"backend must be 'auto', {fused!r} or {reference!r}, got {backend!r}")
+    return backend == fused or (backend == "auto" and on_cuda)
+
+
 def pad_head_dim(size: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(B, H, N, Dh) tensors zero-padded to head size ``size`` when ``Dh`` is smaller, for fused kernels that
     need a minimum or a multiple. Exact for attention: zero columns add nothing to q.k and give zero output

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .base import MultiHeadMixer, compiled, pad_head_dim
+from .base import MultiHeadMixer, compiled, pad_head_dim, takes_fused_path
 
 FLEX_BLOCK = 128  # FlexAttention's tile: sparsity is counted in whole 128 x 128 tiles
 MIN_FLEX_HEAD_DIM = 16  # the Triton kernel rejects smaller head dims; zero-padding q, k, v is exact
@@ -315,7 +315,7 @@ class BlockSparseMixer(MultiHeadMixer):
     def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
         """The pattern over q, k, v (B, H, N, Dh) as given, by FlexAttention or the dense mask (``backend``)."""
-        use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
+        use_flex = takes_fused_path(self.backend, "flex", "dense", q.is_cuda)
         if use_flex:
             return flex_call(_block_sparse_attend, q.is_cuda, self, q, k, v, mask, True)
         return _block_sparse_attend(self, q, k, v, mask, False)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, takes_fused_path
 from .patterns import FLEX_BLOCK, flex_attend, flex_call, realized, tile_block_mask
 from .registry import Taxonomy, register_model
 
@@ -165,7 +165,7 @@ class Reformer(MultiHeadMixer):
 
     def flex_round_runs(self, on_cuda: bool) -> bool:
         """Whether one round runs as FlexAttention: asked for, or on CUDA where no attention dropout is active."""
-        return self.backend == "flex" or (self.backend == "auto" and on_cuda and self.dropout_p == 0)
+        return takes_fused_path(self.backend, "flex", "sdpa", on_cuda and self.dropout_p == 0)
 
     def one_round(self, q, k, v, v_self, real, self_key):
         """Chunked attention for a single hash round through fused SDPA, with chunks as heads. Self is

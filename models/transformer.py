@@ -23,7 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, pad_head_dim, same_segment
+from .base import MultiHeadMixer, pad_head_dim, same_segment, takes_fused_path
 from .registry import Taxonomy, register_model
 
 
@@ -43,7 +43,7 @@ class Transformer(MultiHeadMixer):
         # The fused CUDA kernels take head sizes in multiples of 8; off that SDPA falls back to the math kernel,
         # which stores the N x N scores (Pathfinder's head size 4: 10x slower, 30 GB at batch 512).
         q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8)
-        if segments is not None and (self.backend == "jagged" or (self.backend == "auto" and q.is_cuda)):
+        if segments is not None and takes_fused_path(self.backend, "jagged", "dense", q.is_cuda):
             o = jagged_attention(q, k, v, segments, self.dropout_p, d_head ** -0.5)
         else:
             if segments is not None:
