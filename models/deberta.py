@@ -24,8 +24,8 @@ distances |d| <= k / 2 keep their own bucket; beyond, bucket sign(d) (k/2 + ceil
 log((m - 1) / (k/2)) (k/2 - 1))) with m = ``max_relative_positions``, so |d| = m - 1 lands on k - 1 and
 farther ones share the last rows of P. ``position_buckets: 0`` is DeBERTa v1: k = m, distances clipped at +-k.
 
-Complexity: O(N^2 d) time and O(N^2) memory (the N x N bias and index, and the scores on CPU); O(N k d) for
-the two tables. It is exact attention with relative terms: the N^2 member of the relative-position family.
+Complexity: O(N^2 d) time and O(N^2) memory (the N x N bias and index, the scores on CPU, and on CUDA the
+backward's fp32 N x N prefix sum); O(N k d) for the two tables. It is exact attention with relative terms: the N^2 member of the relative-position family.
 Padding: padded keys get the dtype's finite minimum (in the p2c table; adding c2p, many orders of magnitude
 smaller, leaves it there), so their weight is exactly 0 and a row of only padding stays finite. The terms
 depend on i - j only, so appending padding leaves real outputs unchanged. Padded queries get an output the
