@@ -25,7 +25,8 @@ log((m - 1) / (k/2)) (k/2 - 1))) with m = ``max_relative_positions``, so |d| = m
 farther ones share the last rows of P. ``position_buckets: 0`` is DeBERTa v1: k = m, distances clipped at +-k.
 
 Complexity: O(N^2 d) time and O(N^2) memory (the N x N bias and index, the scores on CPU, and on CUDA the
-backward's fp32 N x N prefix sum); O(N k d) for the two tables. It is exact attention with relative terms: the N^2 member of the relative-position family.
+backward's fp32 N x N prefix sum); O(N k d) for the two tables. It is exact attention with relative terms: the
+N^2 member of the relative-position family.
 Padding: padded keys get the dtype's finite minimum (in the p2c table; adding c2p, many orders of magnitude
 smaller, leaves it there), so their weight is exactly 0 and a row of only padding stays finite. The terms
 depend on i - j only, so appending padding leaves real outputs unchanged. Padded queries get an output the
@@ -72,8 +73,8 @@ class RelativeGather(torch.autograd.Function):
     gradient is ``S[end] - S[start]`` of the fp32 prefix sum S of the output's gradient along ``dim``: no
     contention and deterministic.
 
-    table: (B, H, T, n) gathered along dim -2 with index (n, n), or (B, H, n, T) along -1; ``bounds``: (n, T)
-    each: where each run of one table entry starts and ends along a row of the index (``run_bounds``)."""
+    table: (B, H, T, n) gathered along dim -2 with index (n, n), or (B, H, n, T) along -1; ``starts``, ``ends``:
+    (n, T) each, where each run of one table entry starts and ends along a row of the index (``run_bounds``)."""
 
     @staticmethod
     def forward(ctx, table, index, starts, ends, dim):
@@ -90,8 +91,7 @@ class RelativeGather(torch.autograd.Function):
         prefix = grad.to(torch.promote_types(grad.dtype, torch.float32)).cumsum(dim)  # (B, H, n, n): >= fp32
         prefix = F.pad(prefix, (1, 0) if dim == -1 else (0, 0, 1, 0))  # a leading 0: S[k] = sum of the first k
         lead = grad.shape[:2]
-        total = prefix.gather(dim, ends.expand(*lead, *ends.shape)) - prefix.gather(dim, starts.expand(*lead,
-                                                                                                      *starts.shape))
+        total = prefix.gather(dim, ends.expand(*lead, -1, -1)) - prefix.gather(dim, starts.expand(*lead, -1, -1))
         return total.to(ctx.table_dtype), None, None, None, None
 
 
@@ -108,9 +108,8 @@ def run_bounds(index: torch.Tensor, entries: int) -> tuple[torch.Tensor, torch.T
     """(n, n) index, non-increasing along each row -> (starts, ends), (n, entries) each: row i holds entry r at
     positions starts[i, r] <= j < ends[i, r] (an empty run where r is absent)."""
     rising = (-index).contiguous()  # (n, n): non-decreasing rows, as searchsorted needs
-    r = -torch.arange(entries, device=index.device).expand(index.shape[0], entries)  # (n, entries)
-    return torch.searchsorted(rising, r.contiguous(), right=False), torch.searchsorted(rising, r.contiguous(),
-                                                                                        right=True)
+    entry = -torch.arange(entries, device=index.device).repeat(index.shape[0], 1)  # (n, entries), negated as well
+    return torch.searchsorted(rising, entry), torch.searchsorted(rising, entry, right=True)
 
 
 @register_model
