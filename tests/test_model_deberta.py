@@ -111,6 +111,20 @@ def test_relative_gather_equals_torch_gather_forward_and_backward(options, dim):
     torch.testing.assert_close(got_grad, want_grad)
 
 
+def test_relative_gather_compiles_into_one_graph_like_eager():
+    """The runner compiles the model: CUDA's gathers must trace whole (no graph break) and match eager."""
+    model, n = build(position_buckets=8, max_relative_positions=16), 40
+    delta = model.relative_index(n, torch.device("cpu"))
+
+    def p2c(table):  # the down-the-columns gather, the transposed case
+        return RelativeGather.apply(table, delta.t().contiguous(), *run_bounds(delta, 2 * model.span), -2)
+
+    table, grad = torch.randn(2, 3, 2 * model.span, n, requires_grad=True), torch.randn(2, 3, n, n)
+    want = torch.autograd.grad(p2c(table), table, grad)[0]
+    got = torch.autograd.grad(torch.compile(p2c, fullgraph=True)(table), table, grad)[0]
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("options", CONFIGS)
 @pytest.mark.parametrize("d_qkv,n_heads", [(32, 2), (24, 2)])  # head sizes 16 and 12 (zero-padded to 16)
 def test_layer_equals_dense_disentangled_attention(options, d_qkv, n_heads):
