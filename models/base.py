@@ -71,7 +71,8 @@ def segment_onehot(segments: torch.Tensor) -> torch.Tensor:
     return onehot & real[:, None, :]
 
 
-@torch.compiler.disable  # S is read off the data: a compiled model breaks its graph here, once, and goes on
+@torch.compiler.disable  # S is read off the data: a compiled model breaks its graph here and goes on
+@functools.lru_cache(maxsize=1)  # a forward's layers share one segments tensor: one device read, not one a layer
 def segment_members(segments: torch.Tensor) -> torch.Tensor:
     """(B, N) segment ids -> (B, 1, N, S) bool: n belongs to its row's s-th example. Padding joins the first (its
     keys are masked to zero, its outputs ignored), so every position has exactly one. With ``spread`` and

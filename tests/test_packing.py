@@ -101,6 +101,22 @@ def test_jagged_runs_of_packed_rows():
     assert run_starts(segments).tolist() == [0, 3, 5, 6, 12, 14, 18]
 
 
+@pytest.mark.parametrize("name", ["linear", "performer"])
+def test_a_packed_forward_reads_its_segments_once_not_once_a_layer(name, monkeypatch):
+    """The kernel mixers' segment membership is read off the device (S, the most examples in a row): once per
+    forward, shared by its layers, not a host synchronisation in every layer."""
+    import models.base as base
+
+    calls, onehot = [], base.segment_onehot
+    monkeypatch.setattr(base, "segment_onehot", lambda seg: calls.append(1) or onehot(seg))
+    model = classifier(name, "cls", n_layers=3)
+    inputs = model_inputs(padded_batch(6, 47), packed=True, cls_token=True)
+    model(*inputs)
+    assert len(calls) == 1
+    model(*model_inputs(padded_batch(6, 47, seed=1), packed=True, cls_token=True))  # another batch: read anew
+    assert len(calls) == 2
+
+
 def test_a_mixer_that_cannot_keep_segments_apart_refuses_them():
     mixer = create_model("nystromformer", d_model=32, n_heads=4, d_qkv=32, dropout=0.0, max_len=16)
     segments = torch.ones(2, 16, dtype=torch.long)
