@@ -57,14 +57,19 @@ def model_config_options(name: str) -> dict:
     return opts
 
 
+def is_square(n: int) -> bool:
+    """Whether ``n`` positions make a square grid, as a 2-D mixer (``needs_grid``) needs."""
+    return round(n ** 0.5) ** 2 == n
+
+
 def bench_shape(name: str, task: str, seq_len: int, vocab_size: int) -> engine.TaskShape:
     """Random bytes with no pad token, so the model is built mask-free by the runner's rule (the transformer
     baseline gets SDPA's unmasked kernels, the strongest exact baseline). A 2-D mixer gets a square grid."""
     grid = None
     if getattr(get_model_class(name), "needs_grid", False):
-        side = round(seq_len ** 0.5)
-        if side * side != seq_len:
+        if not is_square(seq_len):
             raise ValueError(f"{name} attends over a 2-D grid: bench it at square lengths (1024, 4096, 16384)")
+        side = round(seq_len ** 0.5)
         grid = (side, side)
     return engine.TaskShape(vocab_size, seq_len, get_task(task).n_classes, padded=False, grid=grid)
 
@@ -218,7 +223,7 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     for label, name, options in models:
         lengths = [int(L) for L in b.lengths]
         if getattr(get_model_class(name), "needs_grid", False):  # a 2-D mixer: square lengths only, no error rows
-            square = [L for L in lengths if round(L ** 0.5) ** 2 == L]
+            square = [L for L in lengths if is_square(L)]
             if len(square) < len(lengths):
                 log.info("%s attends over a 2-D grid: not benched at the non-square lengths %s", label,
                          ", ".join(str(L) for L in lengths if L not in square))

@@ -71,8 +71,13 @@ def segment_onehot(segments: torch.Tensor) -> torch.Tensor:
     return onehot & real[:, None, :]
 
 
+# What a mixer reads off a packed batch's segments tensor (a device read: a host synchronisation) is cached on that
+# tensor: a forward's layers all receive the same one, so it is read once a forward, not once a layer.
+once_per_batch = functools.lru_cache(maxsize=1)
+
+
 @torch.compiler.disable  # S is read off the data: a compiled model breaks its graph here and goes on
-@functools.lru_cache(maxsize=1)  # a forward's layers share one segments tensor: one device read, not one a layer
+@once_per_batch
 def segment_members(segments: torch.Tensor) -> torch.Tensor:
     """(B, N) segment ids -> (B, 1, N, S) bool: n belongs to its row's s-th example. Padding joins the first (its
     keys are masked to zero, its outputs ignored), so every position has exactly one. With ``spread`` and

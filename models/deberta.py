@@ -95,12 +95,15 @@ class RelativeGather(torch.autograd.Function):
         return total.to(ctx.table_dtype), None, None, None, None
 
 
-def relative_gather(table: torch.Tensor, index: torch.Tensor, delta: torch.Tensor, entries: int,
-                    dim: int) -> torch.Tensor:
-    """``torch.gather`` of a relative-position table; on CUDA through :class:`RelativeGather` (its backward has no
-    atomics; on the CPU gather's own backward, a plain loop, is the faster)."""
-    if table.is_cuda:
-        return RelativeGather.apply(table, index, *run_bounds(delta, entries), dim)
+def relative_gather(table: torch.Tensor, delta: torch.Tensor, dim: int,
+                    bounds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A relative-position table gathered by delta: along the rows (dim -1, index delta) or down the columns
+    (dim -2, index delta^T). With ``bounds`` (``run_bounds(delta, ...)``, given on CUDA) through
+    :class:`RelativeGather`, whose backward has no atomics; without, by ``torch.gather``, whose own backward is
+    the faster on the CPU (a plain loop)."""
+    index = delta if dim == -1 else delta.t().contiguous()  # contiguous: gathers about twice as fast on CPU
+    if bounds is not None:
+        return RelativeGather.apply(table, index, *bounds, dim)
     return torch.gather(table, dim, index.expand(*table.shape[:2], *index.shape))
 
 
@@ -166,14 +169,15 @@ class DeBERTa(MultiHeadMixer):
         N = q.shape[2]
         q_r, k_r = (t * scale for t in self.relative_projections())  # (H, 2k, Dh): scaled while still small
         delta = self.relative_index(N, q.device)  # (N, N): delta(i, j), non-increasing along each row
-        c2p = relative_gather(q @ k_r.transpose(-1, -2), delta, delta, 2 * self.span, -1)  # from (B, H, N, 2k)
+        # where each row of delta holds each table entry: one computation for both gathers (column j of p2c's
+        # index is row j of delta)
+        bounds = run_bounds(delta, 2 * self.span) if q.is_cuda else None  # (N, 2k) each
+        c2p = relative_gather(q @ k_r.transpose(-1, -2), delta, -1, bounds)  # from (B, H, N, 2k)
         table = q_r @ k.transpose(-1, -2)  # (B, H, 2k, N): Q_r[r] . k_j, one column per key
         if mask is not None:
             table = table.masked_fill(~mask[:, None, None, :], torch.finfo(table.dtype).min)
-        # down the columns: out[i, j] = table[delta(j, i), j], laid out (i, j) already (no transposed N x N
-        # copy); the transposed index made contiguous, which gathers about twice as fast on CPU. Column j's
-        # index is row j of delta, so delta's runs serve
-        p2c = relative_gather(table, delta.t().contiguous(), delta, 2 * self.span, -2)  # (B, H, N, N)
+        # down the columns: out[i, j] = table[delta(j, i), j], laid out (i, j) already (no transposed N x N copy)
+        p2c = relative_gather(table, delta, -2, bounds)  # (B, H, N, N)
         return c2p, p2c
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

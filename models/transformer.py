@@ -18,12 +18,10 @@ padded positions).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, pad_head_dim, same_segment, takes_fused_path
+from .base import MultiHeadMixer, once_per_batch, pad_head_dim, same_segment, takes_fused_path
 from .registry import Taxonomy, register_model
 
 
@@ -55,7 +53,7 @@ class Transformer(MultiHeadMixer):
         return o[..., :d_head]  # (B, H, N, d_head)
 
 
-@functools.lru_cache(maxsize=1)  # a forward's layers share one segments tensor: one device read, not one a layer
+@once_per_batch
 def run_starts(segments: torch.Tensor) -> torch.Tensor:
     """(R, M) segment ids -> (S + 1,) int64 offsets into the R * M flattened positions: where each run of one
     segment starts (a change of id, or a new row), then R * M. The padding after a row's last example is a run
