@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import resource
 import time
 from contextlib import nullcontext
@@ -179,10 +180,26 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+OWN_FUNCTION = re.compile(r"^(lra|models)/[\w/]+\.py\(\d+\): ")  # the profiler's key of a Python call of ours
+
+
+def own_functions(prof, rows: int = 30) -> str:
+    """The profiled calls of our own Python functions (the profiler records them under ``with_stack``), by host
+    time including their callees: which function of the harness or of a model a host-bound step spends its time
+    in."""
+    calls = sorted((e for e in prof.key_averages() if OWN_FUNCTION.match(e.key)), key=lambda e: -e.cpu_time_total)
+    lines = [f"{'function':<70} {'host ms':>10} {'calls':>7} {'ms/call':>9}"]
+    lines += [f"{e.key[:70]:<70} {e.cpu_time_total / 1e3:>10.2f} {e.count:>7} {e.cpu_time_total / 1e3 / e.count:>9.3f}"
+              for e in calls[:rows]]
+    return "\n".join(lines)
+
+
 class StepProfiler:
     """``trainer.profile_steps``: torch.profiler over that many training steps right after the timing warm-up;
-    writes ``profile.txt`` (operators and kernels by self time on the device, or on the CPU without one) and
-    ``profile_trace.json`` (for chrome://tracing or Perfetto) into the run folder, then steps aside."""
+    writes ``profile.txt`` and ``profile_trace.json`` (for chrome://tracing or Perfetto) into the run folder, then
+    steps aside. ``profile.txt`` holds three tables: operators and kernels by self time on the device (on a GPU),
+    operators by self time on the host, and the host time of the harness's and the models' own functions, each
+    with all it calls (where a step is bound by the host, the last says which function to look at)."""
 
     def __init__(self, device: torch.device, start: int, steps: int, out_dir: Path):
         self.device, self.start, self.stop, self.out_dir = device, start, start + steps, Path(out_dir)
@@ -193,7 +210,7 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=activities)
+            self._prof = torch.profiler.profile(activities=activities, with_stack=True)
             self._prof.__enter__()
 
     def after_step(self, step: int) -> None:
@@ -202,10 +219,15 @@ class StepProfiler:
             return
         synchronize(self.device)
         self._prof.__exit__(None, None, None)
-        sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = self._prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=80)
+        tables = {"host time by operator": self._prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80),
+            "host time by function of lra/ and models/, with what it calls": own_functions(self._prof)}
+        if self.device.type == "cuda":
+            tables = {"device time by operator and kernel": self._prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=40, max_name_column_width=80), **tables}
+        text = "".join(f"\n== {title}\n{table}\n" for title, table in tables.items())
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "profile.txt").write_text(f"steps {self.start + 1}-{self.stop}\n{table}\n")
+        (self.out_dir / "profile.txt").write_text(f"steps {self.start + 1}-{self.stop}\n{text}")
         self._prof.export_chrome_trace(str(self.out_dir / "profile_trace.json"))
         self._prof = None
 

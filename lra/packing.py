@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 TRIM_MULTIPLE = 128  # trim() keeps a multiple of this many positions
 
@@ -83,23 +84,26 @@ def first_fit_decreasing(sizes: list[int], capacity: int) -> list[tuple[int, int
 
 
 def pack(tokens: torch.Tensor, cls_token: bool) -> Packed:
-    """(B, L) right-padded ids -> the packed batch, on the CPU, rows of length L + cls_token."""
-    L = tokens.shape[1]
-    lengths = real_lengths(tokens).tolist()
+    """(B, L) right-padded ids -> the packed batch, on the CPU, rows of length L + cls_token. Only the placement
+    (first-fit, a list of B sizes) is Python; the tensors are filled by a fixed handful of vectorised operations
+    whatever B is (one slice assignment per example cost the GPU's training step more host time than it saved)."""
+    B, L = tokens.shape
+    lengths = real_lengths(tokens)  # (B,)
     slot = int(cls_token)
     M = L + slot
-    place = first_fit_decreasing([n + slot for n in lengths], M)
-    R = max((row for row, _ in place), default=0) + 1
-    out = torch.zeros(R, M, dtype=tokens.dtype)
-    segments = torch.zeros(R, M, dtype=torch.long)
-    positions = torch.zeros(R, M, dtype=torch.long)
-    ramp = torch.arange(M)
-    for b, ((row, col), n) in enumerate(zip(place, lengths)):
-        out[row, col + slot : col + slot + n] = tokens[b, :n]
-        segments[row, col : col + slot + n] = b + 1
-        positions[row, col : col + slot + n] = ramp[: slot + n]
-    starts = torch.tensor([row * M + col for row, col in place], dtype=torch.long)
-    return Packed(out, segments, positions, starts)
+    spans = lengths + slot  # (B,) positions each example takes in its row: the CLS slot, then its tokens
+    place = torch.tensor(first_fit_decreasing(spans.tolist(), M), dtype=torch.long).reshape(B, 2)  # (row, column)
+    R = int(place[:, 0].max()) + 1 if B else 1
+    starts = place[:, 0] * M + place[:, 1]  # (B,) flat index of each example's first position
+    within = torch.arange(M).expand(B, M)  # (B, M) position within the example
+    # where each example's position goes in the flat (R * M) batch; positions past its span go to a spare slot
+    # at R * M, dropped after (a few dense writes: no per-example loop, no boolean indexing)
+    where = torch.where(within < spans[:, None], starts[:, None] + within, R * M)  # (B, M)
+    def placed(values: torch.Tensor) -> torch.Tensor:  # (B, M) values -> (R, M), zero where nothing is placed
+        flat = torch.zeros(R * M + 1, dtype=values.dtype).index_put_((where.flatten(),), values.flatten())
+        return flat[:-1].view(R, M)
+    example = torch.arange(1, B + 1).expand(M, B).T  # (B, M): 1 + the example's index
+    return Packed(placed(F.pad(tokens, (slot, 0))), placed(example), placed(within), starts)
 
 
 def pack_pairs(tokens: torch.Tensor, cls_token: bool) -> Packed:

@@ -184,7 +184,7 @@ def test_on_cuda_the_layer_and_its_gradients_match_the_cpu():
     grads = []
     for device in ("cpu", "cuda"):
         m = model.to(device)
-        xi = x.to(device).requires_grad_()
+        xi = x.to(device, copy=True).requires_grad_()  # a leaf of its own on each device (x.to("cpu") is x itself)
         out = m(xi, mask.to(device))
         out.backward(torch.ones_like(out))
         grads.append((out.cpu(), xi.grad.cpu(), m.rel_embeddings.grad.cpu()))

@@ -52,6 +52,53 @@ def test_pack_layout():
     assert no_cls.tokens.shape == (2, 6) and no_cls.positions[1].tolist() == [0, 1, 2, 0, 1, 0]
 
 
+def reference_pack(tokens: torch.Tensor, cls_token: bool) -> tuple[list, list, list, list]:
+    """The packed layout written out example by example: what ``pack`` must produce."""
+    slot, M = int(cls_token), tokens.shape[1] + int(cls_token)
+    lengths = [int((row != 0).sum()) for row in tokens]
+    place = first_fit_decreasing([n + slot for n in lengths], M)
+    R = max((row for row, _ in place), default=0) + 1
+    out, seg, pos = ([[0] * M for _ in range(R)] for _ in range(3))
+    for b, ((row, col), n) in enumerate(zip(place, lengths, strict=True)):
+        for i in range(slot + n):
+            seg[row][col + i], pos[row][col + i] = b + 1, i
+            if i >= slot:
+                out[row][col + i] = int(tokens[b, i - slot])
+    return out, seg, pos, [row * M + col for row, col in place]
+
+
+@pytest.mark.parametrize("cls_token", [True, False])
+@pytest.mark.parametrize("n", [1, 7, 32])
+def test_pack_equals_the_layout_written_out_example_by_example(n, cls_token):
+    tokens = padded_batch(n, 40, seed=n)
+    tokens[-1] = 0  # an empty example too
+    p = pack(tokens, cls_token)
+    assert [p.tokens.tolist(), p.segments.tolist(), p.positions.tolist(), p.starts.tolist()] == \
+        list(reference_pack(tokens, cls_token))
+
+
+def test_packing_a_batch_takes_as_many_tensor_operations_for_64_examples_as_for_4():
+    """On a GPU the host builds each packed batch while the device waits: one operation per example (a Python loop)
+    cost more host time than packing saved (results/README.md), so the count must not grow with the batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (4, 64):
+        tokens = padded_batch(n, 100, seed=1)
+        Count.calls = 0
+        with Count():
+            pack(tokens, cls_token=True)
+        counts.append(Count.calls)
+    assert counts[0] == counts[1] < 60
+
+
 def test_a_pad_inside_an_example_is_refused():
     with pytest.raises(ValueError, match="example 1 of the batch has a pad inside it"):
         real_lengths(torch.tensor([[1, 2, 0], [1, 0, 2]]))

@@ -340,6 +340,8 @@ def test_profiled_steps_write_a_kernel_table_and_stay_out_of_the_timing(smoke_cf
     row = runner.run(smoke_cfg(*SHORT, "trainer.timing_warmup=2", "trainer.profile_steps=3"))
     table = (tmp_path / "run" / "profile.txt").read_text()
     assert table.startswith("steps 3-5") and "aten::" in table and (tmp_path / "run" / "profile_trace.json").exists()
+    assert "== host time by operator" in table
+    assert "lra/engine.py" in table.split("== host time by function")[1]  # the training step's function among ours
     assert row["status"] == "ok" and row["train_steps_per_s"] > 0
     with pytest.raises(ConfigError, match="trainer.profile_steps=-1"):
         runner.run(smoke_cfg(*SHORT, "trainer.profile_steps=-1"))
