@@ -84,6 +84,17 @@ def test_bubble_points_keep_the_latest_ok_row_when_a_later_one_failed():
     assert missing["error at 4K"] == ["linear"]
 
 
+def test_bubble_points_take_the_papers_batch_over_a_later_row_at_another_batch():
+    """The bench also runs 4K at batch 8 (for the exponents over 4K-16K); the bubble stays on the batch-32 row."""
+    later = dict(model="transformer", task="text", seq_len=4096, batch_size=8, status="ok", steps_per_s=99.0,
+                 examples_per_s=8 * 99.0, peak_mem_mb=1500.0, device=GPU, timestamp="2026-03-01T00:00:00Z")
+    only8 = dict(later, model="sinkhorn", steps_per_s=50.0, examples_per_s=400.0)  # no batch-32 row: its batch 8
+    bench = pd.concat([bench_rows(), pd.DataFrame([later, only8])], ignore_index=True)
+    ours, _ = plot.bubble_points(bench, leaderboard_rows())
+    assert ours.set_index("model").at["transformer", "x"] == pytest.approx(32 * 26.5)
+    assert ours.set_index("model").at["sinkhorn", "x"] == pytest.approx(400.0)
+
+
 def test_bubble_points_on_another_device_and_length():
     ours, missing = plot.bubble_points(bench_rows(), leaderboard_rows(), length=4096, device=CPU)
     assert as_tuples(ours) == [("transformer", 0.2, 54.0, 500 / 1024)]
