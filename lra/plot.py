@@ -80,11 +80,16 @@ def _on_device(bench: pd.DataFrame, device: str | None) -> pd.DataFrame:
     return bench.sort_values("timestamp", kind="stable") if "timestamp" in bench else bench
 
 
+def _ok_rows(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
+    """The ok rows of one device, oldest first."""
+    rows = _on_device(bench, device)
+    return rows[rows["status"].astype(str) == "ok"]
+
+
 def latest_ok(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
     """The latest ok row per (model, seq_len, batch_size) on one device."""
-    rows = _on_device(bench, device)
-    ok = rows[rows["status"].astype(str) == "ok"]
-    return ok.drop_duplicates(["model", "seq_len", "batch_size"], keep="last").reset_index(drop=True)
+    latest = _ok_rows(bench, device).drop_duplicates(["model", "seq_len", "batch_size"], keep="last")
+    return latest.reset_index(drop=True)
 
 
 def length_label(n: int) -> str:
@@ -139,27 +144,70 @@ def _latest_at(rows: pd.DataFrame, length: int) -> pd.DataFrame:
     return chosen.drop_duplicates("model", keep="last")
 
 
-def bench_at(bench: pd.DataFrame, length: int, device: str | None = None) -> pd.DataFrame:
-    """The latest ok row per model at ``length`` on one device (at the paper's batch: ``_latest_at``), indexed by
-    model."""
-    return _latest_at(latest_ok(bench, device), length).set_index("model")
+# What a bench row's speed depends on besides the model, the length and the device: rows that differ in any of these
+# were timed under different protocols (say, the whole model eager with attention dropout, or compiled without it)
+PROTOCOL = ["task", "precision", "compiled", "backbone"]
 
 
-def _bench_failures(bench: pd.DataFrame, length: int, device: str | None) -> dict[str, str]:
+def _protocols(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each row's ``PROTOCOL`` values as text ('' where a column is blank or absent, as in older rows)."""
+    return rows.reindex(columns=PROTOCOL).map(lambda v: "" if pd.isna(v) else str(v))
+
+
+def _protocol_key(rows: pd.DataFrame) -> pd.Series:
+    return _protocols(rows).agg(" | ".join, axis=1)
+
+
+def _under(rows: pd.DataFrame, protocol: dict | None) -> pd.DataFrame:
+    if protocol is None:
+        return rows
+    return rows[_protocol_key(rows) == " | ".join(protocol[c] for c in PROTOCOL)]
+
+
+def chart_protocol(bench: pd.DataFrame, length: int, device: str | None, models) -> dict | None:
+    """The protocol (``PROTOCOL``'s values) a chart's speeds come from, so that its bubbles compare like with like:
+    the one under which most of ``models`` have an ok row at ``length``; on a tie, the one measured last. None
+    without any ok row there."""
+    ok = _ok_rows(bench, device)
+    ok = ok[ok["seq_len"] == length]
+    if ok.empty:
+        return None
+    ok = ok.assign(key=_protocol_key(ok), counted=ok["model"].where(ok["model"].isin(list(models))),
+                   when=ok["timestamp"].astype(str) if "timestamp" in ok else "")
+    stats = ok.groupby("key").agg(n=("counted", "nunique"), last=("when", "max"))
+    chosen = stats.sort_values(["n", "last"], kind="stable").index[-1]
+    return _protocols(ok[ok["key"] == chosen]).iloc[0].to_dict()
+
+
+def protocol_label(protocol: dict | None) -> str:
+    if protocol is None:
+        return ""
+    compiled = {"True": "compiled", "False": "eager"}.get(protocol["compiled"], "")
+    return ", ".join(v for v in (protocol["precision"], compiled, protocol["backbone"]) if v)
+
+
+def bench_at(bench: pd.DataFrame, length: int, device: str | None = None, protocol: dict | None = None) -> pd.DataFrame:
+    """The latest ok row per model at ``length`` on one device (at the paper's batch: ``_latest_at``), under
+    ``protocol`` when given (``chart_protocol``), indexed by model."""
+    return _latest_at(_under(_ok_rows(bench, device), protocol), length).set_index("model")
+
+
+def _bench_failures(bench: pd.DataFrame, length: int, device: str | None,
+                    protocol: dict | None = None) -> dict[str, str]:
     """model -> "OOM" or "error": the status of its latest row at ``length``, for models whose latest row failed."""
-    last = _latest_at(_on_device(bench, device), length)
+    last = _latest_at(_under(_on_device(bench, device), protocol), length)
     failed = last[last["status"].astype(str) != "ok"]
     return {m: "OOM" if s == "oom" else "error" for m, s in zip(failed["model"], failed["status"].astype(str))}
 
 
 def _why_missing(model: str, speed: pd.DataFrame, scores: pd.Series, failed: dict[str, str], length: int,
-                 tasks: list[str] | None) -> str | None:
+                 tasks: list[str] | None, protocol: bool = False) -> str | None:
     """None for a model with a score and an ok bench row, else the reason it is not drawn: the score first, so a
     model listed under a bench reason has a score."""
     if model not in scores.index:
         return no_score_reason(tasks)
     if model not in speed.index:
-        return f"{failed.get(model, 'no bench row')} at {length_label(length)}"
+        return f"{failed.get(model, 'no bench row')} at {length_label(length)}{' under this protocol' * protocol}"
     return None
 
 
@@ -168,22 +216,26 @@ def bubble_points(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 
     """Our bubbles: (``model, x, y, mem_gb`` per model with a speed and a score, sorted by model; reason -> models
     for every other model of the bench or the leaderboard).
 
-    x = training examples/s of the model's latest ok bench row at ``length`` on one device, y = its score
-    (``our_scores``), mem_gb = that bench row's peak memory. A model is missing when it has no score, or no ok row
-    there (its latest row failed, or there is none)."""
+    x = training examples/s of the model's latest ok bench row at ``length`` on one device, under one protocol
+    for all (``chart_protocol``), y = its score (``our_scores``), mem_gb = that bench row's peak memory. A model
+    is missing when it has no score, or no ok row there (its latest row failed, or there is none)."""
     device = pick_device(_numeric(bench), device)
-    speed = bench_at(bench, length, device)
     scores = our_scores(leaderboard, tasks)
-    failed = _bench_failures(bench, length, device)
+    protocol = chart_protocol(bench, length, device, scores.index)
+    speed = bench_at(bench, length, device, protocol)
+    failed = _bench_failures(bench, length, device, protocol)
     rows, missing = [], {}
+    several = _protocol_key(_ok_rows(bench, device).query("seq_len == @length")).nunique() > 1
     for m in sorted(set(speed.index) | set(scores.index) | set(failed)):
-        reason = _why_missing(m, speed, scores, failed, length, tasks)
+        reason = _why_missing(m, speed, scores, failed, length, tasks, several)
         if reason:
             missing.setdefault(reason, []).append(m)
         else:
             rows.append(dict(model=m, x=float(speed.at[m, "examples_per_s"]), y=float(scores[m]),
                              mem_gb=float(speed.at[m, "peak_mem_mb"]) / 1024))
-    return pd.DataFrame(rows, columns=POINT_COLUMNS), missing
+    ours = pd.DataFrame(rows, columns=POINT_COLUMNS)
+    ours.attrs["protocol"] = protocol_label(protocol)  # named in the chart's title
+    return ours, missing
 
 
 def _table2_at(published: pd.DataFrame, length: int) -> pd.DataFrame:
@@ -360,7 +412,8 @@ def _size_legend(ax, mems: list[float], scale: float, with_series: bool) -> None
 def _ours_caption(ours: pd.DataFrame, missing: dict, device: str | None, tasks: list[str] | None) -> str:
     """The title names our device only when our bubbles are drawn."""
     if len(ours):
-        return f"ours: {device}"
+        protocol = ours.attrs.get("protocol")
+        return f"ours: {device}" + (f"; bench {protocol}" if protocol else "")
     if set(missing) <= {no_score_reason(tasks)}:
         return f"ours: none drawn, no model of ours has a result on all {len(tasks or TASKS5)} tasks yet"
     return "ours: none drawn, no model of ours has both a score and a bench row (see below)"

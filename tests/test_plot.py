@@ -87,12 +87,28 @@ def test_bubble_points_keep_the_latest_ok_row_when_a_later_one_failed():
 def test_bubble_points_take_the_papers_batch_over_a_later_row_at_another_batch():
     """The bench also runs 4K at batch 8 (for the exponents over 4K-16K); the bubble stays on the batch-32 row."""
     later = dict(model="transformer", task="text", seq_len=4096, batch_size=8, status="ok", steps_per_s=99.0,
-                 examples_per_s=8 * 99.0, peak_mem_mb=1500.0, device=GPU, timestamp="2026-03-01T00:00:00Z")
+                 precision="bf16", examples_per_s=8 * 99.0, peak_mem_mb=1500.0, device=GPU,
+                 timestamp="2026-03-01T00:00:00Z")
     only8 = dict(later, model="sinkhorn", steps_per_s=50.0, examples_per_s=400.0)  # no batch-32 row: its batch 8
     bench = pd.concat([bench_rows(), pd.DataFrame([later, only8])], ignore_index=True)
     ours, _ = plot.bubble_points(bench, leaderboard_rows())
     assert ours.set_index("model").at["transformer", "x"] == pytest.approx(32 * 26.5)
     assert ours.set_index("model").at["sinkhorn", "x"] == pytest.approx(400.0)
+
+
+def test_bubble_points_time_every_model_under_one_protocol():
+    """Rows timed another way (here compiled, without attention dropout) do not mix with the chart's: the protocol
+    under which most scored models have a row wins, and the title names it."""
+    bench = bench_rows().assign(compiled=False, backbone="L4 drop0.1/0.1")
+    faster = dict(model="transformer", task="text", seq_len=4096, batch_size=32, status="ok", steps_per_s=60.0,
+                  examples_per_s=32 * 60.0, peak_mem_mb=5000.0, precision="bf16", device=GPU, compiled=True,
+                  backbone="L4 drop0.1/0.0", timestamp="2026-03-01T00:00:00Z")
+    bench = pd.concat([bench, pd.DataFrame([faster])], ignore_index=True)
+    ours, missing = plot.bubble_points(bench, leaderboard_rows())
+    assert ours.set_index("model").at["transformer", "x"] == pytest.approx(32 * 26.5)  # not the compiled row
+    assert ours.attrs["protocol"] == "bf16, eager, L4 drop0.1/0.1"
+    assert missing["no bench row at 4K under this protocol"] == ["sinkhorn"]
+    assert plot.chart_protocol(bench, 4096, GPU, ["transformer"])["compiled"] == "True"  # a tie: the latest
 
 
 def test_bubble_points_on_another_device_and_length():
