@@ -219,9 +219,9 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
                   timed_steps=b.steps)
     baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device")})
     models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))
-    cases = []
+    cases, all_lengths = [], [int(L) for L in b.lengths]
     for label, name, options in models:
-        lengths = [int(L) for L in b.lengths]
+        lengths = all_lengths
         if getattr(get_model_class(name), "needs_grid", False):  # a 2-D mixer: square lengths only, no error rows
             square = [L for L in lengths if is_square(L)]
             if len(square) < len(lengths):

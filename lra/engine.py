@@ -183,11 +183,11 @@ def peak_memory_mb(device: torch.device) -> float:
 OWN_FUNCTION = re.compile(r"^(lra|models)/[\w/]+\.py\(\d+\): ")  # the profiler's key of a Python call of ours
 
 
-def own_functions(prof, rows: int = 30) -> str:
-    """The profiled calls of our own Python functions (the profiler records them under ``with_stack``), by host
-    time including their callees: which function of the harness or of a model a host-bound step spends its time
-    in."""
-    calls = sorted((e for e in prof.key_averages() if OWN_FUNCTION.match(e.key)), key=lambda e: -e.cpu_time_total)
+def own_functions(averages, rows: int = 30) -> str:
+    """The profiled calls of our own Python functions (``averages``: the profiler's ``key_averages()``; it records
+    them under ``with_stack``), by host time including their callees: which function of the harness or of a model a
+    host-bound step spends its time in."""
+    calls = sorted((e for e in averages if OWN_FUNCTION.match(e.key)), key=lambda e: -e.cpu_time_total)
     lines = [f"{'function':<70} {'host ms':>10} {'calls':>7} {'ms/call':>9}"]
     lines += [f"{e.key[:70]:<70} {e.cpu_time_total / 1e3:>10.2f} {e.count:>7} {e.cpu_time_total / 1e3 / e.count:>9.3f}"
               for e in calls[:rows]]
@@ -219,11 +219,12 @@ class StepProfiler:
             return
         synchronize(self.device)
         self._prof.__exit__(None, None, None)
-        tables = {"host time by operator": self._prof.key_averages().table(
-            sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80),
-            "host time by function of lra/ and models/, with what it calls": own_functions(self._prof)}
+        averages = self._prof.key_averages()  # one aggregation for the three tables
+        tables = {"host time by operator": averages.table(sort_by="self_cpu_time_total", row_limit=30,
+                                                          max_name_column_width=80),
+                  "host time by function of lra/ and models/, with what it calls": own_functions(averages)}
         if self.device.type == "cuda":
-            tables = {"device time by operator and kernel": self._prof.key_averages().table(
+            tables = {"device time by operator and kernel": averages.table(
                 sort_by="self_device_time_total", row_limit=40, max_name_column_width=80), **tables}
         text = "".join(f"\n== {title}\n{table}\n" for title, table in tables.items())
         self.out_dir.mkdir(parents=True, exist_ok=True)

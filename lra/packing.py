@@ -99,10 +99,11 @@ def pack(tokens: torch.Tensor, cls_token: bool) -> Packed:
     # where each example's position goes in the flat (R * M) batch; positions past its span go to a spare slot
     # at R * M, dropped after (a few dense writes: no per-example loop, no boolean indexing)
     where = torch.where(within < spans[:, None], starts[:, None] + within, R * M)  # (B, M)
+
     def placed(values: torch.Tensor) -> torch.Tensor:  # (B, M) values -> (R, M), zero where nothing is placed
         flat = torch.zeros(R * M + 1, dtype=values.dtype).index_put_((where.flatten(),), values.flatten())
         return flat[:-1].view(R, M)
-    example = torch.arange(1, B + 1).expand(M, B).T  # (B, M): 1 + the example's index
+    example = torch.arange(1, B + 1)[:, None].expand(B, M)  # (B, M): 1 + the example's index
     return Packed(placed(F.pad(tokens, (slot, 0))), placed(example), placed(within), starts)
 
 

@@ -201,13 +201,14 @@ def _bench_failures(bench: pd.DataFrame, length: int, device: str | None,
 
 
 def _why_missing(model: str, speed: pd.DataFrame, scores: pd.Series, failed: dict[str, str], length: int,
-                 tasks: list[str] | None, protocol: bool = False) -> str | None:
+                 tasks: list[str] | None, several_protocols: bool = False) -> str | None:
     """None for a model with a score and an ok bench row, else the reason it is not drawn: the score first, so a
     model listed under a bench reason has a score."""
     if model not in scores.index:
         return no_score_reason(tasks)
     if model not in speed.index:
-        return f"{failed.get(model, 'no bench row')} at {length_label(length)}{' under this protocol' * protocol}"
+        where = " under this protocol" if several_protocols else ""
+        return f"{failed.get(model, 'no bench row')} at {length_label(length)}{where}"
     return None
 
 
