@@ -66,11 +66,18 @@ def _numeric(bench: pd.DataFrame) -> pd.DataFrame:
 
 
 def pick_device(bench: pd.DataFrame, device: str | None = None) -> str:
-    """``device`` if given, else the device of the most recent row."""
+    """``device`` if given, else the card whose ok rows cover the most models (on a tie, the one with the latest
+    row): a chart draws one card's rows, and a few rows from another card (a rerun on whichever machine came)
+    must not take the chart over from the card that timed every model."""
     if device is not None:
         return device
     rows = bench.sort_values("timestamp", kind="stable") if "timestamp" in bench else bench
-    return str(rows["device"].iloc[-1])
+    ok = rows[rows["status"].astype(str) == "ok"] if "status" in rows else rows
+    ok = rows if ok.empty else ok
+    cards = ok["device"].astype(str)
+    models = ok.groupby(cards)["model"].nunique()
+    latest = {card: i for i, card in enumerate(cards)}  # each card's latest row: its position, oldest first
+    return max(models.index, key=lambda card: (models[card], latest[card]))
 
 
 def _on_device(bench: pd.DataFrame, device: str | None) -> pd.DataFrame:

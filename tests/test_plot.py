@@ -119,6 +119,24 @@ def test_bubble_points_on_another_device_and_length():
     assert list(ours["model"]) == ["linear", "local", "reformer", "transformer"]  # reformer ran at 1K
 
 
+def test_the_chart_keeps_the_card_that_timed_the_most_models_when_another_card_has_newer_rows():
+    """A rerun of two models on whichever machine came (an H200) is newer than every H100 row, but the H100 timed
+    five models: the charts stay on the H100 unless told otherwise."""
+    h200 = "NVIDIA H200"
+    newer = [dict(model=m, task="text", seq_len=4096, batch_size=32, status="ok", precision="bf16", steps_per_s=50.0,
+                  examples_per_s=1600.0, peak_mem_mb=4000.0, device=h200, timestamp="2026-09-01T00:00:00Z")
+             for m in ("transformer", "linear")]
+    bench = pd.concat([bench_rows(), pd.DataFrame(newer)], ignore_index=True)
+    assert plot.pick_device(bench) == GPU
+    ours, _ = plot.bubble_points(bench, leaderboard_rows())
+    assert list(ours["model"]) == ["linear", "local", "transformer"]  # the H100's rows
+    assert ours.set_index("model").at["transformer", "x"] == pytest.approx(32 * 26.5)
+    ours, _ = plot.bubble_points(bench, leaderboard_rows(), device=h200)
+    assert list(ours["model"]) == ["linear", "transformer"]
+    more = pd.DataFrame([dict(newer[0], model=m) for m in ("local", "performer", "reformer", "sinkhorn")])
+    assert plot.pick_device(pd.concat([bench, more], ignore_index=True)) == h200  # now it covers more models
+
+
 def test_bubble_points_over_a_task_subset_count_lra_rows_only():
     """Without Retrieval (no AAN files), y is the mean over the tasks named, from experiment=lra rows; a
     leaderboard without the experiment column counts as all lra."""

@@ -36,6 +36,21 @@ def test_measured_exponents_use_one_batch_size_from_4k_up():
     assert "sparse" not in exps  # failed rows measure nothing
 
 
+def test_each_model_is_fitted_on_one_card_the_main_one_first_and_the_table_says_which():
+    """The H100 timed three models; a later H200 call timed the transformer again and one new model: the
+    transformer keeps its H100 slope, the new model gets its H200 one, and the note under the table names it."""
+    rows = pd.DataFrame(bench("transformer", [1.0, 4.0, 16.0], device="H100") + bench("linear", [1.0, 2.0, 4.0],
+                        device="H100") + bench("local", [1.0, 2.0, 4.0], device="H100")
+                        + bench("transformer", [1.0, 2.0, 4.0], device="H200") + bench("fnet", [1.0, 3.0, 9.0],
+                                                                                      device="H200"))
+    exps = taxonomy.measured_exponents(rows)
+    assert exps["transformer"] == (pytest.approx(2.0), pytest.approx(2.0), "H100")
+    assert exps["fnet"][0] == pytest.approx(math.log(3, 2)) and exps["fnet"][2] == "H200"
+    assert taxonomy.measured_exponents(rows, device="H200")["transformer"][2] == "H200"
+    text = taxonomy.markdown(taxonomy.taxonomy_table(rows))
+    assert text.endswith("Exponents timed on the H100, except fnet on the H200.")
+
+
 def test_the_table_covers_the_registry_and_the_readme_holds_the_generated_one():
     results = ROOT / "results"
     table = taxonomy.taxonomy_table(pd.read_csv(results / "bench.csv"), pd.read_csv(results / "leaderboard.csv"))
