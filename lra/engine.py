@@ -4,6 +4,7 @@ synchronised timing and peak memory. What one measures the other measures identi
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -180,17 +181,26 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-OWN_FUNCTION = re.compile(r"^(lra|models)/[\w/]+\.py\(\d+\): ")  # the profiler's key of a Python call of ours
+# the profiler's key of a Python call of ours: "lra/run.py(421): step", or the whole path where the profiler could
+# not strip it (it strips the sys.path entries it knows of)
+OWN_FUNCTION = re.compile(r"(?:^|/)((?:lra|models)/[\w/]+\.py\(\d+\): .*)")
 
 
-def own_functions(averages, rows: int = 30) -> str:
-    """The profiled calls of our own Python functions (``averages``: the profiler's ``key_averages()``; it records
-    them under ``with_stack``), by host time including their callees: which function of the harness or of a model a
-    host-bound step spends its time in."""
-    calls = sorted((e for e in averages if OWN_FUNCTION.match(e.key)), key=lambda e: -e.cpu_time_total)
+def own_functions(trace_events: list[dict], rows: int = 30) -> str:
+    """The profiled calls of our own Python functions, by host time including their callees: which function of the
+    harness or of a model a host-bound step spends its time in. ``trace_events``: the exported trace's events, whose
+    ``python_function`` entries the profiler records under ``with_stack`` (read from the trace, not from
+    ``key_averages()``, which leaves Python calls out in some torch versions)."""
+    totals: dict[str, list[float]] = {}
+    for e in trace_events:
+        if e.get("cat") == "python_function" and (m := OWN_FUNCTION.search(e.get("name", ""))):
+            total = totals.setdefault(m.group(1), [0.0, 0])
+            total[0], total[1] = total[0] + float(e.get("dur", 0.0)), total[1] + 1
+    if not totals:
+        return "(the profiler recorded no Python calls of lra/ or models/)"
+    calls = sorted(totals.items(), key=lambda kv: -kv[1][0])
     lines = [f"{'function':<70} {'host ms':>10} {'calls':>7} {'ms/call':>9}"]
-    lines += [f"{e.key[:70]:<70} {e.cpu_time_total / 1e3:>10.2f} {e.count:>7} {e.cpu_time_total / 1e3 / e.count:>9.3f}"
-              for e in calls[:rows]]
+    lines += [f"{name[:70]:<70} {us / 1e3:>10.2f} {n:>7} {us / 1e3 / n:>9.3f}" for name, (us, n) in calls[:rows]]
     return "\n".join(lines)
 
 
@@ -219,17 +229,19 @@ class StepProfiler:
             return
         synchronize(self.device)
         self._prof.__exit__(None, None, None)
-        averages = self._prof.key_averages()  # one aggregation for the three tables
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        trace = self.out_dir / "profile_trace.json"
+        self._prof.export_chrome_trace(str(trace))
+        averages = self._prof.key_averages()  # one aggregation for the operator tables
         tables = {"host time by operator": averages.table(sort_by="self_cpu_time_total", row_limit=30,
                                                           max_name_column_width=80),
-                  "host time by function of lra/ and models/, with what it calls": own_functions(averages)}
+                  "host time by function of lra/ and models/, with what it calls": own_functions(
+                      json.loads(trace.read_text())["traceEvents"])}
         if self.device.type == "cuda":
             tables = {"device time by operator and kernel": averages.table(
                 sort_by="self_device_time_total", row_limit=40, max_name_column_width=80), **tables}
         text = "".join(f"\n== {title}\n{table}\n" for title, table in tables.items())
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "profile.txt").write_text(f"steps {self.start + 1}-{self.stop}\n{text}")
-        self._prof.export_chrome_trace(str(self.out_dir / "profile_trace.json"))
         self._prof = None
 
 

@@ -208,14 +208,21 @@ def fla_refused(device_index: int) -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result
+def fla_refusal(device_index: int) -> str | None:
+    """``fla_refused``, said once, and a constant to torch.compile: it runs eagerly at trace time, so a compiled model
+    neither traces the cached check (Dynamo warns at each trace where it does) nor repeats the warning."""
+    reason = fla_refused(device_index)
+    if reason is not None:
+        warn_once(f"{reason}: running the scan in its chunked PyTorch form (model.scan=chunked)")
+    return reason
+
+
 def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
     """``mode`` "auto": fla on CUDA (the chunked form where fla's kernels are known to be wrong), ``chunked``
     elsewhere; "chunked" / "recurrent": that form anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
-    if mode == "auto" and q.is_cuda:
-        reason = fla_refused(q.device.index or 0)
-        if reason is None:
-            return fla(q, k, v, g, scale, reset)
-        warn_once(f"{reason}: running the scan in its chunked PyTorch form (model.scan=chunked)")
+    if mode == "auto" and q.is_cuda and fla_refusal(q.device.index or 0) is None:
+        return fla(q, k, v, g, scale, reset)
     if mode == "recurrent":
         return recurrent(q, k, v, g, scale, reset=reset)[0]
     return chunked(q, k, v, g, chunk, scale, reset)

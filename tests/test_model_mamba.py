@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 
 import pytest
 import torch
@@ -264,6 +265,27 @@ def test_a_triton_known_to_break_fla_on_hopper_falls_back_to_the_chunked_form(mo
         assert _scan.fla_refused(0) is None  # the bug is Hopper's
     finally:
         _scan.fla_refused.cache_clear()
+
+
+def test_the_refusal_is_said_once_and_is_a_constant_to_a_compiled_model(monkeypatch):
+    """Under torch.compile the check runs eagerly at each trace (three shapes here): one warning in all, and none of
+    Dynamo's about tracing a cached function."""
+    monkeypatch.setattr(_scan, "fla_refused", lambda index: "fla is wrong here")
+    _scan.warn_once.cache_clear()
+
+    def pick(x):
+        return x * 3 if _scan.fla_refusal(0) is None else x + 1
+
+    compiled = torch.compile(pick, backend="eager", dynamic=False)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [compiled(torch.ones(n)) for n in (3, 4, 5)]
+    finally:
+        _scan.warn_once.cache_clear()
+    assert all(torch.equal(o, torch.full_like(o, 2.0)) for o in outs)  # the refused branch (x + 1)
+    assert [str(w.message) for w in caught] == ["fla is wrong here: running the scan in its chunked PyTorch form "
+                                                "(model.scan=chunked)"]
 
 
 @pytest.mark.gpu
