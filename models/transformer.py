@@ -9,8 +9,10 @@ Packed rows (``segments``, ``lra/packing.py``): each example's queries see its o
 row's runs of one segment (each example, and the padding after the last one) become the sequences of a
 jagged nested tensor, for which SDPA runs the variable-length fused kernels, attention dropout included: a
 dense block-diagonal mask would leave SDPA only its memory-efficient kernel, 3.4x slower at ListOps' shape
-with LRA's dropout, which made packed training slower than unpacked. Elsewhere (or ``backend = "dense"``)
-the (B, 1, N, N) block-diagonal mask, the reference the tests hold the jagged path to.
+with LRA's dropout, which made packed training slower than unpacked. ``backend = "varlen"`` calls that same
+variable-length flash kernel directly (fp16/bf16 on CUDA; the jagged path otherwise): a profile of the jagged
+path put half of a packed step's host time in the nested tensor's Python dispatch. Elsewhere (or
+``backend = "dense"``) the (B, 1, N, N) block-diagonal mask, the reference the tests hold both to.
 
 Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored).
 Deviation from LRA: none in the mechanism (LRA also masks padded queries, which only changes outputs at
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, once_per_batch, pad_head_dim, same_segment, takes_fused_path
+from .base import MultiHeadMixer, once_per_batch, pad_head_dim, same_segment
 from .registry import Taxonomy, register_model
 
 
@@ -33,7 +35,17 @@ class Transformer(MultiHeadMixer):
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
-        self.backend = "auto"  # packed rows: "jagged" (CUDA's default) or "dense"; how it runs, not what
+        self.backend = "auto"  # packed rows: "jagged" (CUDA's default), "varlen" or "dense"; how it runs, not what
+
+    def packed_path(self, q: torch.Tensor) -> str:
+        """The path of packed rows: the one ``backend`` names ("varlen" where flash runs: fp16/bf16 on CUDA, else
+        the jagged path, its twin), "jagged" under "auto" on CUDA, "dense" otherwise."""
+        if self.backend not in ("auto", "varlen", "jagged", "dense"):
+            raise ValueError(f"backend must be 'auto', 'varlen', 'jagged' or 'dense', got {self.backend!r}")
+        if self.backend == "dense" or (self.backend == "auto" and not q.is_cuda):
+            return "dense"
+        flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        return "varlen" if self.backend == "varlen" and flash else "jagged"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,8 +53,10 @@ class Transformer(MultiHeadMixer):
         # The fused CUDA kernels take head sizes in multiples of 8; off that SDPA falls back to the math kernel,
         # which stores the N x N scores (Pathfinder's head size 4: 10x slower, 30 GB at batch 512).
         q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8)
-        if segments is not None and takes_fused_path(self.backend, "jagged", "dense", q.is_cuda):
-            o = jagged_attention(q, k, v, segments, self.dropout_p, d_head ** -0.5)
+        path = "dense" if segments is None else self.packed_path(q)
+        if path != "dense":
+            attention = varlen_attention if path == "varlen" else jagged_attention
+            o = attention(q, k, v, segments, self.dropout_p, d_head ** -0.5)
         else:
             if segments is not None:
                 key_mask = same_segment(segments)  # (B, 1, N, N): each example's queries see its own keys
@@ -78,3 +92,24 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
 
     o = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), dropout_p=dropout_p, scale=scale)
     return o.transpose(1, 2).values().view(R, M, H, Dh).transpose(1, 2)  # (R, H, M, Dh)
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                 dropout_p: float, scale: float) -> torch.Tensor:
+    """Flash attention's variable-length kernel (the one SDPA runs for a jagged nested tensor; differentiable,
+    dropout included): q, k, v (T, H, Dh) fp16/bf16 on CUDA, sequences at ``offsets`` (S + 1,) int32 -> (T, H, Dh)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, offsets, offsets, max_len, max_len, dropout_p, False,
+                                                   False, scale=scale)[0]
+
+
+@torch.compiler.disable  # as jagged_attention: the number of runs is read off the data
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, dropout_p: float,
+                     scale: float) -> torch.Tensor:
+    """``jagged_attention`` without the nested tensor: packed rows q, k, v (R, H, M, Dh) -> (R, H, M, Dh), the
+    rows' positions end to end and the runs' offsets handed to the kernel as they are."""
+    R, H, M, Dh = q.shape
+    offsets = run_starts(segments).to(torch.int32)  # (S + 1,)
+    # M bounds every run's length: the kernel sizes its grid by it, and blocks past a run's end return at once
+    flat = [x.transpose(1, 2).reshape(R * M, H, Dh) for x in (q, k, v)]  # each (R M, H, Dh): positions in row order
+    o = flash_varlen(*flat, offsets, M, dropout_p, scale)  # (R M, H, Dh)
+    return o.view(R, M, H, Dh).transpose(1, 2)  # (R, H, M, Dh)

@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 import lra.run as runner
+import models.base as base
 from lra.config import ConfigError
 from lra.data import BatchOrder, Split
 from lra.encoder import build_classifier
@@ -146,6 +147,40 @@ def test_jagged_runs_of_packed_rows():
     """Each example is one sequence of the jagged batch; the padding after a row's last example is another."""
     segments = torch.tensor([[1, 1, 1, 2, 2, 0], [3, 3, 3, 3, 3, 3], [4, 4, 0, 0, 0, 0]])
     assert run_starts(segments).tolist() == [0, 3, 5, 6, 12, 14, 18]
+
+
+def test_the_varlen_path_hands_the_kernel_each_run_end_to_end(monkeypatch):
+    """``varlen_attention``'s layout on the CPU, the CUDA kernel replaced by softmax attention over each run it is
+    handed: equal to the block-diagonal mask's attention (what the kernel computes is held to it on a GPU)."""
+    import models.transformer as transformer
+
+    def per_run(q, k, v, offsets, max_len, dropout_p, scale):  # (T, H, Dh) each, runs at offsets
+        assert offsets.dtype == torch.int32 and max_len == 6 and dropout_p == 0.0
+        out = torch.empty_like(q)
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            assert b - a <= max_len
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (q, k, v)), scale=scale).transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(transformer, "flash_varlen", per_run)
+    segments = torch.tensor([[1, 1, 1, 2, 2, 0], [3, 3, 3, 3, 3, 3], [4, 4, 0, 0, 0, 0]])
+    q, k, v = torch.randn(3, 3, 2, 6, 8, dtype=torch.float64).unbind(0)  # each (R, H, M, Dh)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=base.same_segment(segments),
+                                                             scale=0.5)
+    transformer.run_starts.cache_clear()
+    torch.testing.assert_close(transformer.varlen_attention(q, k, v, segments, 0.0, 0.5), dense)
+
+
+def test_the_packed_path_is_the_one_asked_for_where_it_can_run():
+    mixer = create_model("transformer", d_model=32, n_heads=4, d_qkv=32, dropout=0.0, max_len=16)
+    cpu = torch.zeros(1, 4, 16, 8)
+    assert mixer.packed_path(cpu) == "dense"  # auto, off CUDA
+    mixer.backend = "varlen"
+    assert mixer.packed_path(cpu) == "jagged"  # flash's kernel is CUDA's: its twin runs
+    mixer.backend = "flash"
+    with pytest.raises(ValueError, match="'auto', 'varlen', 'jagged' or 'dense', got 'flash'"):
+        mixer.packed_path(cpu)
 
 
 @pytest.mark.parametrize("name", ["linear", "performer"])
@@ -298,7 +333,7 @@ def test_a_trimmed_evaluation_goes_in_length_order_and_counts_the_same():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", SEGMENT_MODELS)
+@pytest.mark.parametrize("name", SEGMENT_MODELS + ["transformer:varlen"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_on_cuda_packed_rows_equal_unpacked_compiled_and_eager(name, precision):
     """The CUDA paths (fused kernels, fla's variable-length scans, compiled cores, the whole model compiled): the
@@ -348,3 +383,29 @@ def test_packed_rows_keep_batchnorm_statistics_and_recipe_backbones_exact(name):
     tokens = padded_batch(12, 48)
     ref = model(tokens)
     torch.testing.assert_close(model(*model_inputs(tokens, True, cls_token=False)), ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_varlen_path_trains_as_the_jagged_one():
+    """The flash kernel called directly and through the nested tensor: the same logits and gradients (bf16, no
+    dropout), and with LRA's attention dropout finite gradients through the direct call."""
+    torch.manual_seed(0)
+    tokens = padded_batch(24, 48)
+    results = []
+    for backend in ("jagged", "varlen"):
+        torch.manual_seed(0)  # the same weights for both
+        model = classifier(f"transformer:{backend}", "cls").float().cuda().train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(*(t.cuda() for t in model_inputs(tokens, True, cls_token=True))).float()
+        logits.sum().backward()
+        results.append((logits.detach(), [p.grad for p in model.parameters()]))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+    for block in model.encoder.blocks:
+        block.mixer.attn_dropout = 0.1  # LRA's attention dropout (dropout_p while training)
+    model.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(*(t.cuda() for t in model_inputs(tokens, True, cls_token=True))).float().sum().backward()
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
