@@ -341,7 +341,7 @@ def format_exponents(df: pd.DataFrame) -> str:
     if not exps:
         return ""
     lines = ["Measured exponent in N (time / memory, N >= 4K at one batch) vs the declared complexity"]
-    for label, (time_exp, mem_exp) in sorted(exps.items()):
+    for label, (time_exp, mem_exp, _card) in sorted(exps.items()):
         name = label.split("(")[0]
         declared = get_model_class(name).taxonomy.complexity if name in list_models() else "?"
         lines.append(f"{label:<28}{time_exp:6.2f} / {mem_exp:4.2f}   declared {declared}")
