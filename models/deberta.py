@@ -10,27 +10,42 @@ of P for the distance i - j:
     A_ij = Q_i . K_j  (c2c)  +  Q_i . K_r[delta(i, j)]  (c2p)  +  K_j . Q_r[delta(j, i)]  (p2c),
     out  = softmax(A / sqrt(3 Dh)) V        (3 = the number of terms, the v2 code's scale_factor).
 
-c2p and p2c are computed as the paper's Algorithm 1 does, without an N x N x d tensor: Q K_r^T (N x 2k) and
-Q_r K^T (2k x N) are small tables, and one (N x N) index delta gathers from them, along the rows for
-c2p[i, j] = (Q K_r^T)[i, delta(i, j)] and down the columns for p2c[i, j] = (Q_r K^T)[delta(j, i), j]. The scale
-is applied to Q_r and K_r, and padded keys are masked in the p2c table, both before anything is N x N. On CUDA
-the gathers' backward sums runs of equal distance bucket from prefix sums (``RelativeGather``), not by
-``scatter_add``'s atomics. The sum of the two terms is the float mask of ``scaled_dot_product_attention``,
-which adds the scaled Q K^T and differentiates through the mask too (on CUDA it can pick the memory-efficient
-kernel, which takes such a bias).
+Two executions of the same score (``backend``, an attribute: how it runs, never what it computes):
+
+* **dense** (the reference; CPU, and CUDA while attention dropout is active): c2p and p2c are computed as the
+  paper's Algorithm 1 does, without an N x N x d tensor: Q K_r^T (N x 2k) and Q_r K^T (2k x N) are small
+  tables, and one (N x N) index delta gathers from them, along the rows for c2p[i, j] = (Q K_r^T)[i, delta(i, j)]
+  and down the columns for p2c[i, j] = (Q_r K^T)[delta(j, i), j]. The scale is applied to Q_r and K_r, and padded
+  keys are masked in the p2c table, both before anything is N x N. On CUDA the gathers' backward sums runs of
+  equal distance bucket from prefix sums (``RelativeGather``), not by ``scatter_add``'s atomics. The sum of the
+  two terms is the float mask of ``scaled_dot_product_attention`` (a (B, H, N, N) bias: 4 GB a layer at N = 4096,
+  batch 32). delta and the runs' bounds depend on N only: built once per (N, device) and shared by the layers
+  (``cached_index``), or, under torch.compile, built inside the graph, where Inductor fuses them.
+* **flex** (CUDA's default when no attention dropout is active, i.e. evaluation and the bench; ``backend =
+  "flex"`` forces it): FlexAttention with a ``score_mod`` that adds c2p[b, h, i, delta(i, j)] + p2c[b, h, delta(j,
+  i), j] to each score, read from the same two tables (fp32, captured: their gradients come from the kernel's
+  backward) with delta computed elementwise from q_idx - kv_idx (``position_rows``, the ops that build the dense
+  index; a GPU test checks that Triton's log and division bucket every distance alike). Padded keys are masked by
+  a BlockMask (tiles of only padding skipped). Nothing N x N is stored: O(N k) memory for the tables instead of
+  O(N^2) for bias and index, fused forward and backward.
+  FlexAttention has no dropout on the attention weights (a score_mod acts before the softmax, dropout after it),
+  so with attention dropout active "auto" takes the dense path and "flex" refuses to run (never a silent drop).
+  On the CPU it runs eagerly, forward only (torch refuses its CPU backward; the tests lift that check to compare
+  gradients with the dense path's).
 
 delta: v2's ``make_log_bucket_position`` then ``clamp(. + k, 0, 2k - 1)``, k = ``position_buckets``:
 distances |d| <= k / 2 keep their own bucket; beyond, bucket sign(d) (k/2 + ceil(log(|d| / (k/2)) /
 log((m - 1) / (k/2)) (k/2 - 1))) with m = ``max_relative_positions``, so |d| = m - 1 lands on k - 1 and
 farther ones share the last rows of P. ``position_buckets: 0`` is DeBERTa v1: k = m, distances clipped at +-k.
 
-Complexity: O(N^2 d) time and O(N^2) memory (the N x N bias and index, the scores on CPU, and on CUDA the
-backward's fp32 N x N prefix sum); O(N k d) for the two tables. It is exact attention with relative terms: the
-N^2 member of the relative-position family.
-Padding: padded keys get the dtype's finite minimum (in the p2c table; adding c2p, many orders of magnitude
-smaller, leaves it there), so their weight is exactly 0 and a row of only padding stays finite. The terms
-depend on i - j only, so appending padding leaves real outputs unchanged. Padded queries get an output the
-encoder ignores.
+Complexity: O(N^2 d) time on both paths, O(N k d) for the two tables. Memory: dense, O(N^2) (the N x N bias and
+index, the scores on CPU, and on CUDA the backward's fp32 N x N prefix sum); flex, O(N k). It is exact attention
+with relative terms: the N^2 member of the relative-position family.
+Padding: dense, padded keys get the dtype's finite minimum (in the p2c table; adding c2p, many orders of
+magnitude smaller, leaves it there), so their weight is exactly 0 and a row of only padding stays finite
+(uniform); flex, the BlockMask leaves them out (weight exactly 0; a row of only padding gives 0). The terms depend
+on i - j only, so appending padding leaves real outputs unchanged. Padded queries get an output the encoder
+ignores.
 
 Deviations:
 * p2c index: the paper's eq. 4 uses delta(j, i). The released code indexes p2c with delta(i, j), c2p's index
@@ -45,24 +60,43 @@ Deviations:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
-from .base import MultiHeadMixer, pad_head_dim
+from .base import MultiHeadMixer, pad_head_dim, takes_fused_path
+from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, flex_call, realized, tile_block_mask
 from .registry import Taxonomy, register_model
 
 
 def log_bucket(distance: torch.Tensor, buckets: int, max_distance: int) -> torch.Tensor:
     """DeBERTa-v2's ``make_log_bucket_position``: integer distances -> signed buckets, exact for
     |d| <= buckets // 2, log-spaced beyond (|d| = max_distance - 1 -> buckets - 1). fp32 logs, as the original,
-    so the bucket edges match it."""
+    so the bucket edges match it. Elementwise (also on the scalars of a score_mod) and odd: the bucket of -d is
+    exactly minus that of d (all arithmetic is on |d|)."""
     mid = buckets // 2
     far = distance.abs().clamp_min(mid).float()  # the log branch only matters where |d| > mid
     log_pos = mid + torch.ceil(torch.log(far / mid) / math.log((max_distance - 1) / mid) * (mid - 1))
-    return torch.where(distance.abs() <= mid, distance, (torch.sign(distance) * log_pos).long())
+    return torch.where(distance.abs() <= mid, distance, (torch.sign(distance) * log_pos).to(distance.dtype))
+
+
+def position_rows(distance: torch.Tensor, buckets: int, max_relative: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distances d = i - j (an integer tensor of any shape, the scalar q_idx - kv_idx in a score_mod) ->
+    (delta(i, j), delta(j, i)), the rows of P for d and -d, elementwise. One bucket serves both (it is odd)."""
+    span = buckets or max_relative
+    bucket = log_bucket(distance, buckets, max_relative) if buckets else distance
+    return (bucket + span).clamp(0, 2 * span - 1), (span - bucket).clamp(0, 2 * span - 1)
+
+
+def relative_index(n: int, device: torch.device, buckets: int, max_relative: int) -> torch.Tensor:
+    """delta(i, j) for i, j < n: the row of P for distance i - j. -> (n, n) long."""
+    rows = position_rows(torch.arange(1 - n, n, device=device), buckets, max_relative)[0]  # (2n - 1,): each i - j
+    i = torch.arange(n, device=device)
+    return rows[i[:, None] - i[None, :] + n - 1]  # (n, n)
 
 
 class RelativeGather(torch.autograd.Function):
@@ -115,6 +149,59 @@ def run_bounds(index: torch.Tensor, entries: int) -> tuple[torch.Tensor, torch.T
     return torch.searchsorted(rising, entry), torch.searchsorted(rising, entry, right=True)
 
 
+def build_index(n: int, device: torch.device, buckets: int, max_relative: int):
+    """The dense path's delta (n, n) and, on CUDA, its ``run_bounds`` ((n, 2k) each; None elsewhere)."""
+    with torch.inference_mode(False):  # cached tensors that autograd may save later
+        delta = relative_index(n, device, buckets, max_relative)
+        bounds = run_bounds(delta, 2 * (buckets or max_relative)) if device.type == "cuda" else None
+        return delta, bounds
+
+
+# Eager: one delta per (n, device, buckets) for every layer and step; a few lengths kept (8 n^2 bytes each, 2 GB at
+# n = 16K). Compiled code does not read it (see ``DeBERTa.index``).
+cached_index = functools.lru_cache(maxsize=4)(build_index)
+
+
+def padding_block_mask(mask: torch.Tensor):
+    """(B, N) key mask -> FlexAttention BlockMask: 128 x 128 tiles whose keys are all real are computed whole,
+    those of only padding skipped, the rest look the mask up per key (a 1-D load)."""
+    B, N = mask.shape
+    nt = -(-N // FLEX_BLOCK)
+    keep = F.pad(mask, (0, nt * FLEX_BLOCK - N)).view(B, nt, FLEX_BLOCK)  # (B, nt, 128)
+    beyond = (torch.arange(nt * FLEX_BLOCK, device=mask.device) >= N).view(nt, FLEX_BLOCK)  # past N: no key at all
+    every, some = (keep | beyond).all(-1), keep.any(-1)  # (B, nt) each, per key tile
+    full = every[:, None, None, :].expand(B, 1, nt, nt).contiguous()  # (B, 1, nt q, nt kv), alike for every q tile
+    partial = (some & ~every)[:, None, None, :].expand(B, 1, nt, nt).contiguous()  # (B, 1, nt, nt)
+    keep_flat = realized(mask.reshape(-1))  # (B N,), read by the mask_mod: a buffer of its own
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return keep_flat[b * N + kv_idx]
+
+    return tile_block_mask(partial, full, N, mask_mod)
+
+
+def _flex_attend(mixer: DeBERTa, q, k, v, mask):
+    """The layer's attention as FlexAttention: q, k, v (B, H, N, Dh), mask (B, N) or None -> (B, H, N, Dh)."""
+    d_head = q.shape[-1]
+    scale = (3 * d_head) ** -0.5
+    q_r, k_r = (t * scale for t in mixer.relative_projections())  # (H, 2k, Dh): scaled while still small
+    # tables in fp32 (at least): the kernel adds them to fp32 scores, and its backward sums their gradients by atomic
+    # adds, up to thousands per entry (every distance past the last bucket), which bf16 would round away
+    dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32
+    c2p = (q @ k_r.transpose(-1, -2)).to(dtype)  # (B, H, N, 2k): q_i . K_r[r]
+    p2c = (q_r @ k.transpose(-1, -2)).to(dtype)  # (B, H, 2k, N): Q_r[r] . k_j
+    buckets, max_relative = mixer.buckets, mixer.max_relative
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # score: q_i . k_j * scale, fp32
+        row, col = position_rows(q_idx - kv_idx, buckets, max_relative)  # delta(i, j), delta(j, i)
+        return score + (c2p[b, h, q_idx, row] + p2c[b, h, col, kv_idx])
+
+    block_mask = None if mask is None else padding_block_mask(mask)
+    q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16)): the kernel's smallest head
+    o = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    return o[..., :d_head]  # (B, H, N, Dh)
+
+
 @register_model
 class DeBERTa(MultiHeadMixer):
     taxonomy = Taxonomy("He et al. 2021, arXiv 2006.03654", "N^2", (), decode=False)
@@ -143,15 +230,21 @@ class DeBERTa(MultiHeadMixer):
         # P: N(0, 0.02) as DeBERTa's initializer_range, then LayerNorm (v2/v3's norm_rel_ebd)
         self.rel_embeddings = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
         self.rel_norm = nn.LayerNorm(d_model)
+        # "auto" (flex on CUDA while no attention dropout is active, else dense), "flex" or "dense"; how it runs, not
+        # what (module docstring). "flex" with attention dropout active is an error: FlexAttention has no dropout
+        self.backend = "auto"
 
     def relative_index(self, n: int, device: torch.device) -> torch.Tensor:
-        """delta(i, j) for i, j < n: the row of P for distance i - j. -> (n, n) long."""
-        d = torch.arange(1 - n, n, device=device)  # (2n - 1,): every distance i - j
-        if self.buckets:
-            d = log_bucket(d, self.buckets, self.max_relative)
-        rows = (d + self.span).clamp(0, 2 * self.span - 1)  # (2n - 1,)
-        i = torch.arange(n, device=device)
-        return rows[i[:, None] - i[None, :] + n - 1]  # (n, n)
+        """delta(i, j) for i, j < n: the row of P for distance i - j. -> (n, n) long, built anew."""
+        return relative_index(n, device, self.buckets, self.max_relative)
+
+    def index(self, n: int, device: torch.device):
+        """The dense path's delta (n, n) and its run bounds (CUDA; else None): in eager from ``cached_index``, built
+        once per (n, device, buckets) for all layers and steps; under torch.compile built inside the graph (a pure
+        function of n: no guard on a cache that eager code may fill, no graph break, no tensor copied into CUDA
+        graphs; Inductor fuses the index arithmetic into the gathers)."""
+        build = build_index if torch.compiler.is_compiling() else cached_index
+        return build(n, device, self.buckets, self.max_relative)
 
     def relative_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Q_r = P W_q and K_r = P W_k: one table P for both terms, through the layer's own projections.
@@ -168,10 +261,9 @@ class DeBERTa(MultiHeadMixer):
         ``mask`` (B, N), p2c is the dtype's minimum at padded keys j (masked in its 2k x N table, not N x N)."""
         N = q.shape[2]
         q_r, k_r = (t * scale for t in self.relative_projections())  # (H, 2k, Dh): scaled while still small
-        delta = self.relative_index(N, q.device)  # (N, N): delta(i, j), non-increasing along each row
-        # where each row of delta holds each table entry: one computation for both gathers (column j of p2c's
-        # index is row j of delta)
-        bounds = run_bounds(delta, 2 * self.span) if q.is_cuda else None  # (N, 2k) each
+        # delta (N, N): delta(i, j), non-increasing along each row; on CUDA, where each row of delta holds each
+        # table entry ((N, 2k) each): one computation for both gathers (column j of p2c's index is row j of delta)
+        delta, bounds = self.index(N, q.device)
         c2p = relative_gather(q @ k_r.transpose(-1, -2), delta, -1, bounds)  # from (B, H, N, 2k)
         table = q_r @ k.transpose(-1, -2)  # (B, H, 2k, N): Q_r[r] . k_j, one column per key
         if mask is not None:
@@ -180,7 +272,16 @@ class DeBERTa(MultiHeadMixer):
         p2c = relative_gather(table, delta, -2, bounds)  # (B, H, N, N)
         return c2p, p2c
 
+    def flex_runs(self, on_cuda: bool) -> bool:
+        """Whether FlexAttention runs (``backend``): asked for, or on CUDA while no attention dropout is active."""
+        if self.backend == "flex" and self.dropout_p > 0:
+            raise ValueError(f"backend='flex' has no attention dropout (dropout_p={self.dropout_p} in training): "
+                             "use 'auto' (dense while dropout is active) or 'dense', or attention dropout 0")
+        return takes_fused_path(self.backend, "flex", "dense", on_cuda and self.dropout_p == 0)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.flex_runs(q.is_cuda):
+            return flex_call(_flex_attend, q.is_cuda, self, q, k, v, mask)  # compiled on CUDA (patterns.flex_call)
         d_head = q.shape[-1]
         scale = (3 * d_head) ** -0.5
         c2p, p2c = self.c2p_p2c(q, k, mask, scale)  # (B, H, N, N) each, scaled; p2c carries the padding mask

@@ -1,14 +1,18 @@
 """DeBERTa: the log buckets at known distances, c2p / p2c gathers against the paper's dense formula, the layer
-against dense disentangled attention, and the c2c / sqrt(3 d) limit without relative embeddings."""
+against dense disentangled attention, and the c2c / sqrt(3 d) limit without relative embeddings; the FlexAttention
+path against the dense one (outputs and gradients), its elementwise buckets against the dense index, and the
+dense index's cache."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 
 from models import create_model
-from models.deberta import log_bucket, relative_gather, run_bounds
+from models.deberta import cached_index, log_bucket, position_rows, relative_gather, relative_index, run_bounds
 
 D = 32
 
@@ -177,13 +181,16 @@ def test_invalid_options_are_refused(options):
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_layer_and_its_gradients_match_the_cpu():
-    """CUDA's relative gathers (prefix-sum backward) against the CPU's (torch.gather's own), in fp32."""
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_on_cuda_the_layer_and_its_gradients_match_the_cpu(backend):
+    """CUDA's relative gathers (prefix-sum backward), or its FlexAttention (compiled by the layer), against the
+    CPU's dense path (torch.gather's own backward), in fp32."""
     model, x = build(position_buckets=8, max_relative_positions=16), torch.randn(2, 50, D)
     mask = lengths_mask([50, 37], 50)
     grads = []
     for device in ("cpu", "cuda"):
         m = model.to(device)
+        m.backend = backend if device == "cuda" else "dense"
         xi = x.to(device, copy=True).requires_grad_()  # a leaf of its own on each device (x.to("cpu") is x itself)
         out = m(xi, mask.to(device))
         out.backward(torch.ones_like(out))
@@ -191,3 +198,153 @@ def test_on_cuda_the_layer_and_its_gradients_match_the_cpu():
         m.zero_grad()
     for cpu, cuda in zip(*grads):
         torch.testing.assert_close(cuda, cpu, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- the FlexAttention path and the dense index's cache
+
+@pytest.mark.parametrize("options", CONFIGS + [{"position_buckets": 64, "max_relative_positions": 2048}])
+def test_elementwise_rows_equal_the_dense_index(options):
+    """The score_mod's delta(i, j) and delta(j, i), elementwise from int32 q_idx - kv_idx, are the dense index's
+    rows bit for bit: over every pair (i, j) at n = 600 (past the defaults' last bucket), and at every distance
+    up to 16K against the rows relative_index gathers from (the (n, n) index itself would be 2 GB there)."""
+    model = build(**options)
+    n = 600
+    i = torch.arange(n, dtype=torch.int32)
+    row, col = position_rows(i[:, None] - i[None, :], model.buckets, model.max_relative)  # (n, n) each
+    delta = model.relative_index(n, torch.device("cpu"))  # (n, n) long
+    assert torch.equal(row.long(), delta) and torch.equal(col.long(), delta.t())
+    d = torch.arange(1 - 16_400, 16_400, dtype=torch.int32)  # every i - j for i, j < 16400, as score_mod gets them
+    row, col = position_rows(d, model.buckets, model.max_relative)  # int32, elementwise
+    want = (log_bucket(d.long(), model.buckets, model.max_relative) if model.buckets else d.long()) + model.span
+    want = want.clamp(0, 2 * model.span - 1)  # relative_index's rows, from the long distances it computes with
+    assert torch.equal(row.long(), want) and torch.equal(col.long(), want.flip(0))  # flip: the row of -d
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """torch refuses FlexAttention's backward on the CPU (``_validate_device``), although the eager implementation
+    that runs there (the math reference behind the higher-order op) differentiates q, k, v and the score_mod's
+    captured tables. The check is lifted here, so that the flex path's gradients meet the dense path's."""
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        yield
+
+
+def run_with_grads(model, x, mask, backend, compile_model: bool = False):
+    """model's output and the gradients of its input and every parameter, through ``backend``."""
+    model.backend = backend
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    out = (torch.compile(model) if compile_model else model)(x, mask)
+    out.backward(torch.cos(out))  # a loss that weighs every output differently
+    return {"out": out.detach(), "x": x.grad, **{name: p.grad.clone() for name, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("options", CONFIGS)
+@pytest.mark.parametrize("lengths", [None, [150, 77]])  # two 128-wide key tiles: full, partial and skipped ones
+def test_flex_path_equals_dense_path_with_gradients(options, lengths, flex_backward_on_cpu):
+    """fp64, so that any difference is the method's, not rounding: output, input gradient and the gradients of
+    P, its LayerNorm and the projections. Head size 12 (the flex path pads it to 16)."""
+    model = build(n_heads=2, d_qkv=24, **options).double()
+    x = torch.randn(2, 150, D, dtype=torch.float64)
+    mask = None if lengths is None else lengths_mask(lengths, 150)
+    dense, flex = (run_with_grads(model, x, mask, backend) for backend in ("dense", "flex"))
+    assert {"rel_embeddings", "rel_norm.weight", "qkv.weight", "out.weight"} <= dense.keys()
+    for name in dense:
+        torch.testing.assert_close(flex[name], dense[name], atol=1e-10, rtol=1e-10, msg=name)
+    assert dense["rel_embeddings"].abs().sum() > 0
+
+
+def test_flex_rows_of_only_padding_stay_finite(flex_backward_on_cpu):
+    model = build(position_buckets=8, max_relative_positions=16)
+    grads = run_with_grads(model, torch.randn(2, 30, D), lengths_mask([30, 0], 30), "flex")
+    assert all(g.isfinite().all() for g in grads.values())
+    assert (grads["out"][1] == 0).all()  # a row with no key attends to nothing: FlexAttention gives 0
+
+
+def test_flex_is_taken_only_without_attention_dropout():
+    model = create_model("deberta", d_model=D, n_heads=2, d_qkv=D, dropout=0.1, max_len=128)
+    assert not model.train().flex_runs(on_cuda=True)  # auto: dropout active -> dense (SDPA applies it)
+    assert model.eval().flex_runs(on_cuda=True) and not model.flex_runs(on_cuda=False)
+    model.backend = "flex"
+    assert model.flex_runs(on_cuda=False)
+    with pytest.raises(ValueError, match="dropout"):  # never a silent drop of attention dropout
+        model.train().flex_runs(on_cuda=True)
+    model.backend = "sdpa"
+    with pytest.raises(ValueError):
+        model.eval().flex_runs(on_cuda=True)
+
+
+def test_dense_index_is_built_once_per_length_and_device():
+    model, cpu = build(position_buckets=8, max_relative_positions=16), torch.device("cpu")
+    delta, bounds = model.index(40, cpu)
+    assert model.index(40, cpu)[0] is delta and bounds is None  # bounds: CUDA's gathers only
+    other_layer = build(position_buckets=8, max_relative_positions=16)
+    assert other_layer.index(40, cpu)[0] is delta  # shared by the layers, keyed by the buckets
+    assert build(position_buckets=0, max_relative_positions=5).index(40, cpu)[0] is not delta
+    assert torch.equal(delta, relative_index(40, cpu, 8, 16))
+    assert model.index(41, cpu)[0].shape == (41, 41)
+
+
+def test_compiled_dense_path_traces_once_and_ignores_the_cache():
+    """Under torch.compile the index is built inside the graph: one graph for repeated steps, none added when
+    eager code fills the cache for another length in between (no guard on it), and no graph break."""
+    model = build(position_buckets=8, max_relative_positions=16).train()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x, mask = torch.randn(2, 40, D), lengths_mask([40, 27], 40)
+    want = model(x, mask)
+    compiled = torch.compile(model, backend=counting_backend, fullgraph=True)
+    for _ in range(2):
+        compiled(x, mask).sum().backward()
+    model(torch.randn(2, 44, D), lengths_mask([44, 44], 44))  # eager: caches another length
+    got = compiled(x, mask)
+    assert len(graphs) == 1 and cached_index.cache_info().currsize >= 1
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_flex_buckets_equal_the_dense_index():
+    """Inside the compiled FlexAttention kernel (Triton's log and division, not the CPU's) delta(i, j) and delta(j, i)
+    are the CPU's dense rows at every distance up to 16K: a mismatch adds 1000 to its score, which the row's
+    logsumexp would show."""
+    n = 16_385
+    for options in CONFIGS:
+        model = build(**options)
+        ref = position_rows(torch.arange(1 - n, n), model.buckets, model.max_relative)[0]  # (2n - 1,) CPU, long
+        cuda_eager = position_rows(torch.arange(1 - n, n, device="cuda"), model.buckets, model.max_relative)[0]
+        assert torch.equal(cuda_eager.cpu(), ref), "the dense index built on CUDA differs from the CPU's"
+        ref = ref.cuda()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            row, col = position_rows(q_idx - kv_idx, model.buckets, model.max_relative)
+            bad = (row != ref[q_idx - kv_idx + n - 1]) | (col != ref[kv_idx - q_idx + n - 1])
+            return score + bad.float() * 1000.0
+
+        q = torch.zeros(1, 1, n, 16, device="cuda")
+        _, lse = torch.compile(flex_module.flex_attention)(q, q, q, score_mod=score_mod, return_lse=True)
+        assert lse.max().item() < 100, f"{options}: rows differ at queries {(lse > 100).nonzero()[:8].tolist()}"
+
+
+@pytest.mark.gpu
+def test_on_cuda_compiled_flex_matches_dense_in_bf16():
+    """The model compiled whole (as lra trains it) on the flex path, in bf16 autocast at N = 1024 with padding,
+    against the dense path: outputs and gradients (input, P, projections) may be no further from the fp32 dense
+    reference than twice the bf16 dense path's own error, plus 1 % of the reference's scale."""
+    torch.manual_seed(0)
+    model = create_model("deberta", d_model=64, n_heads=4, d_qkv=64, dropout=0.0, max_len=1024).cuda()
+    x, mask = torch.randn(2, 1024, 64, device="cuda"), lengths_mask([1024, 700], 1024).cuda()
+    ref = run_with_grads(model, x, mask, "dense")  # fp32
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        dense = run_with_grads(model, x, mask, "dense")
+        flex = run_with_grads(model, x, mask, "flex", compile_model=True)
+    for name in ("out", "x", "rel_embeddings", "qkv.weight", "out.weight"):
+        want = ref[name].float()
+        flex_err = (flex[name].float() - want).abs().max().item()
+        dense_err = (dense[name].float() - want).abs().max().item()
+        assert flex_err <= 2 * dense_err + 0.01 * want.abs().max().item(), (name, flex_err, dense_err)
