@@ -737,7 +737,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bench", default=None, help="bench file (default: RESULTS/bench.csv)")
     ap.add_argument("--leaderboard", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
     ap.add_argument("--length", type=int, default=4096, help="bench length for the bubble chart's speed and memory")
-    ap.add_argument("--device", default=None, help="bench device (default: the device of the latest row)")
+    ap.add_argument("--device", default=None, help="bench device (default: the card whose rows cover the most models)")
     ap.add_argument("--out", default=None, help="chart folder (default: RESULTS/charts)")
     ap.add_argument("--published", nargs="?", const=str(PUBLISHED), default=None,
                     help="also draw the LRA paper's points (default file results/published.csv)")
