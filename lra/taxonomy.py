@@ -63,10 +63,9 @@ def measured_exponents(bench: pd.DataFrame | None, device: str | None = None) ->
     main = pick_device(b, device)
     out = {}
     for model, g in b.groupby("model"):
-        cards = sorted(g["device"].astype(str).unique(), key=lambda card: (card != main, -g[g["device"] == card]
-                                                                           ["seq_len"].nunique()))
-        for card in cards:
-            fit = _fit(g[g["device"].astype(str) == card])
+        on_card = {card: rows for card, rows in g.groupby(g["device"].astype(str))}
+        for card in sorted(on_card, key=lambda c: (c != main, -on_card[c]["seq_len"].nunique())):
+            fit = _fit(on_card[card])
             if fit is not None:
                 out[model] = (*fit, card)
                 break
