@@ -15,6 +15,7 @@ data-parallel (``lra.distributed``).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import signal
 import time
@@ -530,9 +531,11 @@ class Trainer:
         if self.world.is_main:
             save_row(cfg, self.files, out, state["history"])
             if ok:
-                log.info("%s/%s: best val %.4f at step %d, test %.4f (final %.4f), %.1f steps/s, %.0f MB",
+                speed = (f"{steps_per_s:.1f} steps/s" if math.isfinite(steps_per_s) else
+                         f"speed not timed (all {state['step']} steps within trainer.timing_warmup)")
+                log.info("%s/%s: best val %.4f at step %d, test %.4f (final %.4f), %s, %.0f MB",
                          cfg.task.name, cfg.model.name, out["val_acc"], out["best_step"], out["test_acc"],
-                         out["final_test_acc"], steps_per_s, state["peak_mem_mb"])
+                         out["final_test_acc"], speed, state["peak_mem_mb"])
             if getattr(self, "logger", None) is not None:
                 self.logger.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float))})
                 self.logger.finish()

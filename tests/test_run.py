@@ -384,3 +384,13 @@ def test_compile_mode_reaches_torch_compile_and_leaves_the_config_hash(smoke_cfg
     assert row["config_hash"] == runner.run(smoke_cfg(*base, "resume=false"))["config_hash"]
     with pytest.raises(ConfigError, match="compile_mode"):
         runner.run(smoke_cfg(*base, "trainer.compile_mode=fast", "resume=false"))
+
+
+def test_a_run_shorter_than_its_timing_warm_up_says_its_speed_was_not_timed(smoke_cfg, caplog):
+    """Every step inside trainer.timing_warmup: no speed in the row (not a number, not a wrong one), and the final
+    line says why instead of printing nan."""
+    with caplog.at_level(logging.INFO, logger="lra"):
+        row = runner.run(smoke_cfg(*TINY, "schedule.steps=2", "schedule.eval_every=2", "trainer.timing_warmup=3"))
+    assert row["status"] == "ok" and math.isnan(row["train_steps_per_s"])  # not timed
+    assert "speed not timed (all 2 steps within trainer.timing_warmup)" in caplog.text
+    assert "nan steps/s" not in caplog.text
