@@ -69,7 +69,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from .base import MultiHeadMixer, pad_head_dim, takes_fused_path
-from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, flex_call, realized, tile_block_mask
+from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, flex_block_mask, flex_call
 from .registry import Taxonomy, register_model
 
 
@@ -163,33 +163,24 @@ cached_index = functools.lru_cache(maxsize=4)(build_index)
 
 
 def padding_block_mask(mask: torch.Tensor):
-    """(B, N) key mask -> FlexAttention BlockMask: 128 x 128 tiles whose keys are all real are computed whole,
-    those of only padding skipped, the rest look the mask up per key (a 1-D load)."""
-    B, N = mask.shape
+    """(B, N) key mask -> FlexAttention BlockMask: the key padding alone (every tile of the pattern allowed), through
+    the block-sparse models' ``flex_block_mask``: tiles whose keys are all real are computed whole, those of only
+    padding skipped, the rest look the mask up per key."""
+    N = mask.shape[1]
     nt = -(-N // FLEX_BLOCK)
-    keep = F.pad(mask, (0, nt * FLEX_BLOCK - N)).view(B, nt, FLEX_BLOCK)  # (B, nt, 128)
-    beyond = (torch.arange(nt * FLEX_BLOCK, device=mask.device) >= N).view(nt, FLEX_BLOCK)  # past N: no key at all
-    every, some = (keep | beyond).all(-1), keep.any(-1)  # (B, nt) each, per key tile
-    full = every[:, None, None, :].expand(B, 1, nt, nt).contiguous()  # (B, 1, nt q, nt kv), alike for every q tile
-    partial = (some & ~every)[:, None, None, :].expand(B, 1, nt, nt).contiguous()  # (B, 1, nt, nt)
-    keep_flat = realized(mask.reshape(-1))  # (B N,), read by the mask_mod: a buffer of its own
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return keep_flat[b * N + kv_idx]
-
-    return tile_block_mask(partial, full, N, mask_mod)
+    keep = F.pad(mask, (0, nt * FLEX_BLOCK - N))  # (B, nt * 128): no key past N
+    every_tile = torch.ones(1, nt, nt, dtype=torch.bool, device=mask.device)  # (1, nt, nt)
+    return flex_block_mask(every_tile, keep, FLEX_BLOCK, 0, lambda b, q_block, k_block: True, length=N)
 
 
 def _flex_attend(mixer: DeBERTa, q, k, v, mask):
     """The layer's attention as FlexAttention: q, k, v (B, H, N, Dh), mask (B, N) or None -> (B, H, N, Dh)."""
     d_head = q.shape[-1]
-    scale = (3 * d_head) ** -0.5
-    q_r, k_r = (t * scale for t in mixer.relative_projections())  # (H, 2k, Dh): scaled while still small
+    scale = mixer.score_scale(d_head)
     # tables in fp32 (at least): the kernel adds them to fp32 scores, and its backward sums their gradients by atomic
     # adds, up to thousands per entry (every distance past the last bucket), which bf16 would round away
     dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32
-    c2p = (q @ k_r.transpose(-1, -2)).to(dtype)  # (B, H, N, 2k): q_i . K_r[r]
-    p2c = (q_r @ k.transpose(-1, -2)).to(dtype)  # (B, H, 2k, N): Q_r[r] . k_j
+    c2p, p2c = (t.to(dtype) for t in mixer.position_tables(q, k, scale))  # (B, H, N, 2k), (B, H, 2k, N)
     buckets, max_relative = mixer.buckets, mixer.max_relative
 
     def score_mod(score, b, h, q_idx, kv_idx):  # score: q_i . k_j * scale, fp32
@@ -255,17 +246,26 @@ class DeBERTa(MultiHeadMixer):
         q_r, k_r = qk_r.permute(1, 2, 0, 3)  # each (H, 2k, Dh)
         return q_r, k_r
 
+    @staticmethod
+    def score_scale(d_head: int) -> float:
+        return (3 * d_head) ** -0.5  # 3 terms: the v2 code's scale_factor
+
+    def position_tables(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two small tables both paths read the position terms from, times ``scale``: q, k (B, H, N, Dh) ->
+        Q K_r^T (B, H, N, 2k) (c2p's: q_i . K_r[r]) and Q_r K^T (B, H, 2k, N) (p2c's: Q_r[r] . k_j)."""
+        q_r, k_r = (t * scale for t in self.relative_projections())  # (H, 2k, Dh): scaled while still small
+        return q @ k_r.transpose(-1, -2), q_r @ k.transpose(-1, -2)
+
     def c2p_p2c(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0):
         """The two position terms gathered from (N x 2k) tables: q, k (B, H, N, Dh) -> (B, H, N, N) each,
         c2p[i, j] = q_i . K_r[delta(i, j)] and p2c[i, j] = k_j . Q_r[delta(j, i)], times ``scale``. With a
         ``mask`` (B, N), p2c is the dtype's minimum at padded keys j (masked in its 2k x N table, not N x N)."""
         N = q.shape[2]
-        q_r, k_r = (t * scale for t in self.relative_projections())  # (H, 2k, Dh): scaled while still small
+        rows, table = self.position_tables(q, k, scale)  # (B, H, N, 2k), (B, H, 2k, N): one column per key
         # delta (N, N): delta(i, j), non-increasing along each row; on CUDA, where each row of delta holds each
         # table entry ((N, 2k) each): one computation for both gathers (column j of p2c's index is row j of delta)
         delta, bounds = self.index(N, q.device)
-        c2p = relative_gather(q @ k_r.transpose(-1, -2), delta, -1, bounds)  # from (B, H, N, 2k)
-        table = q_r @ k.transpose(-1, -2)  # (B, H, 2k, N): Q_r[r] . k_j, one column per key
+        c2p = relative_gather(rows, delta, -1, bounds)  # (B, H, N, N)
         if mask is not None:
             table = table.masked_fill(~mask[:, None, None, :], torch.finfo(table.dtype).min)
         # down the columns: out[i, j] = table[delta(j, i), j], laid out (i, j) already (no transposed N x N copy)
@@ -283,7 +283,7 @@ class DeBERTa(MultiHeadMixer):
         if self.flex_runs(q.is_cuda):
             return flex_call(_flex_attend, q.is_cuda, self, q, k, v, mask)  # compiled on CUDA (patterns.flex_call)
         d_head = q.shape[-1]
-        scale = (3 * d_head) ** -0.5
+        scale = self.score_scale(d_head)
         c2p, p2c = self.c2p_p2c(q, k, mask, scale)  # (B, H, N, N) each, scaled; p2c carries the padding mask
         # in place on the gather's fresh output (its backward needs only the index): one N x N bias. At padded
         # keys it is min + c2p, which rounds back to about min (c2p is far below min's rounding step), so
