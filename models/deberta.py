@@ -21,8 +21,8 @@ Two executions of the same score (``backend``, an attribute: how it runs, never 
   two terms is the float mask of ``scaled_dot_product_attention`` (a (B, H, N, N) bias: 4 GB a layer at N = 4096,
   batch 32). delta and the runs' bounds depend on N only: built once per (N, device) and shared by the layers
   (``cached_index``), or, under torch.compile, built inside the graph, where Inductor fuses them.
-* **flex** (CUDA's default when no attention dropout is active, i.e. evaluation and the bench; ``backend =
-  "flex"`` forces it): FlexAttention with a ``score_mod`` that adds c2p[b, h, i, delta(i, j)] + p2c[b, h, delta(j,
+* **flex** (CUDA's default where no gradient is taken, i.e. evaluation; ``backend = "flex"`` forces it, with
+  gradients too): FlexAttention with a ``score_mod`` that adds c2p[b, h, i, delta(i, j)] + p2c[b, h, delta(j,
   i), j] to each score, read from the same two tables (fp32, captured: their gradients come from the kernel's
   backward) with delta computed elementwise from q_idx - kv_idx (``position_rows``, the ops that build the dense
   index; a GPU test checks that Triton's log and division bucket every distance alike). Padded keys are masked by
@@ -30,6 +30,10 @@ Two executions of the same score (``backend``, an attribute: how it runs, never 
   O(N^2) for bias and index, fused forward and backward.
   FlexAttention has no dropout on the attention weights (a score_mod acts before the softmax, dropout after it),
   so with attention dropout active "auto" takes the dense path and "flex" refuses to run (never a silent drop).
+  "auto" also keeps training steps on the dense path: the flex backward passes its GPU tests at small shapes, but
+  at the bench's (batch 32, N = 1024, d 256, 4 heads, bf16, an H200) Inductor found no kernel configuration for
+  the compiled forward + backward that fits the card's shared memory (442,368 bytes asked, 232,448 there), while
+  the forward alone compiles and runs at ListOps' shape in evaluation.
   On the CPU it runs eagerly, forward only (torch refuses its CPU backward; the tests lift that check to compare
   gradients with the dense path's).
 
@@ -221,7 +225,7 @@ class DeBERTa(MultiHeadMixer):
         # P: N(0, 0.02) as DeBERTa's initializer_range, then LayerNorm (v2/v3's norm_rel_ebd)
         self.rel_embeddings = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
         self.rel_norm = nn.LayerNorm(d_model)
-        # "auto" (flex on CUDA while no attention dropout is active, else dense), "flex" or "dense"; how it runs, not
+        # "auto" (flex on CUDA in evaluation, else dense), "flex" or "dense"; how it runs, not
         # what (module docstring). "flex" with attention dropout active is an error: FlexAttention has no dropout
         self.backend = "auto"
 
@@ -272,15 +276,16 @@ class DeBERTa(MultiHeadMixer):
         p2c = relative_gather(table, delta, -2, bounds)  # (B, H, N, N)
         return c2p, p2c
 
-    def flex_runs(self, on_cuda: bool) -> bool:
-        """Whether FlexAttention runs (``backend``): asked for, or on CUDA while no attention dropout is active."""
+    def flex_runs(self, on_cuda: bool, needs_grad: bool = False) -> bool:
+        """Whether FlexAttention runs (``backend``): asked for, or on CUDA where no gradient is taken (evaluation;
+        module docstring: why not in training) and no attention dropout is active."""
         if self.backend == "flex" and self.dropout_p > 0:
             raise ValueError(f"backend='flex' has no attention dropout (dropout_p={self.dropout_p} in training): "
                              "use 'auto' (dense while dropout is active) or 'dense', or attention dropout 0")
-        return takes_fused_path(self.backend, "flex", "dense", on_cuda and self.dropout_p == 0)
+        return takes_fused_path(self.backend, "flex", "dense", on_cuda and self.dropout_p == 0 and not needs_grad)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.flex_runs(q.is_cuda):
+        if self.flex_runs(q.is_cuda, torch.is_grad_enabled() and q.requires_grad):
             return flex_call(_flex_attend, q.is_cuda, self, q, k, v, mask)  # compiled on CUDA (patterns.flex_call)
         d_head = q.shape[-1]
         scale = self.score_scale(d_head)

@@ -263,10 +263,15 @@ def test_flex_rows_of_only_padding_stay_finite(flex_backward_on_cpu):
     assert (grads["out"][1] == 0).all()  # a row with no key attends to nothing: FlexAttention gives 0
 
 
-def test_flex_is_taken_only_without_attention_dropout():
+def test_flex_is_taken_only_without_attention_dropout_and_by_default_only_in_evaluation():
     model = create_model("deberta", d_model=D, n_heads=2, d_qkv=D, dropout=0.1, max_len=128)
     assert not model.train().flex_runs(on_cuda=True)  # auto: dropout active -> dense (SDPA applies it)
     assert model.eval().flex_runs(on_cuda=True) and not model.flex_runs(on_cuda=False)
+    assert not model.eval().flex_runs(on_cuda=True, needs_grad=True)  # auto: a training step stays dense
+    no_dropout = create_model("deberta", d_model=D, n_heads=2, d_qkv=D, dropout=0.0, max_len=128).train()
+    assert not no_dropout.flex_runs(on_cuda=True, needs_grad=True) and no_dropout.flex_runs(on_cuda=True)
+    no_dropout.backend = "flex"
+    assert no_dropout.flex_runs(on_cuda=True, needs_grad=True)  # asked for by name: gradients too
     model.backend = "flex"
     assert model.flex_runs(on_cuda=False)
     with pytest.raises(ValueError, match="dropout"):  # never a silent drop of attention dropout
