@@ -19,6 +19,7 @@ import math
 import random
 import signal
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -437,8 +438,11 @@ class Trainer:
             cfg = self.cfg
             if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
                 raise
-            log.warning("torch.compile failed for %s (%s: %s); running it eagerly", cfg.model.name,
-                        type(error).__name__, str(error).splitlines()[0][:200])
+            trace = self.files.dir / "compile_error.txt"  # the whole story, for a bug report; the log gets a line
+            if self.world.is_main:
+                trace.write_text("".join(traceback.format_exception(error)))
+            log.warning("torch.compile failed for %s (%s: %s); running it eagerly (traceback: %s)", cfg.model.name,
+                        type(error).__name__, str(error).splitlines()[0][:200], trace)
         torch._dynamo.reset()
         self.optimizer.zero_grad(set_to_none=True)
         self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model

@@ -9,6 +9,7 @@ import pickle
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -281,6 +282,8 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, 
     monkeypatch.setattr(torch, "compile", broken_compile)
     row = runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=auto"))
     assert row["status"] == "ok" and row["compiled"] is False and "running it eagerly" in caplog.text
+    trace = Path(row["run_dir"]) / "compile_error.txt"  # the traceback is kept beside the run, named in the log
+    assert str(trace) in caplog.text and "LoweringException: cannot lower this" in trace.read_text()
     with pytest.raises(InductorError):  # asked for explicitly: the failure is the user's to see
         runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=true",
                              "resume=false"))
