@@ -307,6 +307,21 @@ def whole_lra_minutes(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.
     return pd.DataFrame(rows, columns=["experiment", "model", *TASKS4, "total", "devices"])
 
 
+def pick_device(bench: pd.DataFrame, device: str | None = None) -> str:
+    """``device`` if given, else the card whose ok rows cover the most models (on a tie, the one with the latest
+    row): a chart draws one card's rows, and a few rows from another card (a rerun on whichever machine came)
+    must not take the chart over from the card that timed every model."""
+    if device is not None:
+        return device
+    rows = bench.sort_values("timestamp", kind="stable") if "timestamp" in bench else bench
+    ok = rows[rows["status"].astype(str) == "ok"] if "status" in rows else rows
+    ok = rows if ok.empty else ok
+    cards = ok["device"].astype(str)
+    models = ok.groupby(cards)["model"].nunique()
+    latest = {card: i for i, card in enumerate(cards)}  # each card's latest row: its position, oldest first
+    return max(models.index, key=lambda card: (models[card], latest[card]))
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(prog="python -m lra.leaderboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=DEFAULT_RESULTS,

@@ -34,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from lra.leaderboard import DEFAULT_RESULTS, TASKS5, seed_accuracies
+from lra.leaderboard import DEFAULT_RESULTS, TASKS5, pick_device, seed_accuracies
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
@@ -63,21 +63,6 @@ def _numeric(bench: pd.DataFrame) -> pd.DataFrame:
         if c in bench:
             bench[c] = pd.to_numeric(bench[c], errors="coerce")
     return bench
-
-
-def pick_device(bench: pd.DataFrame, device: str | None = None) -> str:
-    """``device`` if given, else the card whose ok rows cover the most models (on a tie, the one with the latest
-    row): a chart draws one card's rows, and a few rows from another card (a rerun on whichever machine came)
-    must not take the chart over from the card that timed every model."""
-    if device is not None:
-        return device
-    rows = bench.sort_values("timestamp", kind="stable") if "timestamp" in bench else bench
-    ok = rows[rows["status"].astype(str) == "ok"] if "status" in rows else rows
-    ok = rows if ok.empty else ok
-    cards = ok["device"].astype(str)
-    models = ok.groupby(cards)["model"].nunique()
-    latest = {card: i for i, card in enumerate(cards)}  # each card's latest row: its position, oldest first
-    return max(models.index, key=lambda card: (models[card], latest[card]))
 
 
 def _on_device(bench: pd.DataFrame, device: str | None) -> pd.DataFrame:

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lra.leaderboard import DEFAULT_RESULTS
-from lra.plot import pick_device
+from lra.leaderboard import DEFAULT_RESULTS, pick_device
 from models import get_model_class, list_models
 from models.registry import CLASSES
 

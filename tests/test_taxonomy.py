@@ -3,6 +3,8 @@ copy is the generated one."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -59,3 +61,9 @@ def test_the_table_covers_the_registry_and_the_readme_holds_the_generated_one():
     block = readme.split(taxonomy.BEGIN, 1)[1].split(taxonomy.END, 1)[0].strip()
     assert block == taxonomy.markdown(table), "README's model table is stale: python -m lra.taxonomy --results " \
                                                "results --readme README.md"
+
+
+def test_the_taxonomy_table_needs_no_plotting_library():
+    """The table is text: building it must not import matplotlib (the chart module's dependency)."""
+    code = "import sys, lra.taxonomy; assert 'matplotlib' not in sys.modules, 'lra.taxonomy imported matplotlib'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
