@@ -225,8 +225,8 @@ class DeBERTa(MultiHeadMixer):
         # P: N(0, 0.02) as DeBERTa's initializer_range, then LayerNorm (v2/v3's norm_rel_ebd)
         self.rel_embeddings = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
         self.rel_norm = nn.LayerNorm(d_model)
-        # "auto" (flex on CUDA in evaluation, else dense), "flex" or "dense"; how it runs, not
-        # what (module docstring). "flex" with attention dropout active is an error: FlexAttention has no dropout
+        # "auto" (flex on CUDA in evaluation, else dense), "flex" or "dense"; how it runs, not what (module
+        # docstring). "flex" with attention dropout active is an error: FlexAttention has no dropout
         self.backend = "auto"
 
     def relative_index(self, n: int, device: torch.device) -> torch.Tensor:

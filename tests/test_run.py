@@ -354,13 +354,13 @@ def test_our_functions_are_found_under_a_path_the_profiler_left_unstripped():
     def call(name, us, cat="python_function"):  # an event of the exported trace
         return {"cat": cat, "name": name, "dur": us}
 
-    averages = [call("/srv/x/lra/run.py(421): step", 3000.0), call("lra/run.py(421): step", 1000.0),
+    events = [call("/srv/x/lra/run.py(421): step", 3000.0), call("lra/run.py(421): step", 1000.0),
                 call("models/base.py(88): forward", 1000.0), call("torch/nn/modules/module.py(1750): _call_impl", 9e3),
                 call("aten::mm", 500.0, cat="cpu_op")]
-    table = engine.own_functions(averages).splitlines()
+    table = engine.own_functions(events).splitlines()
     assert [line.split()[:4] for line in table[1:]] == [["lra/run.py(421):", "step", "4.00", "2"],
                                                         ["models/base.py(88):", "forward", "1.00", "1"]]
-    assert "no Python calls" in engine.own_functions(averages[3:])
+    assert "no Python calls" in engine.own_functions(events[3:])
 
 
 def test_without_a_bar_the_progress_lines_name_their_run(smoke_cfg, caplog):
