@@ -341,10 +341,15 @@ class Trainer:
         """Whether the compiled graphs replay as CUDA graphs (``trainer.compile_mode``; off once running eagerly)."""
         return self.compiled and self.device.type == "cuda" and self.cfg.trainer.compile_mode in CUDA_GRAPH_MODES
 
+    @property
+    def eval_compiled(self) -> bool:
+        """Whether evaluation runs through torch.compile (it can fall back alone: ``eager_if_compile_fails``)."""
+        return self.eval_fn is not self.model
+
     def evaluate(self, split: Split) -> float:
         return self.eager_if_compile_fails(lambda: evaluate(
             self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast, self.packed,
-            self.model.encoder.cls_token, self.trimmed, self.cuda_graphs))
+            self.model.encoder.cls_token, self.trimmed, self.cuda_graphs and self.eval_compiled), evaluation=True)
 
     def batch_order(self) -> BatchOrder:
         cfg = self.cfg
@@ -428,24 +433,34 @@ class Trainer:
             self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
             grad_clip=self.cfg.optim.grad_clip, scheduler=self.scheduler))
 
-    def eager_if_compile_fails(self, work):
-        """``work()``; with ``trainer.compile=auto``, a model that torch.compile cannot compile (an error while
-        compiling a training step, before its update, or an evaluation) runs eagerly from then on, saying so,
-        and ``work()`` runs again; the row then says compiled=False. Any other error is raised."""
+    def eager_if_compile_fails(self, work, evaluation: bool = False):
+        """``work()``; with ``trainer.compile=auto``, what torch.compile cannot compile runs eagerly from then on,
+        saying so, and ``work()`` runs again. A training step that fails to compile (before its update) makes the
+        whole model eager, and the row says compiled=False. An evaluation that fails (no autograd: another graph,
+        which Inductor lowers apart) makes evaluation alone eager: the compiled training steps, which the row's
+        timing measures, go on (compiled=True; the log and ``compile_error.txt`` say which part fell back). Any
+        other error is raised."""
+        part = "evaluation" if evaluation else "training"
         try:
             return work()
         except Exception as error:
             cfg = self.cfg
-            if not (self.compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
+            compiled = self.eval_compiled if evaluation else self.compiled
+            if not (compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
                 raise
             trace = self.files.dir / "compile_error.txt"  # the whole story, for a bug report; the log gets a line
             if self.world.is_main:
-                trace.write_text("".join(traceback.format_exception(error)))
-            log.warning("torch.compile failed for %s (%s: %s); running it eagerly (traceback: %s)", cfg.model.name,
-                        type(error).__name__, str(error).splitlines()[0][:200], trace)
-        torch._dynamo.reset()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
+                with trace.open("a") as f:  # an evaluation's failure, then a training step's: both kept
+                    f.write(f"torch.compile failed in {part}:\n" + "".join(traceback.format_exception(error)))
+            log.warning("torch.compile failed for %s in %s (%s: %s); running %s eagerly (traceback: %s)",
+                        cfg.model.name, part, type(error).__name__, str(error).splitlines()[0][:200],
+                        "evaluation" if evaluation else "it", trace)
+        if evaluation:
+            self.eval_fn = self.model
+        else:
+            torch._dynamo.reset()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
         return work()  # the lambdas read self.train_fn / self.eval_fn, now the eager ones
 
     def finite(self, loss_sum: torch.Tensor) -> bool:
