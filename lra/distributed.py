@@ -83,7 +83,7 @@ def free_port() -> int:
 
 def _worker(rank: int, size: int, port: int, fn, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LRA_LOCAL_JOBS=str(size * int(os.environ.get("LRA_LOCAL_JOBS", "1"))))
+                      MASTER_PORT=str(port), LRA_LOCAL_JOBS=f"{size * float(os.environ.get('LRA_LOCAL_JOBS', '1')):g}")
     fn(*args)
 
 

@@ -55,8 +55,8 @@ def cpu_threads(requested: int | None, local_processes: int = 1) -> int:
     if requested:
         return int(requested)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    jobs = max(local_processes, int(os.environ.get("LRA_LOCAL_JOBS", "1") or 1))
-    return max(1, cores // jobs)
+    jobs = max(local_processes, float(os.environ.get("LRA_LOCAL_JOBS", "1") or 1))  # 4 GPU slots, a 3-GPU job: 4/3
+    return max(1, int(cores // jobs))
 
 
 def configure(device: torch.device, threads: int) -> None:

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import lra.run as runner
-from hydra_plugins.lra_launchers.lra_launchers import JobCrashed, claim_gpu, job_state, run_isolated
+from hydra_plugins.lra_launchers.lra_launchers import (JobCrashed, claim_gpus, gpu_placement, job_state,
+                                                       run_isolated)
+from lra.engine import cpu_threads
 from lra.checkpoint import RunFiles
 from lra.config import sweep_slug
 from tests.conftest import ROOT
@@ -52,6 +54,20 @@ def test_the_gpu_launcher_runs_in_parallel_never_two_jobs_on_one_gpu_and_resumes
     assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 4
     sweeps = list((tmp_path / "outputs" / "multirun").iterdir())
     assert [p.name for p in sweeps] == [sweep_slug([*FAST, "model=transformer,linear,local,sparse"])]
+
+
+def test_data_parallel_jobs_under_the_gpu_launcher_hold_their_gpus_for_the_whole_run(tmp_path):
+    """trainer.devices=2 with hydra/launcher=gpus on 2 slots: each job holds both (so they run one after the other,
+    never sharing a GPU), trains over two processes, and writes one row."""
+    lra_cli(["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "trainer.devices=2", *FAST,
+             "model=transformer,linear"], tmp_path)
+    slots = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "multirun").rglob("gpu_slot.json")]
+    assert sorted(tuple(s["slots"]) for s in slots) == [(0, 1), (0, 1)]
+    a, b = slots
+    assert a["end"] <= b["start"] or b["end"] <= a["start"], "two jobs held one GPU at once"
+    rows = pd.read_csv(tmp_path / "results" / "runs.csv")
+    assert sorted(rows["model"]) == ["linear", "transformer"] and (rows["devices"] == 2).all()
+    assert (rows["status"] == "ok").all()
 
 
 def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
@@ -128,13 +144,53 @@ def test_a_job_that_crashes_under_the_gpus_launcher_gets_an_error_row_and_runs_a
     assert job_state(tmp_path / rows["run_dir"][0]) == "retry"
 
 
+def claim_elsewhere(lock_dir: Path, slots: int, n: int) -> subprocess.Popen:
+    """Another process claiming ``n`` of ``slots`` GPUs: it prints the slots it got, then exits (releasing them)."""
+    code = ("from pathlib import Path; from hydra_plugins.lra_launchers.lra_launchers import claim_gpus; "
+            f"print([s for s, _ in claim_gpus(Path(r'{lock_dir}'), {slots}, {n}, poll_s=0.05)], flush=True)")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
 def test_a_held_gpu_is_never_claimed_twice(tmp_path):
-    slot, lock = claim_gpu(tmp_path, 2)
-    other = subprocess.run([sys.executable, "-c", "import sys; from hydra_plugins.lra_launchers.lra_launchers import "
-                            f"claim_gpu; print(claim_gpu(__import__('pathlib').Path(r'{tmp_path}'), 2)[0])"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert other.stdout.strip() == str(1 - slot)
+    [(slot, lock)] = claim_gpus(tmp_path, 2)
+    other = claim_elsewhere(tmp_path, 2, 1)
+    assert other.communicate(timeout=120)[0].strip() == str([1 - slot])
     lock.release()
+
+
+def test_a_data_parallel_job_claims_several_gpus_waiting_without_holding_any(tmp_path):
+    """trainer.devices=2 under the gpus launcher: the job takes two free GPUs at once. While fewer are free it
+    waits holding none of them, so a GPU that is free stays free for other jobs."""
+    import threading
+
+    with pytest.raises(ValueError, match=r"trainer.devices=3 GPUs but the launcher has 2 GPU slots"):
+        claim_gpus(tmp_path, 2, 3)
+    [(_, first)] = claim_gpus(tmp_path, 3)  # slot 0 of 3
+    pair = claim_elsewhere(tmp_path, 3, 2)
+    assert pair.communicate(timeout=120)[0].strip() == "[1, 2]"  # the two free ones, together
+    ours = [first, *(lock for _, lock in claim_gpus(tmp_path, 3, 1))]  # slots 0 and 1: one left
+    waiting = claim_elsewhere(tmp_path, 3, 2)  # wants two, one is free: it waits
+    got = []
+    taker = threading.Thread(target=lambda: got.extend(claim_gpus(tmp_path, 3, 1, poll_s=0.05)), daemon=True)
+    taker.start()
+    taker.join(timeout=60)
+    assert [slot for slot, _ in got] == [2], "the waiting job sat on the free GPU"
+    for lock in ours + [lock for _, lock in got]:
+        lock.release()
+    assert len(eval(waiting.communicate(timeout=120)[0])) == 2  # once two are free, it has them
+
+
+def test_a_job_is_placed_on_the_gpus_it_holds_with_its_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_placement([2], 4, 4) == (["device=cuda:2"], {"LRA_LOCAL_JOBS": "4"})
+    assert gpu_placement([1, 3], 4, 4) == ([], {"LRA_LOCAL_JOBS": "2", "CUDA_VISIBLE_DEVICES": "1,3"})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a host the user narrowed: slots index what is visible
+    assert gpu_placement([1, 3], 4, 4)[1]["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert gpu_placement([0, 1], 2, 0) == ([], {"LRA_LOCAL_JOBS": "1"})  # a CPU host: slots only limit jobs at once
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    for jobs, threads in (("4", 16), ("1.33333", 48), ("8", 8)):  # one slot; a 3-GPU job of 4 slots; a rank of 2
+        monkeypatch.setenv("LRA_LOCAL_JOBS", jobs)
+        assert cpu_threads(None) == threads
 
 
 def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke_cfg, tmp_path):

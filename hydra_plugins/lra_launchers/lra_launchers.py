@@ -1,9 +1,10 @@
 """Hydra launchers for lra's grids of runs (``lra -m ... hydra/launcher=<name>``).
 
 * ``local`` (the default for ``-m``): Hydra's basic launcher, one job after another.
-* ``gpus``: one host, many GPUs. Jobs run in parallel (joblib), each on a GPU that no other running job holds: a job
-  takes a per-GPU file lock before CUDA starts and keeps it to the end, surplus jobs wait, and each job gets its
-  share of the host's CPU cores (every process otherwise takes all of them and the jobs slow each other down).
+* ``gpus``: one host, many GPUs. Jobs run in parallel (joblib), each on GPUs that no other running job holds: a job
+  takes a per-GPU file lock before CUDA starts (``trainer.devices`` of them for a data-parallel job) and keeps it to
+  the end, surplus jobs wait, and each job gets its share of the host's CPU cores (every process otherwise takes all
+  of them and the jobs slow each other down).
 * ``slurm``: submitit's Slurm launcher with requeue on timeout or preemption: Slurm signals SIGUSR2 ahead of the
   end, the runner finishes its step and checkpoints, submitit requeues the job and the requeued job resumes.
 
@@ -87,26 +88,37 @@ class LocalConf(BasicLauncherConf):
     _target_: str = "hydra_plugins.lra_launchers.lra_launchers.LocalLauncher"
 
 
-def claim_gpu(lock_dir: Path, slots: int, poll_s: float = 1.0) -> tuple[int, FileLock]:
-    """The first free GPU's lock (held until released), waiting while every GPU is held."""
+def claim_gpus(lock_dir: Path, slots: int, n: int = 1, poll_s: float = 1.0) -> list[tuple[int, FileLock]]:
+    """The locks of the first ``n`` free GPUs (held until released), waiting while fewer than ``n`` are free. A job
+    never sits on part of its GPUs while it waits for the rest: what it took is given back before the next try, so
+    two waiting multi-GPU jobs cannot block each other."""
+    if n > slots:
+        raise ValueError(f"a job asks for trainer.devices={n} GPUs but the launcher has {slots} GPU slots "
+                         f"(hydra.launcher.gpus): ask for at most {slots}")
     lock_dir.mkdir(parents=True, exist_ok=True)
     while True:
+        held = []
         for slot in range(slots):
             lock = FileLock(str(lock_dir / f"gpu{slot}.lock"))
             try:
                 lock.acquire(timeout=0)
-                return slot, lock
             except Timeout:
                 continue
+            held.append((slot, lock))
+            if len(held) == n:
+                return held
+        for _, lock in held:
+            lock.release()
         time.sleep(poll_s)
 
 
-def _send_result(conn, fn, args) -> None:
-    """In the job's own process: ``fn(*args)``, its result sent back pickled (an exception as a RuntimeError that
-    names it, since not every exception pickles). Loky's pickler, as joblib's own workers use: Hydra runs this
-    module outside ``sys.modules``, so its classes pickle by value."""
+def _send_result(conn, fn, args, env) -> None:
+    """In the job's own process: ``fn(*args)`` with ``env`` added to its environment, its result sent back pickled
+    (an exception as a RuntimeError that names it, since not every exception pickles). Loky's pickler, as joblib's
+    own workers use: Hydra runs this module outside ``sys.modules``, so its classes pickle by value."""
     from joblib.externals.loky.backend.reduction import dumps
 
+    os.environ.update(env)
     try:
         result = fn(*args)
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
@@ -126,14 +138,15 @@ class JobCrashed(RuntimeError):
         self.how = how
 
 
-def run_isolated(fn, *args):
+def run_isolated(fn, *args, env: dict[str, str] | None = None):
     """``fn(*args)`` in a process of its own, so that a job that crashes (a segfault inside torch.compile's cache,
-    the OOM killer) takes down neither the worker nor the other jobs of its sweep. Returns its result, or raises
-    ``JobCrashed`` saying how it ended. Forked where the platform can (no CUDA has started in the worker yet)."""
+    the OOM killer) takes down neither the worker nor the other jobs of its sweep; ``env`` is added to that
+    process's environment alone. Returns its result, or raises ``JobCrashed`` saying how it ended. Forked where the
+    platform can (no CUDA has started in the worker yet)."""
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_send_result, args=(send, fn, args))
+    child = ctx.Process(target=_send_result, args=(send, fn, args, env or {}))
     child.start()
     send.close()
     try:
@@ -153,21 +166,37 @@ def run_isolated(fn, *args):
 
 if JoblibLauncher is not None:
 
+    def gpu_placement(held: Sequence[int], slots: int, real_gpus: int) -> tuple[list[str], dict[str, str]]:
+        """Overrides and environment that put a job on the GPUs it holds. One GPU: ``device=cuda:<slot>``. Several
+        (``trainer.devices=N``, one data-parallel run): the job's process sees only them (``CUDA_VISIBLE_DEVICES``),
+        and its ranks take ``cuda:0..N-1`` of that view. ``LRA_LOCAL_JOBS`` gives each process of the job its share
+        of the host's cores (the host's cores / slots; the runner splits it further over its ranks)."""
+        share = {"LRA_LOCAL_JOBS": f"{slots / len(held):g}"}  # a job of N GPUs takes N shares, one per rank
+        if held[-1] >= real_gpus:  # no such GPU (a CPU host: slots are only a limit on jobs at once)
+            return [], share
+        if len(held) == 1:
+            return [f"device=cuda:{held[0]}"], share
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(real_gpus)]
+        return [], {**share, "CUDA_VISIBLE_DEVICES": ",".join(ids[i] for i in held)}
+
+
     def execute_on_a_free_gpu(idx, overrides, hydra_context, config, task_function, singleton_state, slots: int,
                               real_gpus: int, lock_dir: str) -> JobReturn:
-        """One job in a joblib worker: claim a GPU, run on it (``device=cuda:<slot>``) in a process of its own,
-        release it. A job whose process dies returns as failed, naming its folder; the others run on, and the
-        sweep fails at its end (relaunched, the job resumes from its last checkpoint)."""
+        """One job in a joblib worker: claim its GPUs (``trainer.devices``, one by default), run on them in a
+        process of its own, release them. A job whose process dies returns as failed, naming its folder; the
+        others run on, and the sweep fails at its end (relaunched, the job resumes from its last checkpoint)."""
         from hydra.core.utils import JobStatus
         from hydra_plugins.hydra_joblib_launcher import _core
 
-        slot, lock = claim_gpu(Path(lock_dir), slots)
-        os.environ["LRA_LOCAL_JOBS"] = str(slots)  # the runner gives this process its share of the cores
-        extra = [f"device=cuda:{slot}"] if slot < real_gpus else []
+        devices = int(sweep_job(hydra_context, config, overrides).trainer.devices)
+        claimed = claim_gpus(Path(lock_dir), slots, devices)
+        held = [slot for slot, _ in claimed]
+        extra, env = gpu_placement(held, slots, real_gpus)
         start = time.time()
         try:
             ret = run_isolated(_core.execute_job, idx, list(overrides) + extra, hydra_context, config, task_function,
-                               singleton_state)
+                               singleton_state, env=env)
             out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir))
         except JobCrashed as crash:
             job = sweep_job(hydra_context, config, list(overrides) + extra)
@@ -180,9 +209,11 @@ if JoblibLauncher is not None:
             ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED,
                             _return_value=RuntimeError(f"{out}: {crash}"))
         finally:
-            lock.release()
-        out.mkdir(parents=True, exist_ok=True)  # the job's folder: which GPU it held, and when
-        (out / "gpu_slot.json").write_text(json.dumps({"slot": slot, "start": start, "end": time.time()}))
+            for _, lock in claimed:
+                lock.release()
+        out.mkdir(parents=True, exist_ok=True)  # the job's folder: which GPUs it held, and when
+        (out / "gpu_slot.json").write_text(json.dumps({"slot": held[0], "slots": held, "start": start,
+                                                       "end": time.time()}))
         return ret
 
 
