@@ -3,7 +3,8 @@
 
 The global batch and the schedule stay the task's: every rank draws the same global batch of indices and trains on
 its share (``indices[rank::world_size]``), DDP averages the gradients, so the update equals the single-process one
-up to floating-point order. Rank 0 alone evaluates, writes checkpoints, rows and logs; the others wait at a barrier.
+up to floating-point order. The ranks share each evaluation (each its share of the batches, with rank 0's buffers);
+rank 0 alone writes checkpoints, rows and logs, while the others wait at a barrier.
 """
 from __future__ import annotations
 
@@ -49,11 +50,27 @@ class World:
             value /= self.size
         return value
 
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of a per-rank count over the ranks (each rank evaluates its share of a split)."""
+        if self.distributed:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Rank 0's buffers to every rank, in place."""
+        if self.distributed:
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0)
+
     def any(self, flags: torch.Tensor) -> torch.Tensor:
         """Elementwise OR of a small flag tensor over the ranks (stop requested, non-finite loss)."""
         if self.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags
+
+
+SINGLE = World()  # one process
 
 
 def from_env() -> World:

@@ -111,13 +111,17 @@ def device_inputs(tokens: torch.Tensor, device: torch.device, packed: bool = Fal
 
 @torch.no_grad()
 def evaluate(model, split: Split, batch_size: int, device: torch.device, autocast, packed: bool = False,
-             cls_token: bool = True, trimmed: bool = False, cuda_graphs: bool = False) -> float:
+             cls_token: bool = True, trimmed: bool = False, cuda_graphs: bool = False,
+             world: distributed.World = distributed.SINGLE) -> float:
+    """Accuracy on ``split``. In a data-parallel world every rank takes its share of the batches (batch k on rank
+    k mod size, the batches themselves as one process cuts them) and the counts are summed, so the ranks finish
+    an evaluation together in 1/size of the time, with the single process's result."""
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
     # Trimmed batches in length order: each is cut near its own examples' length (a count of correct answers does
     # not depend on the order; a random order leaves nearly every batch at full length).
     order = torch.argsort(real_ends(split.tokens), stable=True) if trimmed else None
-    for i in range(0, len(split), batch_size):
+    for i in range(world.rank * batch_size, len(split), world.size * batch_size):
         rows = slice(i, i + batch_size) if order is None else order[i : i + batch_size]
         inputs = device_inputs(split.tokens[rows], device, packed, cls_token, trimmed)
         labels = split.labels[rows].to(device)
@@ -126,7 +130,7 @@ def evaluate(model, split: Split, batch_size: int, device: torch.device, autocas
         with autocast():
             correct += (model(*inputs).argmax(-1) == labels).sum()
     model.train()
-    return correct.item() / len(split)
+    return world.sum(correct).item() / len(split)
 
 
 def check_writable(*folders: str | Path) -> None:
@@ -298,8 +302,9 @@ class Trainer:
 
             # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no copy in and out of them).
             # broadcast_buffers=False: no broadcast of rank 0's buffers before every forward. They are constants
-            # (positions, hash rotations) or BatchNorm statistics, which only rank 0 uses (it alone evaluates and
-            # saves), and rank 0's own evolve the same either way.
+            # (positions, hash rotations) or BatchNorm statistics, which only evaluation reads: the ranks take rank
+            # 0's before each evaluation (``evaluate``), rank 0 alone saves them, and its own evolve the same
+            # either way.
             train_model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda"
                                                   else None, gradient_as_bucket_view=True, broadcast_buffers=False)
         self.eager_train_fn = train_model
@@ -347,9 +352,13 @@ class Trainer:
         return self.eval_fn is not self.model
 
     def evaluate(self, split: Split) -> float:
+        """Accuracy on ``split``, every rank its share; they evaluate with rank 0's buffers (BatchNorm statistics
+        drift apart per rank in training, as each normalises its share of the batch), which its checkpoints hold."""
+        self.world.broadcast_buffers(self.model)
         return self.eager_if_compile_fails(lambda: evaluate(
             self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast, self.packed,
-            self.model.encoder.cls_token, self.trimmed, self.cuda_graphs and self.eval_compiled), evaluation=True)
+            self.model.encoder.cls_token, self.trimmed, self.cuda_graphs and self.eval_compiled, self.world),
+            evaluation=True)
 
     def batch_order(self) -> BatchOrder:
         cfg = self.cfg
@@ -480,8 +489,8 @@ class Trainer:
     def validate_and_log(self, train_loss: float, bar) -> None:
         state, world = self.state, self.world
         self.state["peak_mem_mb"] = max(state["peak_mem_mb"], engine.peak_memory_mb(self.device))
+        val_acc = self.evaluate(self.data.val)  # every rank its share of the batches
         if world.is_main:
-            val_acc = self.evaluate(self.data.val)
             lr = self.scheduler.get_last_lr()[0]
             if val_acc > state["best_val"]:
                 state["best_val"], state["best_step"] = val_acc, state["step"]
@@ -516,16 +525,15 @@ class Trainer:
             handler(STOP.signum, None)
 
     def test(self) -> dict:
-        """Test accuracy of the final weights, then of the best-validation checkpoint (rank 0)."""
+        """Test accuracy of the final weights, then of the best-validation checkpoint (every rank its share of the
+        batches; rank 0 reports)."""
+        final_test = self.evaluate(self.data.test)
+        self.model.load_state_dict(self.files.load_best(self.device)["model"])  # rank 0 wrote it: barrier since
+        best_test = self.evaluate(self.data.test)
         if not self.world.is_main:
             return {}
-        history = self.state["history"]
-        final_val = history[-1]["val_acc"]
-        final_test = self.evaluate(self.data.test)
-        self.model.load_state_dict(self.files.load_best(self.device)["model"])
-        best_test = self.evaluate(self.data.test)
         return {"val_acc": self.state["best_val"], "test_acc": best_test, "best_step": self.state["best_step"],
-                "final_val_acc": final_val, "final_test_acc": final_test}
+                "final_val_acc": self.state["history"][-1]["val_acc"], "final_test_acc": final_test}
 
     def record(self, status: str, metrics: dict | None = None, detail: str = "") -> dict:
         """The result row, appended once (rank 0); accuracies and timings only for an ``ok`` run."""

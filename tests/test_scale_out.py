@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import lra.run as runner
-from hydra_plugins.lra_launchers.lra_launchers import (JobCrashed, claim_gpus, gpu_placement, job_state,
-                                                       run_isolated)
-from lra.engine import cpu_threads
+from hydra_plugins.lra_launchers.lra_launchers import JobCrashed, claim_gpus, gpu_placement, job_state, run_isolated
+from lra import distributed
 from lra.checkpoint import RunFiles
 from lra.config import sweep_slug
+from lra.engine import cpu_threads
 from tests.conftest import ROOT
 
 FAST = ["experiment=smoke", "task.seq_len=200", "backbone.n_layers=1", "schedule.steps=4", "schedule.eval_every=2",
@@ -194,8 +194,11 @@ def test_a_job_is_placed_on_the_gpus_it_holds_with_its_share_of_the_cores(monkey
 
 
 def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke_cfg, tmp_path):
+    """... evaluating too: batches of 3 spread the validation and test splits over both ranks, whose counts add up
+    to one process's accuracies."""
     same = ("task.seq_len=200", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
-            "schedule.steps=6", "schedule.eval_every=3", "data.limit.train=64")
+            "schedule.steps=6", "schedule.eval_every=3", "data.limit.train=64", "data.limit.val=16",
+            "data.limit.test=13", "trainer.eval_batch_size=3")
     one = runner.run(smoke_cfg(*same, f"run_dir={tmp_path / 'one'}"))
     two = runner.run(smoke_cfg(*same, "trainer.devices=2", f"run_dir={tmp_path / 'two'}"))
     assert two["devices"] == 2 and one["devices"] == 1 and two["config_hash"] == one["config_hash"]
@@ -206,6 +209,25 @@ def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)  # the same updates, up to sum order
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert len(rows) == 2 and sorted(rows.devices) == [1, 2]
+
+
+def _batchnorm_statistics_after_broadcast(out: str) -> None:
+    """One rank: running statistics of its own, then rank 0's broadcast over them; saved for the test to read."""
+    world = distributed.from_env()
+    distributed.init(world, torch.device("cpu"))
+    try:
+        norm = torch.nn.BatchNorm1d(3)
+        norm.running_mean.fill_(world.rank + 1.0)  # each rank normalised its own share of the batches
+        world.broadcast_buffers(norm)
+        torch.save(norm.running_mean, Path(out) / f"rank{world.rank}.pt")
+    finally:
+        distributed.shutdown()
+
+
+def test_the_ranks_evaluate_with_rank_0s_batchnorm_statistics(tmp_path):
+    distributed.spawn(2, _batchnorm_statistics_after_broadcast, str(tmp_path))
+    for rank in (0, 1):
+        assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), torch.ones(3)), rank
 
 
 def test_ranks_that_pack_their_shares_make_the_same_updates_as_one_unpacked_process(smoke_cfg, tmp_path):
