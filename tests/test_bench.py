@@ -207,6 +207,22 @@ def test_cli(tmp_path):
     assert row.status == "ok" and row.seq_len == 32 and row.task == "text"
 
 
+def test_the_bench_runs_its_models_side_by_side_under_the_gpu_launcher(tmp_path):
+    """`python -m lra.bench -m hydra/launcher=gpus bench.models=[a],[b]`: one job per GPU slot, each appending its
+    rows to the one bench file (a host of N GPUs times N models at once)."""
+    out = tmp_path / "b.csv"
+    args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "bench.models=[linear],[local]", "bench.lengths=[32]",
+            "bench.batch_size=2", "bench.warmup=1", "bench.steps=1", "bench.progress=false", f"bench.out={out}"]
+    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LRA_GPU_LOCKS=str(tmp_path / "locks"))
+    p = subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = pd.read_csv(out)
+    assert sorted(rows.model) == ["linear", "local"] and (rows.status == "ok").all()
+    assert len(list((tmp_path / "outputs" / "bench" / "multirun").rglob("gpu_slot.json"))) == 2
+
+
 def test_wandb_logging_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

@@ -31,6 +31,7 @@ from filelock import FileLock, Timeout
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher, BasicLauncherConf
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
+from omegaconf import OmegaConf
 
 try:  # the [sweep] extra: pip install "lra[sweep]"
     from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
@@ -66,11 +67,20 @@ def job_dir(job) -> Path:
     return Path(str(job.hydra.sweep.dir)) / str(job.hydra.sweep.subdir)
 
 
+def is_run(job) -> bool:
+    """Whether a job is a training run of ``lra`` (resumable, with a row of its own), not another app's job (the
+    bench's, which starts afresh and appends its own rows)."""
+    return "resume" in job
+
+
 def report(launcher, job_overrides: Sequence[Sequence[str]]) -> Counter:
     """Log (and return) how many jobs are finished, retried after a failure, resumable and new."""
     counts: Counter = Counter()
     for overrides in job_overrides:
-        counts[job_state(job_dir(sweep_job(launcher.hydra_context, launcher.config, overrides)))] += 1
+        job = sweep_job(launcher.hydra_context, launcher.config, overrides)
+        if not is_run(job):
+            return counts
+        counts[job_state(job_dir(job))] += 1
     log.info("sweep %s: %d jobs: %d already finished (skipped, no new row), %d run again after an oom or error, "
              "%d resume from a checkpoint, %d new", launcher.config.hydra.sweep.dir, len(job_overrides),
              counts["finished"], counts["retry"], counts["resume"], counts["new"])
@@ -189,7 +199,7 @@ if JoblibLauncher is not None:
         from hydra.core.utils import JobStatus
         from hydra_plugins.hydra_joblib_launcher import _core
 
-        devices = int(sweep_job(hydra_context, config, overrides).trainer.devices)
+        devices = int(OmegaConf.select(sweep_job(hydra_context, config, overrides), "trainer.devices", default=1))
         claimed = claim_gpus(Path(lock_dir), slots, devices)
         held = [slot for slot, _ in claimed]
         extra, env = gpu_placement(held, slots, real_gpus)
@@ -201,11 +211,14 @@ if JoblibLauncher is not None:
         except JobCrashed as crash:
             job = sweep_job(hydra_context, config, list(overrides) + extra)
             out = job_dir(job)
-            log.error("job %s: %s; its row says so, and relaunching the sweep runs it again from its last checkpoint",
-                      out, crash)
-            from lra.run import record_crash
+            if is_run(job):
+                log.error("job %s: %s; its row says so, and relaunching the sweep runs it again from its last "
+                          "checkpoint", out, crash)
+                from lra.run import record_crash
 
-            record_crash(job, out, crash.how)  # the job never got to write its own row
+                record_crash(job, out, crash.how)  # the job never got to write its own row
+            else:
+                log.error("job %s: %s", out, crash)
             ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED,
                             _return_value=RuntimeError(f"{out}: {crash}"))
         finally:
