@@ -1,0 +1,51 @@
+"""``python -m lra.prepare task=<task> [key=value ...]``: a task's data, made and cached, without training.
+
+Generates (ListOps, Pathfinder) or reads (Text, Image, Retrieval) the data and writes its tokenised splits into the
+cache (``data.cache_dir``) exactly as ``python -m lra`` with the same overrides would, then prints their summary.
+The runs that follow start from a cache hit: the jobs of a sweep on a GPU host, or of a Slurm array, do not each
+wait on the first to generate 200,000 Pathfinder images, and the generation can run on a CPU node, or on a GPU
+host's CPU while its GPUs train. Several tasks: ``-m`` is not needed, give ``task=listops,pathfinder``.
+
+Errors the user can fix (a bad value, missing data, an unknown option) print one line and exit with code 2.
+"""
+from __future__ import annotations
+
+import sys
+
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+
+import lra.config
+from lra.config import ConfigError, validate
+from lra.data import DataError, TaskData, load_task
+
+EXIT_USER_ERROR = 2
+
+
+def compose_run(overrides: list[str]) -> DictConfig:
+    """The configuration ``python -m lra <overrides>`` runs with (no Hydra output folder is made)."""
+    lra.config.register_plugin_model_configs()
+    with initialize_config_module("lra.conf", version_base=None):
+        # run_dir names Hydra's output folder, which only a run has: a placeholder, never created
+        return validate(compose("config", overrides=["run_dir=outputs/prepare", *overrides]))
+
+
+def prepare(overrides: list[str]) -> list[TaskData]:
+    """Each task of ``task=a,b`` (or the one task) loaded into the cache; the loaded data, in that order."""
+    tasks = next((o.split("=", 1)[1].split(",") for o in reversed(overrides) if o.startswith("task=")), [None])
+    rest = [o for o in overrides if not o.startswith("task=")]
+    return [load_task(compose_run(rest if task is None else [f"task={task}", *rest])) for task in tasks]
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        for data in prepare(sys.argv[1:] if argv is None else argv):
+            print(data.summary())
+    except (ConfigError, DataError, HydraException) as e:  # a bad value, missing data, an unknown config option
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()
