@@ -4,7 +4,7 @@ Generates (ListOps, Pathfinder) or reads (Text, Image, Retrieval) the data and w
 cache (``data.cache_dir``) exactly as ``python -m lra`` with the same overrides would, then prints their summary.
 The runs that follow start from a cache hit: the jobs of a sweep on a GPU host, or of a Slurm array, do not each
 wait on the first to generate 200,000 Pathfinder images, and the generation can run on a CPU node, or on a GPU
-host's CPU while its GPUs train. Several tasks: ``-m`` is not needed, give ``task=listops,pathfinder``.
+host's CPU while its GPUs train. Several tasks: ``task=listops,pathfinder`` (``-m`` is accepted, not needed).
 
 Errors the user can fix (a bad value, missing data, an unknown option) print one line and exit with code 2.
 """
@@ -33,6 +33,7 @@ def compose_run(overrides: list[str]) -> DictConfig:
 
 def prepare(overrides: list[str]) -> list[TaskData]:
     """Each task of ``task=a,b`` (or the one task) loaded into the cache; the loaded data, in that order."""
+    overrides = [o for o in overrides if o not in ("-m", "--multirun")]  # no sweep here: task=a,b is enough
     tasks = next((o.split("=", 1)[1].split(",") for o in reversed(overrides) if o.startswith("task=")), [None])
     rest = [o for o in overrides if not o.startswith("task=")]
     return [load_task(compose_run(rest if task is None else [f"task={task}", *rest])) for task in tasks]

@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 def test_prepared_data_is_what_the_run_loads(smoke_cfg, tmp_path, caplog):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
-    first, second = prepare(["task=listops,pathfinder", "experiment=smoke", cache])
+    first, second = prepare(["-m", "task=listops,pathfinder", "experiment=smoke", cache])  # -m by habit: fine
     assert first.info["task"] == "listops" and second.info["task"] == "pathfinder"
     assert "cache miss" in first.summary() and "cache miss" in second.summary()
     caplog.set_level("INFO", logger="lra")
