@@ -106,6 +106,7 @@ def claim_gpus(lock_dir: Path, slots: int, n: int = 1, poll_s: float = 1.0) -> l
         raise ValueError(f"a job asks for trainer.devices={n} GPUs but the launcher has {slots} GPU slots "
                          f"(hydra.launcher.gpus): ask for at most {slots}")
     lock_dir.mkdir(parents=True, exist_ok=True)
+    said = False
     while True:
         held = []
         for slot in range(slots):
@@ -119,6 +120,9 @@ def claim_gpus(lock_dir: Path, slots: int, n: int = 1, poll_s: float = 1.0) -> l
                 return held
         for _, lock in held:
             lock.release()
+        if not said:  # once: a sweep's surplus jobs all wait here
+            log.info("waiting for %d free GPU%s of %d (locks in %s)", n, "s" if n > 1 else "", slots, lock_dir)
+            said = True
         time.sleep(poll_s)
 
 
