@@ -12,12 +12,10 @@ import hydra
 from omegaconf import DictConfig
 
 import lra.config  # registers the config schema with Hydra's ConfigStore
-from lra.config import ConfigError
+from lra.config import EXIT_USER_ERROR, ConfigError
 from lra.data import DataError
 from lra.distributed import EXIT_INTERRUPTED
 from lra.run import RunInterrupted, run
-
-EXIT_USER_ERROR = 2
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

@@ -23,6 +23,9 @@ class ConfigError(ValueError):
     """A configuration value that cannot run; the message names the key, the value and what is allowed."""
 
 
+EXIT_USER_ERROR = 2  # the exit code of the commands for an error the user can fix (a bad value, missing data)
+
+
 @dataclass
 class TaskConfig:
     name: str = MISSING

@@ -42,20 +42,16 @@ class World:
         if self.distributed:
             dist.barrier()
 
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-rank value over the ranks (each rank's training loss covers its share of the batch)."""
-        if self.distributed:
-            value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-            value /= self.size
-        return value
-
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of a per-rank count over the ranks (each rank evaluates its share of a split)."""
         if self.distributed:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-rank value over the ranks (each rank's training loss covers its share of the batch)."""
+        return self.sum(value) / self.size
 
     def broadcast_buffers(self, module: torch.nn.Module) -> None:
         """Rank 0's buffers to every rank, in place."""

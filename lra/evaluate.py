@@ -22,14 +22,13 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lra import engine
 from lra.checkpoint import RunFiles
-from lra.config import ConfigError, RunConfig, eval_batch_size, model_options, validate
+from lra.config import EXIT_USER_ERROR, ConfigError, RunConfig, eval_batch_size, model_options, validate
 from lra.data import DataError, TaskData, load_task
 from lra.provenance import config_hash
 from lra.results import append_row, device_name, git_sha, now_iso
 from lra.run import check_writable, evaluate, seed_everything, task_shape
 
 log = logging.getLogger("lra")
-EXIT_USER_ERROR = 2
 CONFIG = "config.yaml"  # written by the runner into every run folder
 
 # Settings that shape the model or say what its weights mean (a task's resolution is its length): never overridden.

@@ -17,10 +17,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 import lra.config
-from lra.config import ConfigError, validate
+from lra.config import EXIT_USER_ERROR, ConfigError, validate
 from lra.data import DataError, TaskData, load_task
-
-EXIT_USER_ERROR = 2
 
 
 def compose_run(overrides: list[str]) -> DictConfig:

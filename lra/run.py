@@ -528,7 +528,8 @@ class Trainer:
         """Test accuracy of the final weights, then of the best-validation checkpoint (every rank its share of the
         batches; rank 0 reports)."""
         final_test = self.evaluate(self.data.test)
-        self.model.load_state_dict(self.files.load_best(self.device)["model"])  # rank 0 wrote it: barrier since
+        # every rank loads the checkpoint rank 0 wrote (each evaluation since ended at a barrier)
+        self.model.load_state_dict(self.files.load_best(self.device)["model"])
         best_test = self.evaluate(self.data.test)
         if not self.world.is_main:
             return {}
