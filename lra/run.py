@@ -95,18 +95,22 @@ def task_shape(data: TaskData) -> engine.TaskShape:
     return engine.TaskShape(data.vocab_size, data.seq_len, data.n_classes, data.pair, padded, data.grid)
 
 
-def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch's ids or labels (int64) on ``device``. On CUDA the copy goes through pinned memory: a copy from
+    pageable memory makes the host wait until the GPU has run everything queued before it, so one such copy per
+    step keeps the host from preparing the next step while the GPU runs this one."""
     if device.type == "cuda":
-        return tokens.pin_memory().to(device, non_blocking=True).long()
-    return tokens.long()
+        return ids.pin_memory().to(device, non_blocking=True).long()
+    return ids.long()
 
 
-def device_inputs(tokens: torch.Tensor, device: torch.device, packed: bool = False, cls_token: bool = True,
-                  trimmed: bool = False) -> tuple[torch.Tensor, ...]:
-    """A batch's ids as the model's inputs on ``device``: the ids (cut after the longest example when
-    ``trimmed``), or the packed batch (``lra.packing``)."""
-    tokens = trim(tokens) if trimmed else tokens
-    return tuple(to_device(t, device) for t in model_inputs(tokens, packed, cls_token))
+def device_batch(split: Split, rows, device: torch.device, packed: bool = False, cls_token: bool = True,
+                 trimmed: bool = False) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The examples ``rows`` of ``split`` on ``device``: the model's inputs (the ids, cut after the longest example
+    when ``trimmed``, or the packed batch: ``lra.packing``) and the labels. Nothing here waits for the GPU."""
+    tokens = trim(split.tokens[rows]) if trimmed else split.tokens[rows]
+    inputs = tuple(to_device(t, device) for t in model_inputs(tokens, packed, cls_token))
+    return inputs, to_device(split.labels[rows], device)
 
 
 @torch.no_grad()
@@ -123,8 +127,7 @@ def evaluate(model, split: Split, batch_size: int, device: torch.device, autocas
     order = torch.argsort(real_ends(split.tokens), stable=True) if trimmed else None
     for i in range(world.rank * batch_size, len(split), world.size * batch_size):
         rows = slice(i, i + batch_size) if order is None else order[i : i + batch_size]
-        inputs = device_inputs(split.tokens[rows], device, packed, cls_token, trimmed)
-        labels = split.labels[rows].to(device)
+        inputs, labels = device_batch(split, rows, device, packed, cls_token, trimmed)
         if cuda_graphs:  # compiled graphs replay as CUDA graphs (compile_mode): the last batch's outputs are dead
             torch.compiler.cudagraph_mark_step_begin()
         with autocast():
@@ -338,8 +341,10 @@ class Trainer:
             log.info("trainer.pack=auto: not packing (%s)", why)
         return False
 
-    def inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return device_inputs(tokens, self.device, self.packed, self.model.encoder.cls_token, self.trimmed)
+    def batch(self, rows: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The training examples ``rows`` on the device: (the model's inputs, the labels)."""
+        return device_batch(self.data.train, rows, self.device, self.packed, self.model.encoder.cls_token,
+                            self.trimmed)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -390,9 +395,7 @@ class Trainer:
                     self.after_stop(previous_handlers)
                     raise RunInterrupted(f"stopped at step {state['step']}; checkpoint in {self.files.dir}; rerun the "
                                          f"same command to resume")
-                idx = world.shard(order.indices(state["step"]))
-                inputs = self.inputs(self.data.train.tokens[idx])
-                labels = self.data.train.labels[idx].to(device, non_blocking=True)
+                inputs, labels = self.batch(world.shard(order.indices(state["step"])))
                 if profiler is not None:
                     profiler.before_step(state["step"])
                 timer.before_step()

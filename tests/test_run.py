@@ -9,6 +9,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -19,7 +20,7 @@ import lra.run as runner
 from lra import engine
 from lra.checkpoint import RunFiles
 from lra.config import ConfigError
-from lra.data import DataError
+from lra.data import DataError, Split
 from lra.results import RUN_COLUMNS
 from tests.conftest import ROOT
 
@@ -104,6 +105,28 @@ def test_a_run_interrupted_on_cuda_resumes_there(smoke_cfg, tmp_path, monkeypatc
     interrupt_after_one_step(smoke_cfg(*overrides), monkeypatch)
     resumed = runner.run(smoke_cfg(*overrides, "resume=true"))
     assert resumed["status"] == "ok" and resumed["steps"] == 8 and not resumed["device"].startswith("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["ids", "packed"])
+def test_a_batch_reaches_the_gpu_without_waiting_for_its_queued_work(packed):
+    """The host prepares step k+1's batch while the GPU still runs step k. A copy from pageable memory (as the
+    labels' once were) makes the host wait for the GPU's whole queue at every step."""
+    torch.manual_seed(0)
+    tokens = torch.randint(1, 50, (64, 512))
+    tokens[::2, 300:] = 0  # padding, so that packing has something to pack
+    split, rows, cuda = Split(tokens, torch.randint(0, 10, (64,))), torch.randperm(64)[:32], torch.device("cuda")
+    runner.device_batch(split, rows, cuda, packed)  # the CUDA context and the pinned buffers exist from here on
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued GPU work
+    inputs, labels = runner.device_batch(split, rows, cuda, packed)
+    returned = time.perf_counter()
+    torch.cuda.synchronize()
+    queued = time.perf_counter() - start
+    assert returned - start < 0.25 * queued, f"the batch took {returned - start:.3f} s of {queued:.3f} s queued"
+    assert labels.is_cuda and all(t.is_cuda for t in inputs)
+    assert torch.equal(labels.cpu(), split.labels[rows])
 
 
 def interrupt_after_one_step(cfg, monkeypatch) -> None:
