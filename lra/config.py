@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message names the key, the value and what is allowed."""
@@ -191,23 +193,40 @@ class BenchRunConfig(RunConfig):
     bench: BenchSettings = field(default_factory=BenchSettings)
 
 
-# Overrides that do not change what a sweep computes do not name its folder either.
-SWEEP_NAME_SKIPS = ("hydra", "hydra/", "sweep", "results.dir", "data.cache_dir", "device", "resume", "logger",
-                    "trainer.progress")
+def execution_keys() -> list[str]:
+    """The override keys of every setting that ``config_hash`` leaves out: where a run lives, how it executes and
+    logs (``trainer.devices``, ``trainer.progress``, ``logger=wandb``, ...). They name no folder, so a run continued
+    with other devices or threads, or without its progress bar, lands in its own folder again and resumes there."""
+    keys = ["data.cache_dir"]
+    schema = {f.name: f for f in fields(RunConfig)}
+    for name in NOT_HASHED:
+        section = schema[name].default_factory if name in schema and is_dataclass(schema[name].default_factory) \
+            else None
+        keys += [name, *(f"{name}.{f.name}" for f in fields(section))] if section else [name]
+    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER]
+
+
+def unnamed_keys() -> list[str]:
+    """The overrides left out of a run's folder name (Hydra's ``override_dirname``): the settings of
+    ``execution_keys`` and the choice of task, model and preset, which the folder's path already says."""
+    return ["task", "model", "experiment", *execution_keys()]
+
+
 HYDRA_FLAGS_WITH_VALUES = {"-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir",
                            "--experimental-rerun"}
 
 
 def sweep_slug(argv: list[str]) -> str:
     """A multirun's stable folder name from its command-line overrides: the same command, the same folder, so
-    relaunching it finds the jobs already done."""
-    keep, skip_next = [], False
+    relaunching it finds the jobs already done. What does not change what the sweep computes (``execution_keys``)
+    does not name it either."""
+    keep, skip_next, skips = [], False, set(execution_keys())
     for arg in argv:
         if skip_next or arg.startswith("-"):
             skip_next = not skip_next and arg in HYDRA_FLAGS_WITH_VALUES
             continue
         key = arg.lstrip("+~").split("=", 1)[0]
-        if not key.startswith(SWEEP_NAME_SKIPS):
+        if not (key.startswith("hydra") or key in skips):  # hydra/launcher=..., hydra.launcher.gpus=...
             keep.append(arg)
     slug = re.sub(r"[^A-Za-z0-9=,._-]+", "-", "__".join(keep)) or "default"
     return slug if len(slug) <= 100 else f"{slug[:80]}-{hashlib.sha1(slug.encode()).hexdigest()[:8]}"
@@ -220,6 +239,7 @@ def sweep_folder(name: str | None) -> str:
 
 
 OmegaConf.register_new_resolver("lra.sweep_folder", sweep_folder, replace=True)
+OmegaConf.register_new_resolver("lra.unnamed_keys", unnamed_keys, replace=True)
 ConfigStore.instance().store(name="lra_schema", node=RunConfig)
 ConfigStore.instance().store(name="lra_bench_schema", node=BenchRunConfig)
 

@@ -77,6 +77,21 @@ def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
     assert sorted(p.parent.parent.name for p in done) == ["linear", "transformer"]
 
 
+def test_a_run_continued_with_other_execution_settings_finds_its_folder(tmp_path):
+    """Devices, threads and the progress bar change how a run executes, not what it computes (the config hash leaves
+    them out), so they name neither the run's folder nor a sweep's: the same run with other such settings finds its
+    folder (here finished: no second row), and a sweep relaunched with them finds its jobs."""
+    run = [*FAST, "model=linear", "seed=3"]
+    lra_cli(run, tmp_path)
+    lra_cli([*run, "trainer.progress=false", "trainer.threads=1", "trainer.devices=2"], tmp_path)
+    assert len(list((tmp_path / "outputs" / "smoke" / "listops" / "linear").iterdir())) == 1
+    assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 1
+    sweep = ["model=transformer,linear", "seed=0,1"]
+    assert sweep_slug([*sweep, "trainer.devices=2", "trainer.progress=false", "hydra/launcher=gpus",
+                       "hydra.launcher.gpus=4", "logger=wandb"]) == sweep_slug(sweep)
+    assert sweep_slug([*sweep, "trainer.precision=fp32"]) != sweep_slug(sweep)  # what a run computes names it
+
+
 def test_job_states_from_the_run_folder(tmp_path):
     files = RunFiles(tmp_path / "job")
     assert job_state(files.dir) == "new"
