@@ -37,6 +37,7 @@ def cli() -> None:
     """The ``lra`` console script."""
     lra.config.register_plugin_model_configs()  # before Hydra composes `model=<plugin>`
     os.environ.setdefault("LRA_SWEEP_NAME", lra.config.sweep_slug(sys.argv[1:]))  # a multirun's stable folder
+    os.environ.setdefault("LRA_SWEPT_KEYS", ",".join(lra.config.swept_keys(sys.argv[1:])))  # its jobs' folders
     main()
 
 

@@ -206,10 +206,25 @@ def execution_keys() -> list[str]:
     return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER]
 
 
+def swept_keys(argv: list[str]) -> list[str]:
+    """The keys a multirun's command sweeps (``trainer.devices=1,2``, ``seed=range(3)``), as Hydra parses them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.startswith("-") and "=" in a]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - a malformed override: Hydra itself reports it when it composes
+        return []
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
+
+
 def unnamed_keys() -> list[str]:
-    """The overrides left out of a run's folder name (Hydra's ``override_dirname``): the settings of
-    ``execution_keys`` and the choice of task, model and preset, which the folder's path already says."""
-    return ["task", "model", "experiment", *execution_keys()]
+    """The overrides left out of a run's folder name (Hydra's ``override_dirname``): the choice of task, model and
+    preset, which the folder's path already says, and the settings of ``execution_keys``, except those the command
+    sweeps (``LRA_SWEPT_KEYS``, set by the CLI and inherited by the launcher's processes): the jobs of
+    ``trainer.devices=1,2`` are two runs, which need two folders."""
+    swept = set(filter(None, os.environ.get("LRA_SWEPT_KEYS", "").split(",")))
+    return ["task", "model", "experiment", *(k for k in execution_keys() if k not in swept)]
 
 
 HYDRA_FLAGS_WITH_VALUES = {"-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir",

@@ -30,6 +30,7 @@ def lra_cli(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.C
     env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results"),
            "LRA_GPU_LOCKS": str(tmp_path / "locks")}
     env.pop("LRA_SWEEP_NAME", None)
+    env.pop("LRA_SWEPT_KEYS", None)
     proc = subprocess.run([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,6 +91,16 @@ def test_a_run_continued_with_other_execution_settings_finds_its_folder(tmp_path
     assert sweep_slug([*sweep, "trainer.devices=2", "trainer.progress=false", "hydra/launcher=gpus",
                        "hydra.launcher.gpus=4", "logger=wandb"]) == sweep_slug(sweep)
     assert sweep_slug([*sweep, "trainer.precision=fp32"]) != sweep_slug(sweep)  # what a run computes names it
+
+
+def test_a_sweep_over_an_execution_setting_runs_each_value(tmp_path):
+    """A setting the command sweeps names its jobs' folders (a scaling measurement over trainer.devices=1,2 is two
+    runs), though a setting given once does not."""
+    lra_cli(["-m", *FAST, "model=linear", "sweep=threads", "trainer.threads=1,2"], tmp_path)
+    done = sorted(p.parent.name for p in (tmp_path / "outputs" / "multirun" / "threads").rglob("result.json"))
+    assert len(done) == 2 and all("trainer.threads=" in name for name in done)
+    assert sorted(pd.read_csv(tmp_path / "results" / "runs.csv")["overrides"].str.extract(r"threads=(\d)")[0]) == \
+        ["1", "2"]
 
 
 def test_job_states_from_the_run_folder(tmp_path):
@@ -319,6 +330,7 @@ def test_a_slurm_job_signalled_before_its_end_checkpoints_is_requeued_and_resume
         pytest.skip(reason)
     env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results")}
     env.pop("LRA_SWEEP_NAME", None)
+    env.pop("LRA_SWEPT_KEYS", None)
     args = ["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
             "hydra.launcher.timeout_min=10", "hydra.launcher.name=lra-requeue-test", *FAST, "schedule.steps=3000",
             "schedule.eval_every=3000", "trainer.ckpt_every=100000", "sweep=requeue", "model=transformer"]
