@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -150,6 +151,24 @@ def check_writable(*folders: str | Path) -> None:
                               f"folder (results.dir=... or hydra.run.dir=...)") from None
 
 
+@contextmanager
+def hold_folder(run_dir: Path):
+    """This process's hold on a run folder, for the length of the run: two processes training one run (the same
+    command started twice, or with other execution settings, which name no folder) would overwrite each other's
+    checkpoints and append two rows. The hold ends with the process, however it ends."""
+    lock = FileLock(str(run_dir / "run.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ConfigError(f"{run_dir} is in use: another process is running this run now; wait for it to end (then "
+                          f"the same command resumes or reports it), or give this one another folder "
+                          f"(hydra.run.dir=...)") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def start_logger(cfg: DictConfig, run_dir: Path):
     if cfg.logger.name != "wandb":
         return None
@@ -210,9 +229,15 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
+        if not self.world.is_main:  # the other ranks follow rank 0, which holds the folder
+            return self.fit_held()
+        check_writable(self.files.dir, self.cfg.results.dir)
+        with hold_folder(self.files.dir):
+            return self.fit_held()
+
+    def fit_held(self) -> dict:
         cfg, files = self.cfg, self.files
         if self.world.is_main:
-            check_writable(files.dir, cfg.results.dir)
             (files.dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         checkpoint = self.resume_or_start()
         if isinstance(checkpoint, dict) and "row" in checkpoint:

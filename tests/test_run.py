@@ -137,6 +137,24 @@ def interrupt_after_one_step(cfg, monkeypatch) -> None:
     monkeypatch.setattr(engine, "train_step", real_step)
 
 
+def test_a_run_folder_another_process_is_running_is_refused(smoke_cfg, tmp_path):
+    """Two processes training one run would overwrite each other's checkpoints and append two rows."""
+    (tmp_path / "run").mkdir()
+    hold = ("import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
+            "print('held', flush=True); time.sleep(120)")
+    other = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "run" / "run.lock")], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match="in use: another process is running this run"):
+            runner.run(smoke_cfg(*SHORT))
+    finally:
+        other.kill()
+        other.wait()
+    assert runner.run(smoke_cfg(*SHORT))["status"] == "ok"  # the hold ended with the other process
+    assert len(rows(tmp_path)) == 1
+
+
 def test_resume_refuses_a_different_config(smoke_cfg, monkeypatch):
     interrupt_after_one_step(smoke_cfg(*TINY, "schedule.steps=8"), monkeypatch)
     with pytest.raises(ConfigError, match="different configuration"):
