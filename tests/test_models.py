@@ -170,16 +170,23 @@ def test_runner_builds_pixel_tasks_mask_free():
 
 def _fwd_bwd_seconds(*names: str, rounds: int = 3) -> list[float]:
     """Each model's best forward + backward pass at N = 1024 (a 32 x 32 grid for 2-D mixers), d 64, 2 heads,
-    batch 2, the models taking turns in each round, so a load spike on a busy machine meets all of them."""
+    batch 2, the models taking turns in each round, so a load spike on a busy machine meets all of them. On one
+    thread: torch's threads wait for each other at every op, and on a machine with more busy processes than cores
+    that wait hits a model of many small ops (sinkhorn) far harder than one of a few large ones."""
     models = [make(name, d_model=64, max_len=1025).train() for name in names]
     x = torch.randn(2, 1024, 64, requires_grad=True)
     mask = torch.ones(2, 1024, dtype=torch.bool)
     best = [float("inf")] * len(names)
-    for _ in range(rounds):
-        for i, model in enumerate(models):
-            t = time.perf_counter()
-            mix(model, x, mask, Grid(32, 32)).sum().backward()
-            best[i] = min(best[i], time.perf_counter() - t)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(rounds):
+            for i, model in enumerate(models):
+                t = time.perf_counter()
+                mix(model, x, mask, Grid(32, 32)).sum().backward()
+                best[i] = min(best[i], time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 
