@@ -105,8 +105,8 @@ def to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.long()
 
 
-def device_batch(split: Split, rows, device: torch.device, packed: bool = False, cls_token: bool = True,
-                 trimmed: bool = False) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def device_batch(split: Split, rows: slice | torch.Tensor, device: torch.device, packed: bool = False,
+                 cls_token: bool = True, trimmed: bool = False) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """The examples ``rows`` of ``split`` on ``device``: the model's inputs (the ids, cut after the longest example
     when ``trimmed``, or the packed batch: ``lra.packing``) and the labels. Nothing here waits for the GPU."""
     tokens = trim(split.tokens[rows]) if trimmed else split.tokens[rows]
