@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -151,6 +152,9 @@ def check_writable(*folders: str | Path) -> None:
                               f"folder (results.dir=... or hydra.run.dir=...)") from None
 
 
+HELD_BY_PARENT = "LRA_RUN_FOLDER_HELD"  # the run folder the process that spawned this rank holds
+
+
 @contextmanager
 def hold_folder(run_dir: Path):
     """This process's hold on a run folder, for the length of the run: two processes training one run (the same
@@ -186,7 +190,13 @@ def run(cfg: DictConfig) -> dict:
     world = distributed.from_env()
     if int(cfg.trainer.devices) > 1 and not world.distributed:
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable, Hydra's resolvers done
-        distributed.spawn(int(cfg.trainer.devices), run_rank, plain)
+        check_writable(plain.run_dir, plain.results.dir)
+        with hold_folder(Path(plain.run_dir)):  # here, so that a folder in use fails before any rank starts
+            os.environ[HELD_BY_PARENT] = str(Path(plain.run_dir).resolve())  # the ranks inherit it
+            try:
+                distributed.spawn(int(cfg.trainer.devices), run_rank, plain)
+            finally:
+                os.environ.pop(HELD_BY_PARENT)
         return RunFiles(plain.run_dir).finished()
     return run_rank(cfg)
 
@@ -229,7 +239,8 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        if not self.world.is_main:  # the other ranks follow rank 0, which holds the folder
+        held = os.environ.get(HELD_BY_PARENT) == str(self.files.dir.resolve())  # ranks spawned by ``run``
+        if held or not self.world.is_main:  # torchrun's other ranks follow rank 0, which holds the folder
             return self.fit_held()
         check_writable(self.files.dir, self.cfg.results.dir)
         with hold_folder(self.files.dir):

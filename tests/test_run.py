@@ -137,8 +137,10 @@ def interrupt_after_one_step(cfg, monkeypatch) -> None:
     monkeypatch.setattr(engine, "train_step", real_step)
 
 
-def test_a_run_folder_another_process_is_running_is_refused(smoke_cfg, tmp_path):
-    """Two processes training one run would overwrite each other's checkpoints and append two rows."""
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_run_folder_another_process_is_running_is_refused(smoke_cfg, tmp_path, devices):
+    """Two processes training one run would overwrite each other's checkpoints and append two rows. A data-parallel
+    run is refused before its ranks start, and its ranks train in the folder their parent holds."""
     (tmp_path / "run").mkdir()
     hold = ("import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
             "print('held', flush=True); time.sleep(120)")
@@ -147,11 +149,11 @@ def test_a_run_folder_another_process_is_running_is_refused(smoke_cfg, tmp_path)
     try:
         assert other.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match="in use: another process is running this run"):
-            runner.run(smoke_cfg(*SHORT))
+            runner.run(smoke_cfg(*SHORT, f"trainer.devices={devices}"))
     finally:
         other.kill()
         other.wait()
-    assert runner.run(smoke_cfg(*SHORT))["status"] == "ok"  # the hold ended with the other process
+    assert runner.run(smoke_cfg(*SHORT, f"trainer.devices={devices}"))["status"] == "ok"  # the other has ended
     assert len(rows(tmp_path)) == 1
 
 
