@@ -10,10 +10,12 @@ import json
 import logging
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 
 from lra.data.common import atomic_save, atomic_write_text
 
@@ -22,6 +24,7 @@ SETTLED_STATUSES = ("ok", "diverged")  # a run that ended so is not run again by
 
 CHECKPOINT, PREVIOUS, BEST, RESULT, HISTORY = "checkpoint.pt", "checkpoint.prev.pt", "best.pt", "result.json", \
     "history.json"
+LOCK = "run.lock"  # held by the process training the run (``RunFiles.hold``)
 
 
 def rng_state() -> dict:
@@ -43,6 +46,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class FolderInUse(RuntimeError):
+    def __init__(self, run_dir: Path):
+        super().__init__(f"{run_dir} is in use: another process is running this run now; wait for it to end (then "
+                         f"the same command resumes or reports it), or give this one another folder "
+                         f"(hydra.run.dir=...)")
+
+
 class RunFiles:
     """The files of one run folder."""
 
@@ -50,6 +60,33 @@ class RunFiles:
         self.dir = Path(run_dir)
         self.checkpoint, self.previous = self.dir / CHECKPOINT, self.dir / PREVIOUS
         self.best, self.result, self.history = self.dir / BEST, self.dir / RESULT, self.dir / HISTORY
+        self.lock = self.dir / LOCK
+
+    @contextmanager
+    def hold(self):
+        """This process's hold on the folder for the length of a run: two processes training one run (the same
+        command started twice, or with other execution settings, which name no folder) would overwrite each other's
+        checkpoints and append two rows. Raises ``FolderInUse`` when another process holds it; the hold ends with
+        the process, however it ends."""
+        lock = FileLock(str(self.lock))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise FolderInUse(self.dir) from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def in_use(self) -> bool:
+        """Whether another process holds the folder now (is training this run)."""
+        if not self.lock.exists():
+            return False
+        try:
+            with self.hold():
+                return False
+        except FolderInUse:
+            return True
 
     def save_checkpoint(self, state: dict) -> None:
         """Keep the previous checkpoint as the fallback, then publish the new one (atomically)."""

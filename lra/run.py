@@ -27,12 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from lra import distributed, engine
-from lra.checkpoint import RunFiles, rng_state, set_rng_state
+from lra.checkpoint import FolderInUse, RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.packing import model_inputs, packed_share, real_ends, trim
@@ -156,21 +155,13 @@ HELD_BY_PARENT = "LRA_RUN_FOLDER_HELD"  # the run folder the process that spawne
 
 
 @contextmanager
-def hold_folder(run_dir: Path):
-    """This process's hold on a run folder, for the length of the run: two processes training one run (the same
-    command started twice, or with other execution settings, which name no folder) would overwrite each other's
-    checkpoints and append two rows. The hold ends with the process, however it ends."""
-    lock = FileLock(str(run_dir / "run.lock"))
+def hold_folder(files: RunFiles):
+    """``files.hold()``, its refusal as the user error it is (exit code 2, one line)."""
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise ConfigError(f"{run_dir} is in use: another process is running this run now; wait for it to end (then "
-                          f"the same command resumes or reports it), or give this one another folder "
-                          f"(hydra.run.dir=...)") from None
-    try:
-        yield
-    finally:
-        lock.release()
+        with files.hold():
+            yield
+    except FolderInUse as busy:
+        raise ConfigError(str(busy)) from None
 
 
 def start_logger(cfg: DictConfig, run_dir: Path):
@@ -191,7 +182,7 @@ def run(cfg: DictConfig) -> dict:
     if int(cfg.trainer.devices) > 1 and not world.distributed:
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable, Hydra's resolvers done
         check_writable(plain.run_dir, plain.results.dir)
-        with hold_folder(Path(plain.run_dir)):  # here, so that a folder in use fails before any rank starts
+        with hold_folder(RunFiles(plain.run_dir)):  # here, so that a folder in use fails before any rank starts
             os.environ[HELD_BY_PARENT] = str(Path(plain.run_dir).resolve())  # the ranks inherit it
             try:
                 distributed.spawn(int(cfg.trainer.devices), run_rank, plain)
@@ -243,7 +234,7 @@ class Trainer:
         if held or not self.world.is_main:  # torchrun's other ranks follow rank 0, which holds the folder
             return self.fit_held()
         check_writable(self.files.dir, self.cfg.results.dir)
-        with hold_folder(self.files.dir):
+        with hold_folder(self.files):
             return self.fit_held()
 
     def fit_held(self) -> dict:

@@ -115,6 +115,12 @@ def test_job_states_from_the_run_folder(tmp_path):
     for failure in ("oom", "error: InductorError: LoweringException"):
         files.write_result({"status": failure}, [])
         assert job_state(files.dir) == "retry"
+    with files.hold():  # as the process training it holds it, seen from another (a process of its own)
+        other = subprocess.run([sys.executable, "-c", "import sys; from hydra_plugins.lra_launchers.lra_launchers "
+                                "import job_state; print(job_state(sys.argv[1]))", str(files.dir)],
+                               capture_output=True, text=True, cwd=ROOT)
+    assert other.stdout.strip() == "running", other.stderr[-2000:]
+    assert job_state(files.dir) == "retry"  # the hold ended with the run
 
 
 def _segfault() -> None:

@@ -45,13 +45,16 @@ log = logging.getLogger(__name__)
 
 
 def job_state(run_dir: Path) -> str:
-    """finished | retry | resume | new, as the runner will find the job's folder (retry: it ended in ``oom`` or
-    ``error`` and runs again)."""
+    """finished | running | retry | resume | new, as the runner will find the job's folder (running: another process
+    is training it now, and this launch of the job stops at once; retry: it ended in ``oom`` or ``error`` and runs
+    again)."""
     from lra.checkpoint import RunFiles
 
     files = RunFiles(run_dir)
     if files.settled() is not None:
         return "finished"
+    if files.in_use():
+        return "running"
     if files.finished() is not None:
         return "retry"
     return "resume" if files.has_checkpoint() else "new"
@@ -82,8 +85,10 @@ def report(launcher, job_overrides: Sequence[Sequence[str]]) -> Counter:
             return counts
         counts[job_state(job_dir(job))] += 1
     log.info("sweep %s: %d jobs: %d already finished (skipped, no new row), %d run again after an oom or error, "
-             "%d resume from a checkpoint, %d new", launcher.config.hydra.sweep.dir, len(job_overrides),
-             counts["finished"], counts["retry"], counts["resume"], counts["new"])
+             "%d resume from a checkpoint, %d new%s", launcher.config.hydra.sweep.dir, len(job_overrides),
+             counts["finished"], counts["retry"], counts["resume"], counts["new"],
+             f"; {counts['running']} running in another process now (these stop at once: relaunch once they end)"
+             if counts["running"] else "")
     return counts
 
 
