@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from filelock import FileLock, Timeout
 
+from lra.config import ConfigError
 from lra.data.common import atomic_save, atomic_write_text
 
 log = logging.getLogger("lra")
@@ -46,7 +47,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class FolderInUse(RuntimeError):
+class FolderInUse(ConfigError):
+    """A user error (exit code 2, one line): the run's folder is another process's now."""
+
     def __init__(self, run_dir: Path):
         super().__init__(f"{run_dir} is in use: another process is running this run now; wait for it to end (then "
                          f"the same command resumes or reports it), or give this one another folder "

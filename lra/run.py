@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from lra import distributed, engine
-from lra.checkpoint import FolderInUse, RunFiles, rng_state, set_rng_state
+from lra.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.packing import model_inputs, packed_share, real_ends, trim
@@ -154,16 +154,6 @@ def check_writable(*folders: str | Path) -> None:
 HELD_BY_PARENT = "LRA_RUN_FOLDER_HELD"  # the run folder the process that spawned this rank holds
 
 
-@contextmanager
-def hold_folder(files: RunFiles):
-    """``files.hold()``, its refusal as the user error it is (exit code 2, one line)."""
-    try:
-        with files.hold():
-            yield
-    except FolderInUse as busy:
-        raise ConfigError(str(busy)) from None
-
-
 def start_logger(cfg: DictConfig, run_dir: Path):
     if cfg.logger.name != "wandb":
         return None
@@ -182,7 +172,7 @@ def run(cfg: DictConfig) -> dict:
     if int(cfg.trainer.devices) > 1 and not world.distributed:
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable, Hydra's resolvers done
         check_writable(plain.run_dir, plain.results.dir)
-        with hold_folder(RunFiles(plain.run_dir)):  # here, so that a folder in use fails before any rank starts
+        with RunFiles(plain.run_dir).hold():  # here, so that a folder in use fails before any rank starts
             os.environ[HELD_BY_PARENT] = str(Path(plain.run_dir).resolve())  # the ranks inherit it
             try:
                 distributed.spawn(int(cfg.trainer.devices), run_rank, plain)
@@ -234,7 +224,7 @@ class Trainer:
         if held or not self.world.is_main:  # torchrun's other ranks follow rank 0, which holds the folder
             return self.fit_held()
         check_writable(self.files.dir, self.cfg.results.dir)
-        with hold_folder(self.files):
+        with self.files.hold():
             return self.fit_held()
 
     def fit_held(self) -> dict:
