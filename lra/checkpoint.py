@@ -28,23 +28,28 @@ CHECKPOINT, PREVIOUS, BEST, RESULT, HISTORY = "checkpoint.pt", "checkpoint.prev.
 LOCK = "run.lock"  # held by the process training the run (``RunFiles.hold``)
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """Every generator a run draws from. On CUDA only the training device's: a run resumes on whichever GPU is free,
+    of a host that may have fewer GPUs than the one that saved it."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                                                      gauss],
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and device.type == "cuda":
+        if isinstance(cuda, (list, tuple)):  # written before one device's state was kept: every GPU of its host
+            cuda = cuda[0]  # the slot it trained on is not recorded; any state is a valid continuation
+        torch.cuda.set_rng_state(cuda, device)
 
 
 class FolderInUse(ConfigError):

@@ -250,6 +250,7 @@ class Trainer:
         except (RunInterrupted, ConfigError):
             raise
         except Exception as e:
+            log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             raise
         if status != "ok":
@@ -309,7 +310,7 @@ class Trainer:
             self.model.load_state_dict(checkpoint["model"])
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
-            set_rng_state(checkpoint["rng"])
+            set_rng_state(checkpoint["rng"], device)
             self.state = checkpoint["state"]
             log.info("resuming %s from step %d", self.files.dir, self.state["step"])
         # a run resumed on other hardware or code names every device and commit it trained on
@@ -533,7 +534,7 @@ class Trainer:
         if self.world.is_main:
             self.files.save_checkpoint({
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "config_hash": self.chash,
+                "scheduler": self.scheduler.state_dict(), "rng": rng_state(self.device), "config_hash": self.chash,
                 "state": {**state, "wall_s": state["wall_s"] + time.time() - self.wall_start}})
         self.world.barrier()
 
@@ -571,10 +572,10 @@ class Trainer:
             else None, peak_mem_mb=state["peak_mem_mb"] if ok else None, params=getattr(self, "n_params", None),
             wall_time_s=state["wall_s"] + time.time() - self.wall_start, precision=self.precision,
             compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
-            split=data.info.get("split", ""), device=" + ".join(state["devices"]), torch=torch.__version__,
-            git_sha=" + ".join(state["git_shas"]), config_hash=self.chash, timestamp=now_iso(),
-            run_dir=str(self.files.dir), overrides=_overrides(), packed=getattr(self, "packed", None),
-            val_is_test=bool(data.info.get("val_is_test", False)))
+            split=data.info.get("split", ""), device=" + ".join(state["devices"] or [device_name(self.device)]),
+            torch=torch.__version__, git_sha=" + ".join(state["git_shas"] or [git_sha()]), config_hash=self.chash,
+            timestamp=now_iso(), run_dir=str(self.files.dir), overrides=_overrides(),
+            packed=getattr(self, "packed", None), val_is_test=bool(data.info.get("val_is_test", False)))
         out = asdict(row)
         if self.world.is_main:
             save_row(cfg, self.files, out, state["history"])

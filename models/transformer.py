@@ -10,8 +10,9 @@ row's runs of one segment (each example, and the padding after the last one) bec
 jagged nested tensor, for which SDPA runs the variable-length fused kernels, attention dropout included: a
 dense block-diagonal mask would leave SDPA only its memory-efficient kernel, 3.4x slower at ListOps' shape
 with LRA's dropout, which made packed training slower than unpacked. ``backend = "varlen"`` calls that same
-variable-length flash kernel directly (fp16/bf16 on CUDA; the jagged path otherwise): a profile of the jagged
-path put half of a packed step's host time in the nested tensor's Python dispatch. Elsewhere (or
+variable-length flash kernel directly (fp16/bf16 on CUDA, the default there; the jagged path otherwise): a profile
+of the jagged path put half of a packed step's host time in the nested tensor's Python dispatch, and on an H200
+ListOps trained 33.2 steps/s packed through varlen, 11.5 through the nested tensor, 28.9 unpacked. Elsewhere (or
 ``backend = "dense"``) the (B, 1, N, N) block-diagonal mask, the reference the tests hold both to.
 
 Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored).
@@ -35,17 +36,17 @@ class Transformer(MultiHeadMixer):
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
-        self.backend = "auto"  # packed rows: "jagged" (CUDA's default), "varlen" or "dense"; how it runs, not what
+        self.backend = "auto"  # packed rows: "varlen", "jagged" or "dense"; how it runs, not what it computes
 
     def packed_path(self, q: torch.Tensor) -> str:
-        """The path of packed rows: the one ``backend`` names ("varlen" where flash runs: fp16/bf16 on CUDA, else
-        the jagged path, its twin), "jagged" under "auto" on CUDA, "dense" otherwise."""
+        """The path of packed rows: the one ``backend`` names; under "auto", "varlen" where flash runs (fp16/bf16
+        on CUDA), "jagged" elsewhere on CUDA (its twin, for fp32), "dense" off CUDA."""
         if self.backend not in ("auto", "varlen", "jagged", "dense"):
             raise ValueError(f"backend must be 'auto', 'varlen', 'jagged' or 'dense', got {self.backend!r}")
         if self.backend == "dense" or (self.backend == "auto" and not q.is_cuda):
             return "dense"
         flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        return "varlen" if self.backend == "varlen" and flash else "jagged"
+        return "varlen" if self.backend != "jagged" and flash else "jagged"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                segments: torch.Tensor | None = None) -> torch.Tensor:

@@ -387,11 +387,14 @@ def test_packed_rows_keep_batchnorm_statistics_and_recipe_backbones_exact(name):
 
 @pytest.mark.gpu
 def test_on_cuda_the_varlen_path_trains_as_the_jagged_one():
-    """The flash kernel called directly and through the nested tensor: the same logits and gradients (bf16, no
-    dropout), and with LRA's attention dropout finite gradients through the direct call."""
+    """The flash kernel called directly (auto's choice under bf16) and through the nested tensor: the same logits
+    and gradients (bf16, no dropout), and with LRA's attention dropout finite gradients through the direct call."""
     torch.manual_seed(0)
     tokens = padded_batch(24, 48)
     results = []
+    probe = torch.zeros(1, 4, 16, 8, device="cuda")
+    mixer = create_model("transformer", d_model=32, n_heads=4, d_qkv=32, dropout=0.0, max_len=16)
+    assert mixer.packed_path(probe.bfloat16()) == "varlen" and mixer.packed_path(probe) == "jagged"  # auto
     for backend in ("jagged", "varlen"):
         torch.manual_seed(0)  # the same weights for both
         model = classifier(f"transformer:{backend}", "cls").float().cuda().train()

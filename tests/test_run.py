@@ -108,6 +108,19 @@ def test_a_run_interrupted_on_cuda_resumes_there(smoke_cfg, tmp_path, monkeypatc
 
 
 @pytest.mark.gpu
+def test_a_checkpoint_from_a_host_with_more_gpus_resumes_on_cuda(smoke_cfg, tmp_path, monkeypatch):
+    """Checkpoints once held every GPU's generator: one from a 4-GPU host failed to resume on a 2-GPU host."""
+    overrides = (*TINY, "schedule.steps=8", "schedule.eval_every=4", "device=cuda")
+    interrupt_after_one_step(smoke_cfg(*overrides), monkeypatch)
+    path = tmp_path / "run" / "checkpoint.pt"
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["rng"]["cuda"] = [checkpoint["rng"]["cuda"]] * (torch.cuda.device_count() + 2)
+    torch.save(checkpoint, path)
+    resumed = runner.run(smoke_cfg(*overrides, "resume=true"))
+    assert resumed["status"] == "ok" and resumed["steps"] == 8
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True], ids=["ids", "packed"])
 def test_a_batch_reaches_the_gpu_without_waiting_for_its_queued_work(packed):
     """The host prepares step k+1's batch while the GPU still runs step k. A copy from pageable memory (as the
@@ -202,6 +215,46 @@ def test_a_nan_loss_is_recorded_as_diverged_without_accuracies(smoke_cfg, tmp_pa
     got = rows(tmp_path).iloc[0]
     assert got.status == "diverged"
     assert all(pd.isna(got[c]) for c in ("val_acc", "test_acc", "final_test_acc", "train_steps_per_s"))
+
+
+def test_a_run_that_fails_while_building_records_where_and_why(smoke_cfg, tmp_path, monkeypatch, caplog):
+    """An error before the first step (here, resuming) still gives a row naming the device and commit, and the run's
+    log holds the traceback (the launcher only sees the exception's message)."""
+    interrupt_after_one_step(smoke_cfg(*SHORT), monkeypatch)
+
+    def broken(state, device):
+        raise IndexError("tuple index out of range")
+
+    monkeypatch.setattr(runner, "set_rng_state", broken)
+    monkeypatch.setenv("LRA_GIT_SHA", "0123456789ab")
+    with caplog.at_level(logging.ERROR, logger="lra"), pytest.raises(IndexError):
+        runner.run(smoke_cfg(*SHORT, "resume=true"))
+    got = rows(tmp_path).iloc[-1]
+    assert got.status == "error: IndexError: tuple index out of range"
+    assert got.device.startswith("cpu") and got.git_sha == "0123456789ab"
+    assert "Traceback" in caplog.text and "in broken" in caplog.text
+
+
+def test_a_checkpoint_keeps_the_generator_of_its_own_gpu_only(monkeypatch):
+    """A run resumes on whichever GPU is free, of a host that may have fewer GPUs than the one that saved it: the
+    checkpoint holds its own device's CUDA generator, and one written with every GPU's (as they once were) resumes
+    on a host with fewer."""
+    import lra.checkpoint as ckpt
+
+    got, put = [], []
+    monkeypatch.setattr(ckpt.torch.cuda, "get_rng_state", lambda device: got.append(device) or torch.ones(3))
+    monkeypatch.setattr(ckpt.torch.cuda, "set_rng_state", lambda state, device: put.append((state, device)))
+    cuda1 = torch.device("cuda", 1)
+    state = ckpt.rng_state(cuda1)
+    assert got == [cuda1] and torch.equal(state["cuda"], torch.ones(3))
+    ckpt.set_rng_state(state, torch.device("cuda", 0))
+    assert put[-1][1] == torch.device("cuda", 0) and torch.equal(put[-1][0], torch.ones(3))
+    legacy = {**state, "cuda": [torch.full((3,), float(i)) for i in range(4)]}  # a 4-GPU host's, resumed on cuda:0
+    ckpt.set_rng_state(legacy, torch.device("cuda", 0))
+    assert len(put) == 2 and torch.equal(put[-1][0], torch.zeros(3))
+    assert "cuda" not in ckpt.rng_state(torch.device("cpu"))
+    ckpt.set_rng_state(legacy, torch.device("cpu"))  # a CUDA run resumed on the CPU leaves CUDA alone
+    assert len(put) == 2
 
 
 def test_an_empty_split_fails_at_start(smoke_cfg, tmp_path, monkeypatch):
