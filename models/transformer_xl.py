@@ -19,7 +19,9 @@ distance a window holds (L - 1 down to -(S - 1)), and moved onto the (query, key
 All segments are computed at once, batched as an extra dimension: because a segment depends on earlier ones
 only through the stop-gradient memory, this equals the paper's recurrence run segment after segment (within
 one parameter update). Stacked layers widen the context as in the paper: layer l's memory already saw its own
-predecessors, so a token reaches about l x M x S tokens back.
+predecessors, so a token reaches about l x M x S tokens back. Never forward: a CLS token in front (LRA's
+``pooling: cls``) reads its own segment alone, at any depth (on Image's one layer, the top 127 pixels); mean
+pooling reads every segment.
 
 Complexity: O(N (M + 1) S d) time and O(N (M + 1) S) memory per layer (scores per segment over its window;
 "N" in S and M fixed). N is padded up to a multiple of S; a sequence no longer than ``segment`` is one segment
