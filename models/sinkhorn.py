@@ -27,6 +27,10 @@ stride (we use contiguous blocks), and needs N to be a multiple of the block (we
 From the paper: the sort net is LRA's single Linear on per-head key summaries (the paper allows a
 deeper net on block summaries); no causal variant, no SortCut.
 
+``mask=None`` (no padding in the batch) with N a multiple of the block: nothing is masked, and both
+attentions run SDPA unmasked (its flash kernel, not the memory-efficient one a mask leaves it). Otherwise
+the internal padding to whole blocks is masked as any padding.
+
 Padding: K and V are zeroed at padded positions before summaries and sorting, padded keys are masked
 in the local attention, and the sort logits between a real block and an all-padding block are masked,
 so Sinkhorn balances the real blocks among themselves (the all-padding blocks among themselves). A
@@ -71,6 +75,7 @@ def fused_sinkhorn(log_alpha: torch.Tensor, n_iters: int) -> torch.Tensor:
 @register_model
 class Sinkhorn(MultiHeadMixer):
     taxonomy = Taxonomy("Tay et al. 2020, arXiv 2002.11296", "N", ("LP",), decode=True)
+    accepts_no_mask = True  # mask=None, whole blocks: both attentions unmasked
 
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block_size: int = 64,
@@ -87,12 +92,15 @@ class Sinkhorn(MultiHeadMixer):
         self.max_blocks = math.ceil(max_len / block_size)
         self.sort_net = nn.Linear(self.d_head, self.max_blocks)  # block summary -> logits over source blocks
 
-    def sort_matrix(self, k: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Zeroed keys (B, NB, b, H, Dh) and the real-token mask (B, NB, b) -> soft permutation P
-        (B, H, NB, NB), P[.., i, j] = share of source block j in sorted block i."""
+    def sort_matrix(self, k: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """Zeroed keys (B, NB, b, H, Dh) and the real-token mask (B, NB, b), None if every token is real ->
+        soft permutation P (B, H, NB, NB), P[.., i, j] = share of source block j in sorted block i."""
         NB = k.shape[1]
-        count = real.sum(-1).clamp_min(1)  # (B, NB)
-        summary = k.sum(2) / count[:, :, None, None].to(k.dtype)  # (B, NB, H, Dh): mean over real tokens
+        if real is None:
+            summary = k.mean(2)  # (B, NB, H, Dh)
+        else:
+            count = real.sum(-1).clamp_min(1)  # (B, NB)
+            summary = k.sum(2) / count[:, :, None, None].to(k.dtype)  # (B, NB, H, Dh): mean over real tokens
         logits = F.linear(summary, self.sort_net.weight[:NB], self.sort_net.bias[:NB])  # (B, NB, H, NB)
         with torch.autocast(device_type=k.device.type, enabled=False):
             logits = logits.float().transpose(1, 2)  # (B, H, NB, NB)
@@ -100,42 +108,47 @@ class Sinkhorn(MultiHeadMixer):
                 u = torch.rand_like(logits).clamp_(1e-6, 1 - 1e-6)
                 logits = logits - torch.log(-torch.log(u))  # Gumbel-Sinkhorn
             logits = logits / self.temperature
-            block_real = real.any(-1)  # (B, NB)
-            cross = block_real[:, :, None] != block_real[:, None, :]  # (B, NB, NB): real <-> all-padding
-            logits = logits.masked_fill(cross[:, None], MASKED_LOGIT)
+            if real is not None:
+                block_real = real.any(-1)  # (B, NB)
+                cross = block_real[:, :, None] != block_real[:, None, :]  # (B, NB, NB): real <-> all-padding
+                logits = logits.masked_fill(cross[:, None], MASKED_LOGIT)
             fused = self.compile_sinkhorn and logits.is_cuda and not torch.compiler.is_compiling()
             return (fused_sinkhorn if fused else sinkhorn)(logits, self.iters)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, N, _ = x.shape
         self.check_length(N)
         H, Dh, b = self.n_heads, self.d_head, self.block
         pad = -N % b
         if pad:
+            mask = x.new_ones(B, N, dtype=torch.bool) if mask is None else mask  # the blocks' padding is masked
             x = F.pad(x, (0, 0, 0, pad))  # (B, Np, D)
             mask = F.pad(mask, (0, pad), value=False)  # (B, Np)
         NB = x.shape[1] // b
-        real = mask.view(B, NB, b)  # (B, NB, b)
+        real = None if mask is None else mask.view(B, NB, b)  # (B, NB, b)
         qkv = self.qkv(x).view(B, NB, b, 3, H, Dh)  # (B, NB, b, 3, H, Dh)
         q = qkv[:, :, :, 0]  # (B, NB, b, H, Dh)
-        # Zero padded keys/values: they must not leak into summaries or sorted mixtures.
-        kv = qkv[:, :, :, 1:] * real[:, :, :, None, None, None].to(qkv.dtype)  # (B, NB, b, 2, H, Dh)
+        kv = qkv[:, :, :, 1:]  # (B, NB, b, 2, H, Dh)
+        if real is not None:  # zero padded keys/values: they must not leak into summaries or sorted mixtures
+            kv = kv * real[:, :, :, None, None, None].to(qkv.dtype)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # each (B, NB, b, H, Dh)
 
         P = self.sort_matrix(k, real)  # (B, H, NB, NB)
         sorted_kv = torch.einsum("bhij,bjtshd->bishtd", P.to(kv.dtype), kv)  # (B, NB, 2, H, b, Dh)
-        sorted_real = torch.einsum("bhij,bjt->bhit", P.detach(), real.to(P.dtype)) > 0.5  # (B, H, NB, b)
+        sorted_mask = None  # mask=None, whole blocks: every sorted key is real
+        if real is not None:
+            sorted_real = torch.einsum("bhij,bjt->bhit", P.detach(), real.to(P.dtype)) > 0.5  # (B, H, NB, b)
+            sorted_mask = sorted_real.transpose(1, 2).reshape(B * NB, H, 1, b)  # (B*NB, H, 1, b)
 
         # Blocks become the batch: (B*NB, H, b, Dh) views for q, k, v (merging B and NB needs no copy).
         qb = q.reshape(B * NB, b, H, Dh).transpose(1, 2)  # (B*NB, H, b, Dh)
         kb = k.reshape(B * NB, b, H, Dh).transpose(1, 2)  # (B*NB, H, b, Dh)
         vb = v.reshape(B * NB, b, H, Dh).transpose(1, 2)  # (B*NB, H, b, Dh)
-        local_mask = real.reshape(B * NB, 1, 1, b)  # (B*NB, 1, 1, b)
+        local_mask = None if real is None else real.reshape(B * NB, 1, 1, b)  # (B*NB, 1, 1, b)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=local_mask, dropout_p=self.dropout_p)
 
         sk = sorted_kv[:, :, 0].reshape(B * NB, H, b, Dh)  # (B*NB, H, b, Dh)
         sv = sorted_kv[:, :, 1].reshape(B * NB, H, b, Dh)  # (B*NB, H, b, Dh)
-        sorted_mask = sorted_real.transpose(1, 2).reshape(B * NB, H, 1, b)  # (B*NB, H, 1, b)
         o = o + F.scaled_dot_product_attention(qb, sk, sv, attn_mask=sorted_mask, dropout_p=self.dropout_p)
 
         o = o.transpose(1, 2).reshape(B, NB * b, H * Dh)[:, :N]  # (B, N, H*Dh)

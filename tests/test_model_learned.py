@@ -202,6 +202,29 @@ def test_sinkhorn_padding_invariance_and_empty_blocks():
     assert torch.isfinite(y).all()
 
 
+@pytest.mark.parametrize("n", [64, 61], ids=["whole blocks", "a ragged last block"])
+def test_sinkhorn_without_a_mask_equals_an_all_true_mask(n):
+    """mask=None: whole blocks run unmasked, a ragged last block masks its internal padding; both as all-true."""
+    model = build("sinkhorn", max_len=64, block_size=16, sinkhorn_iters=4)
+    x = torch.randn(2, n, D, requires_grad=True)
+    free = model(x, None)
+    grads = torch.autograd.grad(free.square().sum(), [x, *model.parameters()])
+    masked = model(x, torch.ones(2, n, dtype=torch.bool))
+    torch.testing.assert_close(free, masked, atol=1e-6, rtol=1e-5)
+    for g, r in zip(grads, torch.autograd.grad(masked.square().sum(), [x, *model.parameters()])):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_sinkhorn_on_cuda_without_a_mask_equals_an_all_true_mask():
+    """On CUDA mask=None takes SDPA's unmasked (flash) kernels and the compiled Sinkhorn loop: same outputs."""
+    model = build("sinkhorn", max_len=1024, block_size=64).cuda()
+    x = torch.randn(4, 1024, D, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        free, masked = model(x, None), model(x, torch.ones(4, 1024, dtype=torch.bool, device="cuda"))
+    torch.testing.assert_close(free.float(), masked.float(), atol=2e-2, rtol=2e-2)
+
+
 # ---------------------------------------------------------------- synthesizer
 
 
