@@ -36,6 +36,10 @@ bucket (no same-bucket mask), and a key seen in two rounds counts twice (no dupl
 code: we divide logits by sqrt(d) (LRA multiplies), use d_qkv (LRA ignores qkv_dim), mask self-attention and
 padding (LRA does neither).
 
+``mask=None`` (no padding in the batch) with N a multiple of the chunk: no padding bucket, and FlexAttention's
+mask reads no tensor (one tile layout serves every sample). Otherwise the internal padding to whole chunks is
+masked as any padding.
+
 Padding: padded positions are hashed into an extra bucket after all real ones, so real tokens keep
 the same sorted order and chunks whatever padding follows, and padded keys are masked. Appending
 padding leaves outputs at real positions exactly unchanged; so does changing the content of padded
@@ -60,6 +64,7 @@ PAD_LOGIT = -1e9  # below SELF_LOGIT, finite so all-padding windows give no NaN
 @register_model
 class Reformer(MultiHeadMixer):
     taxonomy = Taxonomy("Kitaev et al. 2020, arXiv 2001.04451", "N*log(N)", ("LP",), decode=True)
+    accepts_no_mask = True  # mask=None, whole chunks: nothing to mask
 
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, n_hashes: int = 1,
@@ -93,18 +98,19 @@ class Reformer(MultiHeadMixer):
         qk, v = self.qkv(x).view(B, N, 2, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)  # each (B, H, N, Dh)
         return qk, qk, v
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, N, _ = x.shape
         self.check_length(N)
         pad = -N % self.chunk
         if pad:  # padded rows hash to the extra bucket and sort after every real token
+            mask = x.new_ones(B, N, dtype=torch.bool) if mask is None else mask
             x = F.pad(x, (0, 0, 0, pad))  # (B, Np, D)
             mask = F.pad(mask, (0, pad), value=False)  # (B, Np)
         qk, _, v = self.project(x)
         o = self.attend(qk, qk, v, mask)[:, :, :N]  # (B, H, N, Dh)
         return self.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
 
-    def hash(self, qk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def hash(self, qk: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """(B, H, N, Dh) -> bucket ids (B, H, R, N); padding gets the extra bucket ``n_buckets``."""
         B, H, N, _ = qk.shape
         if self.n_buckets == 1:
@@ -113,9 +119,9 @@ class Reformer(MultiHeadMixer):
             with torch.autocast(device_type=qk.device.type, enabled=False):
                 rot = torch.einsum("bhnd,rhdc->bhrnc", qk.float(), self.rotations.float())  # (B, H, R, N, nb/2)
                 buckets = torch.cat([rot, -rot], dim=-1).argmax(dim=-1)  # (B, H, R, N)
-        return buckets.masked_fill(~mask[:, None, None, :], self.n_buckets)
+        return buckets if mask is None else buckets.masked_fill(~mask[:, None, None, :], self.n_buckets)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         qk = q  # shared QK: k is q
         B, H, N, Dh = qk.shape
         R, L = self.n_hashes, self.chunk
@@ -131,10 +137,13 @@ class Reformer(MultiHeadMixer):
         inv = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))  # (B, H, R, N): position -> slot
         if R == 1 and self.flex_round_runs(qk.is_cuda):
             s_qk, s_v = s_qk.view(B, H, N, Dh), s_v.view(B, H, N, Dh)
-            n_real = mask.sum(-1)  # (B,): padding hashes to the last bucket, so real keys are a prefix of the order
+            # (B,): padding hashes to the last bucket, so real keys are a prefix of the order; None: all real
+            n_real = None if mask is None else mask.sum(-1)
             keys = F.normalize(s_qk, dim=-1)  # (B, H, N, Dh): unit length
             o = flex_call(_flex_round, qk.is_cuda, self, s_qk, keys, s_v, n_real)  # (B, H, N, Dh), sorted order
             return o.gather(2, inv.view(B, H, N, 1).expand(-1, -1, -1, Dh))  # (B, H, N, Dh)
+        if mask is None:
+            mask = qk.new_ones(B, N, dtype=torch.bool)  # (B, N)
         s_real = mask[:, None, None, :].expand(B, H, R, N).gather(-1, order).view(B, H, R, C, L)  # (B, H, R, C, L)
 
         # Keys: own chunk + previous chunk (none for chunk 0 or a single chunk).
@@ -198,8 +207,9 @@ class Reformer(MultiHeadMixer):
 def _flex_round(mixer: Reformer, q, k, v, n_real):
     """One hash round as FlexAttention over the sorted sequence (B, H, N, Dh): query slot i sees the keys of its
     own chunk and of the previous one (chunk 0 does not wrap), not itself, and only real keys (slots below
-    ``n_real[b]``). Tiles outside the band or wholly past the real keys are skipped; every other tile is partial
-    (the diagonal and the chunk edges cut through it). A query left with no key takes its own value."""
+    ``n_real[b]``; None: every slot, one layout for all samples and a mask that reads no tensor). Tiles outside
+    the band or wholly past the real keys are skipped; every other tile is partial (the diagonal and the chunk
+    edges cut through it). A query left with no key takes its own value."""
     N, L, device = q.shape[2], mixer.chunk, q.device
     nt = -(-N // FLEX_BLOCK)
     first = torch.arange(nt, device=device) * FLEX_BLOCK  # (nt,): each tile's first slot
@@ -207,18 +217,27 @@ def _flex_round(mixer: Reformer, q, k, v, n_real):
     lo = ((first // L - 1).clamp(min=0) * L)[:, None]  # (nt, 1): lowest key a query of the tile may see
     hi = (((last // L + 1) * L).clamp(max=N) - 1)[:, None]  # (nt, 1): highest
     band = (last[None, :] >= lo) & (first[None, :] <= hi)  # (nt q, nt kv)
-    tiles = band[None] & (first[None, None, :] < n_real[:, None, None])  # (B, nt, nt): some real key inside
-    limit = realized(n_real)  # (B,), read by the mask_mod: a buffer of its own
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def near(q_idx, kv_idx):
         q_chunk, kv_chunk = q_idx // L, kv_idx // L
-        near = (kv_chunk == q_chunk) | (kv_chunk == q_chunk - 1)
-        return near & (q_idx != kv_idx) & (kv_idx < limit[b])
+        return ((kv_chunk == q_chunk) | (kv_chunk == q_chunk - 1)) & (q_idx != kv_idx)
+
+    if n_real is None:
+        tiles, mask_mod = band[None], lambda b, h, q_idx, kv_idx: near(q_idx, kv_idx)  # (1, nt, nt)
+    else:
+        tiles = band[None] & (first[None, None, :] < n_real[:, None, None])  # (B, nt, nt): some real key inside
+        limit = realized(n_real)  # (B,), read by the mask_mod: a buffer of its own
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return near(q_idx, kv_idx) & (kv_idx < limit[b])
 
     block_mask = tile_block_mask(tiles[:, None], torch.zeros_like(tiles[:, None]), N, mask_mod)
     o = flex_attend(q, k, v, block_mask, small_tiles=True)  # (B, H, N, Dh); a row with no key gives 0
     # the real keys a query sees but itself: slots in [start, end) below n_real, less one when the query is real
     slot = torch.arange(N, device=device)
     start, end = (slot // L - 1).clamp(min=0) * L, (slot // L + 1) * L  # (N,)
-    seen = (torch.minimum(end, n_real[:, None]) - start).clamp(min=0) - (slot < n_real[:, None]).long()  # (B, N)
-    return torch.where((seen == 0)[:, None, :, None], v, o)  # (B, H, N, Dh)
+    if n_real is None:
+        seen = end.clamp(max=N) - start - 1  # (N,)
+    else:
+        seen = (torch.minimum(end, n_real[:, None]) - start).clamp(min=0) - (slot < n_real[:, None]).long()  # (B, N)
+    return torch.where((seen == 0).view(-1, 1, N, 1), v, o)  # (B, H, N, Dh)

@@ -49,13 +49,16 @@ def test_flex_attention_equals_the_dense_mask(name, options, n, padding):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"n_buckets": 10}], ids=["bucket64", "lra-10-chunks"])
 @pytest.mark.parametrize("n", [1152, 1025])
-def test_reformer_flex_round_equals_the_sdpa_round(options, n):
+@pytest.mark.parametrize("padding", ["holes", "mask=None"])
+def test_reformer_flex_round_equals_the_sdpa_round(options, n, padding):
     """Reformer's one hash round: FlexAttention over the sorted sequence (compiled, as it runs on CUDA) equals the
-    SDPA round over chunk windows, outputs and gradients, with padding and a sample that is one real token."""
+    SDPA round over chunk windows, outputs and gradients, with padding and a sample that is one real token, and
+    without a mask (its FlexAttention mask then reads no tensor)."""
     torch.manual_seed(0)
     m = create_model("reformer", d_model=64, n_heads=2, d_qkv=64, dropout=0.0, max_len=2048, **options).cuda()
     x = torch.randn(3, n, 64, device="cuda")
     mask = torch.ones(3, n, dtype=torch.bool, device="cuda")
     mask[1, 600:] = False
     mask[2, 1:] = False
+    mask = None if padding == "mask=None" else mask
     assert_same(outputs_and_grads(m, x, mask, "flex"), outputs_and_grads(m, x, mask, "sdpa"))

@@ -282,3 +282,16 @@ def test_reformer_flex_round_equals_the_sdpa_round(options, n):
     model.backend, model.attn_dropout = "auto", 0.1  # on CUDA, unless attention dropout is on: FlexAttention has none
     assert model.flex_round_runs(on_cuda=True) and not model.flex_round_runs(on_cuda=False)
     assert not model.train().flex_round_runs(on_cuda=True)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend,n_hashes", [("sdpa", 1), ("flex", 1), ("sdpa", 2)])
+@pytest.mark.parametrize("n", [64, 61], ids=["whole chunks", "a ragged last chunk"])
+def test_reformer_without_a_mask_equals_an_all_true_mask(backend, n_hashes, n):
+    """mask=None: whole chunks hash no padding and FlexAttention's mask reads no tensor; a ragged last chunk masks
+    its internal padding. Both as an all-true mask (eager FlexAttention here: forward only)."""
+    model = build("reformer", max_len=64, bucket_size=8, n_hashes=n_hashes)
+    model.backend = backend
+    x = torch.randn(2, n, D)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, None), model(x, torch.ones(2, n, dtype=torch.bool)), atol=1e-5, rtol=1e-5)
