@@ -215,8 +215,10 @@ class Trainer:
         self.precision = engine.resolve_precision(cfg.trainer.precision, device)
         self.compiled = engine.resolve_compile(cfg.trainer.compile, device)
         self.autocast = engine.autocast(self.precision, device)
+        # where and with what code this process trains: a row names them even when the run fails before its first step
+        self.here = {"devices": device_name(device), "git_shas": git_sha()}
         self.state = {"step": 0, "best_val": -1.0, "best_step": 0, "timed_steps": 0, "timed_s": 0.0, "wall_s": 0.0,
-                      "peak_mem_mb": 0.0, "history": [], "devices": [], "git_shas": []}
+                      "peak_mem_mb": 0.0, "history": [], **{key: [now] for key, now in self.here.items()}}
 
     # -- the run ------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -313,10 +315,10 @@ class Trainer:
             set_rng_state(checkpoint["rng"], device)
             self.state = checkpoint["state"]
             log.info("resuming %s from step %d", self.files.dir, self.state["step"])
-        # a run resumed on other hardware or code names every device and commit it trained on
-        for key, now in (("devices", device_name(device)), ("git_shas", git_sha())):
-            if now not in self.state[key]:
-                self.state[key].append(now)
+            # a run resumed on other hardware or code names every device and commit it trained on
+            for key, now in self.here.items():
+                if now not in self.state[key]:
+                    self.state[key].append(now)
         train_model = self.model
         if self.world.distributed:
             from torch.nn.parallel import DistributedDataParallel
@@ -572,8 +574,8 @@ class Trainer:
             else None, peak_mem_mb=state["peak_mem_mb"] if ok else None, params=getattr(self, "n_params", None),
             wall_time_s=state["wall_s"] + time.time() - self.wall_start, precision=self.precision,
             compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
-            split=data.info.get("split", ""), device=" + ".join(state["devices"] or [device_name(self.device)]),
-            torch=torch.__version__, git_sha=" + ".join(state["git_shas"] or [git_sha()]), config_hash=self.chash,
+            split=data.info.get("split", ""), device=" + ".join(state["devices"]),
+            torch=torch.__version__, git_sha=" + ".join(state["git_shas"]), config_hash=self.chash,
             timestamp=now_iso(), run_dir=str(self.files.dir), overrides=_overrides(),
             packed=getattr(self, "packed", None), val_is_test=bool(data.info.get("val_is_test", False)))
         out = asdict(row)
