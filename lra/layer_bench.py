@@ -34,16 +34,13 @@ import yaml
 from lra import engine
 from lra.bench import model_config_options, variant_cases
 from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
-from lra.results import append_row, device_name, git_sha, now_iso
+from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from models import create_model, list_models
 from models.registry import Grid
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(1024, 32), (4096, 32), (16384, 8)]  # (N, batch)
-# implementation: "lra <model>" for ours (blank in rows written before it existed), the package's name for theirs;
-# package / pin: the distribution installed and the one the protocol pins (blank for ours and for SDPA)
-COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device", "torch",
-           "git_sha", "timestamp", "implementation", "package", "pin", "compiled"]
+COLUMNS = LAYER_BENCH_COLUMNS
 
 
 def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,

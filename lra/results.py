@@ -1,5 +1,5 @@
-"""Result rows: the schema of ``runs.csv`` and ``bench.csv`` (one dataclass each, documented in
-``results/README.md``), atomic appends, and provenance (device, torch, git commit, config hash). Leaderboards and
+"""Result rows: the schemas of ``runs.csv`` and ``bench.csv`` (one dataclass each) and of ``layer_bench.csv`` (a
+column list), documented in ``results/README.md``; atomic appends, and provenance (device, torch, git commit, config hash). Leaderboards and
 charts are derived from these CSVs, never edited.
 
 Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the run), ``oom`` or
@@ -98,6 +98,21 @@ class BenchRow:
 
 RUN_COLUMNS = [f.name for f in fields(RunRow)]
 BENCH_COLUMNS = [f.name for f in fields(BenchRow)]
+# ``python -m lra.layer_bench``'s rows (layer_bench.csv). implementation: "lra <model>" for ours (blank in rows
+# written before it existed), the package's name for theirs; package / pin: the distribution installed and the one
+# the protocol pins (blank for ours and for SDPA)
+LAYER_BENCH_COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device",
+                       "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled"]
+SCHEMAS = {"runs.csv": RUN_COLUMNS, "bench.csv": BENCH_COLUMNS, "layer_bench.csv": LAYER_BENCH_COLUMNS}
+
+
+def schema_of(header: list[str], source: str | Path) -> list[str]:
+    """The columns of the schema a CSV's header belongs to: the one holding all of its columns (older files lack
+    the newest ones), the narrowest if several do."""
+    fits = [cols for cols in SCHEMAS.values() if set(header) <= set(cols)]
+    if not fits:
+        raise ValueError(f"{source}: its columns fit none of {', '.join(SCHEMAS)} (header {header[:6]}...)")
+    return min(fits, key=len)
 
 
 def append_row(path: str | Path, row: dict, columns: list[str]) -> None:
@@ -190,18 +205,21 @@ def now_iso() -> str:
 
 
 def merge_rows(source: str | Path, dest: str | Path) -> int:
-    """Append the rows of ``source`` (a runs.csv or bench.csv, e.g. brought back from another machine) that
-    ``dest`` does not hold yet (same timestamp, model, and config hash or length); returns how many were added."""
+    """Append the rows of ``source`` (a runs.csv, bench.csv or layer_bench.csv, e.g. brought back from another
+    machine) that ``dest`` does not hold yet (same timestamp, model, and config hash or length, and implementation);
+    returns how many were added. Both files must be of one schema."""
     import pandas as pd
 
     src, dest = Path(source), Path(dest)
     rows = pd.read_csv(src, dtype=str, keep_default_na=False)
-    columns = BENCH_COLUMNS if "seq_len" in rows and "status" in rows and "task" in rows and "seed" not in rows \
-        else RUN_COLUMNS
-    key = [c for c in ("timestamp", "model", "config_hash", "seq_len", "run_dir") if c in rows]
+    columns = schema_of(list(rows.columns), src)
+    key = [c for c in ("timestamp", "model", "config_hash", "seq_len", "run_dir", "implementation") if c in rows]
     seen = set()
     if dest.exists() and dest.stat().st_size:
         old = pd.read_csv(dest, dtype=str, keep_default_na=False)
+        if schema_of(list(old.columns), dest) is not columns:
+            raise ValueError(f"{src} and {dest} hold different kinds of rows: merge a runs.csv into a runs.csv, "
+                             f"a bench.csv into a bench.csv, a layer_bench.csv into a layer_bench.csv")
         seen = {tuple(r) for r in old.reindex(columns=key).itertuples(index=False)}
     added = 0
     for r in rows.to_dict("records"):
@@ -217,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m lra.results",
                                  description="Merge result rows from another results folder (e.g. a GPU machine's).")
-    ap.add_argument("sources", nargs="+", help="runs.csv / bench.csv files to merge")
+    ap.add_argument("sources", nargs="+", help="runs.csv, bench.csv or layer_bench.csv files to merge")
     ap.add_argument("--into", required=True, help="the CSV to append the new rows to (e.g. results/runs.csv)")
     args = ap.parse_args(argv)
     for source in args.sources:

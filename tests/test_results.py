@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lra.results import RUN_COLUMNS, append_row, git_sha
+from lra.results import LAYER_BENCH_COLUMNS, RUN_COLUMNS, append_row, git_sha
 
 
 def _writer(path: str, worker: int, n: int) -> None:
@@ -66,3 +66,23 @@ def test_merge_appends_only_new_rows(tmp_path):
     assert merge_rows(remote, local) == 2 and merge_rows(remote, local) == 0
     merged = pd.read_csv(local)
     assert list(merged.model) == ["m0", "m1", "m2"] and list(merged.columns) == RUN_COLUMNS
+
+
+def test_merge_keeps_each_kind_of_rows_in_its_own_schema(tmp_path):
+    """A layer bench's rows (ours and a package's at one timestamp) merge into a layer_bench.csv with its own
+    header; merging them into a runs.csv is refused, never a file with both headers."""
+    from lra.results import merge_rows
+
+    remote, local, runs = tmp_path / "remote.csv", tmp_path / "layer_bench.csv", tmp_path / "runs.csv"
+    for impl in ("lra performer", "performer-pytorch 1.1.4"):
+        append_row(remote, {"model": "performer", "seq_len": 4096, "batch_size": 32, "status": "ok", "ms_fwd_bwd": 4.8,
+                            "timestamp": "2026-01-01T00:00:00Z", "implementation": impl}, LAYER_BENCH_COLUMNS)
+    assert merge_rows(remote, local) == 2 and merge_rows(remote, local) == 0
+    assert list(pd.read_csv(local).columns) == LAYER_BENCH_COLUMNS
+    append_row(runs, {"task": "listops", "model": "m", "seed": 0, "status": "ok"}, RUN_COLUMNS)
+    with pytest.raises(ValueError, match="different kinds of rows"):
+        merge_rows(remote, runs)
+    assert list(pd.read_csv(runs).columns) == RUN_COLUMNS
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="fit none of"):
+        merge_rows(tmp_path / "other.csv", local)
