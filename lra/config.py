@@ -45,7 +45,7 @@ class BackboneConfig:
     n_heads: int = MISSING
     d_qkv: int = MISSING  # total width of queries / keys / values over all heads (LRA's qkv_dim)
     d_ff: int = MISSING
-    d_classifier: int = MISSING  # hidden width of the classifier head (LRA's mlp_dim)
+    d_classifier: int = MISSING  # hidden width of the classifier head (LRA's mlp_dim); unused by head=linear
     dropout: float = MISSING
     attn_dropout: float = MISSING
     positions: str = "learned"  # learned | sinusoidal | none
@@ -55,6 +55,7 @@ class BackboneConfig:
     norm: str = "layernorm"  # layernorm | batchnorm (statistics over real tokens only)
     prenorm: bool = True  # false: post-norm blocks x = norm(x + Drop(mixer(x))), no final norm
     mlp: bool = True  # false: blocks of the mixer alone (the S4 family's)
+    head: str = "mlp"  # mlp (LRA's Dense-ReLU-Dense) | linear (one Linear after pooling: the S4 family's decoder)
     embedding: str = "tokens"  # tokens | pixels (image tasks: gray values through Linear(1, d_model))
     pixel_mean: float = 0.5  # embedding=pixels: the input is ((id - 1) / 255 - pixel_mean) / pixel_std
     pixel_std: float = 0.5
@@ -269,6 +270,7 @@ CHOICES = {
     "backbone.positions": ("learned", "sinusoidal", "none"),
     "backbone.pooling": ("cls", "mean"),
     "backbone.norm": ("layernorm", "batchnorm"),
+    "backbone.head": ("mlp", "linear"),
     "backbone.embedding": ("tokens", "pixels"),
     "optim.lr_schedule": ("rsqrt", "cosine", "constant"),
     "logger.name": ("none", "wandb"),
@@ -349,6 +351,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"backbone.pixel_std={b.pixel_std} is not valid: it must be positive")
     validate_task(cfg)
     validate_embedding(cfg)
+    validate_head(cfg)
     validate_model(cfg)
     return cfg
 
@@ -375,6 +378,15 @@ def validate_embedding(cfg: DictConfig) -> None:
     if cfg.data.pixel_zero_is_pad:
         raise ConfigError("backbone.embedding=pixels is not valid with data.pixel_zero_is_pad=true: black pixels "
                           "would be masked as padding; set data.pixel_zero_is_pad=false")
+
+
+def validate_head(cfg: DictConfig) -> None:
+    """``head=linear`` maps one pooled sequence to the classes: a pair task combines two through the MLP head."""
+    from lra.data import get_task
+
+    if cfg.backbone.head == "linear" and get_task(cfg.task.name).pair:
+        raise ConfigError(f"backbone.head=linear is not valid for task {cfg.task.name}: its two documents are "
+                          f"combined by the MLP head; use backbone.head=mlp")
 
 
 def validate_model(cfg: DictConfig) -> None:

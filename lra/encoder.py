@@ -265,15 +265,24 @@ def pool_packed(h: torch.Tensor, segments: torch.Tensor, starts: torch.Tensor, m
 class Classifier(nn.Module):
     """Encoder + pooling + head. ``pair=True`` takes (B, 2, N) tokens and classifies the pair.
     ``padded=False`` promises that no token is 0 (pixel tasks): the padding mask is dropped, which lets the
-    transformer use SDPA's unmasked kernels (about 30% faster per layer); the outputs are the same."""
+    transformer use SDPA's unmasked kernels (about 30% faster per layer); the outputs are the same.
+    ``head``: "mlp" is LRA's Dense-ReLU-Dense of width ``d_hidden`` (a pair: 4D -> d_hidden -> d_hidden/2 -> C);
+    "linear" one Linear from the pooled features to the classes (the S4 family's decoder; single sequences only)."""
 
     def __init__(self, encoder: Encoder, d_model: int, d_hidden: int, n_classes: int, pooling: str, pair: bool = False,
-                 padded: bool = True):
+                 padded: bool = True, head: str = "mlp"):
         super().__init__()
         if pooling == "cls" and not encoder.cls_token:
             raise ValueError("pooling='cls' needs the encoder's CLS token (cls_token=true)")
+        if head not in ("mlp", "linear"):
+            raise ValueError(f"head must be 'mlp' or 'linear', got {head!r}")
+        if head == "linear" and pair:
+            raise ValueError("head='linear' is for single sequences: a pair task (retrieval) combines its two "
+                             "documents through the MLP head (backbone.head=mlp)")
         self.encoder, self.pooling, self.pair, self.padded = encoder, pooling, pair, padded
-        if pair:
+        if head == "linear":
+            self.head = nn.Linear(d_model, n_classes)
+        elif pair:
             self.head = nn.Sequential(
                 nn.Linear(4 * d_model, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_hidden // 2), nn.ReLU(),
                 nn.Linear(d_hidden // 2, n_classes),
@@ -329,4 +338,5 @@ def build_classifier(model: str, model_options: dict, backbone, vocab_size: int,
         prenorm=bool(b.get("prenorm", True)), mlp=bool(b.get("mlp", True)), embedding=b.get("embedding", "tokens"),
         pixel_mean=b.get("pixel_mean", 0.5), pixel_std=b.get("pixel_std", 0.5),
     )
-    return Classifier(encoder, b.d_model, b.d_classifier, n_classes, b.pooling, pair=pair, padded=padded)
+    return Classifier(encoder, b.d_model, b.d_classifier, n_classes, b.pooling, pair=pair, padded=padded,
+                      head=b.get("head", "mlp"))

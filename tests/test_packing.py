@@ -355,16 +355,20 @@ def test_on_cuda_packed_rows_equal_unpacked_compiled_and_eager(name, precision):
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_packed_transformer_trains_jagged_with_attention_dropout(monkeypatch):
-    """LRA's attention dropout on packed rows goes to the jagged fused kernels (a block-diagonal mask would leave
-    SDPA only its slow memory-efficient kernel) and trains: finite gradients. Equality: the CPU tests."""
+@pytest.mark.parametrize("path", ["varlen", "jagged"])
+def test_on_cuda_the_packed_transformer_trains_fused_with_attention_dropout(monkeypatch, path):
+    """LRA's attention dropout on packed rows goes to the fused kernels (a block-diagonal mask would leave SDPA only
+    its slow memory-efficient kernel) and trains: finite gradients. Under bf16 "auto" takes varlen; jagged is named.
+    Equality: the CPU tests."""
     import models.transformer as transformer
-    calls, jagged = [], transformer.jagged_attention
-    monkeypatch.setattr(transformer, "jagged_attention", lambda *a: calls.append(a[4]) or jagged(*a))  # dropout_p
+    calls, fused = [], getattr(transformer, f"{path}_attention")
+    monkeypatch.setattr(transformer, f"{path}_attention", lambda *a: calls.append(a[4]) or fused(*a))  # dropout_p
     torch.manual_seed(0)
     bb = OmegaConf.create(dict(n_layers=2, d_model=64, n_heads=4, d_qkv=64, d_ff=64, dropout=0.0, attn_dropout=0.1,
                                pooling="cls", d_classifier=16))
     model = build_classifier("transformer", {}, bb, vocab_size=20, seq_len=48, n_classes=3).cuda().train()
+    for block in model.encoder.blocks:
+        block.mixer.backend = "auto" if path == "varlen" else path
     tokens = padded_batch(24, 48)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(*(t.cuda() for t in model_inputs(tokens, True, cls_token=True))).float().sum().backward()

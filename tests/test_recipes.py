@@ -198,6 +198,8 @@ BAD_VALUES = [
     (["task=image", "backbone.embedding=pixels", "data.pixel_zero_is_pad=true"],
      r"backbone.embedding=pixels is not valid with data.pixel_zero_is_pad=true"),
     (["task=image", "backbone.embedding=pixels", "backbone.pixel_std=0"], r"backbone.pixel_std=0.0 is not valid"),
+    (["backbone.head=conv"], r"backbone.head='conv' is not valid: choose one of mlp, linear"),
+    (["task=retrieval", "backbone.head=linear"], r"backbone.head=linear is not valid for task retrieval"),
 ]
 
 
@@ -224,9 +226,11 @@ def test_the_options_at_their_defaults_leave_the_config_hash_as_it_was():
     recognised as finished); a changed option changes it."""
     cfg = OmegaConf.to_container(compose_cfg(["run_dir=x"]), resolve=True)
     before = {**cfg, "backbone": {k: v for k, v in cfg["backbone"].items()
-                                  if k not in ("norm", "prenorm", "mlp", "embedding", "pixel_mean", "pixel_std")}}
+                                  if k not in ("norm", "prenorm", "mlp", "head", "embedding", "pixel_mean",
+                                               "pixel_std")}}
     assert config_hash(cfg) == config_hash(before)
-    for key, value in (("norm", "batchnorm"), ("prenorm", False), ("mlp", False), ("pixel_std", 0.25)):
+    for key, value in (("norm", "batchnorm"), ("prenorm", False), ("mlp", False), ("head", "linear"),
+                       ("pixel_std", 0.25)):
         assert config_hash({**cfg, "backbone": {**cfg["backbone"], key: value}}) != config_hash(cfg)
 
 
@@ -267,6 +271,7 @@ def test_s4d_preset_sets_the_published_recipe(task):
     assert (b.n_layers, b.d_model, b.norm, b.prenorm, b.dropout, b.attn_dropout) == (layers, d, norm, prenorm,
                                                                                      dropout, dropout)
     assert (b.mlp, b.positions, b.pooling, b.embedding) == (False, "none", "mean", embedding)
+    assert b.head == ("mlp" if task == "retrieval" else "linear")  # S4's decoder; a pair meets in the MLP head
     assert (o.lr, o.weight_decay, o.lr_schedule, o.warmup_steps, o.grad_clip) == (lr, wd, "cosine", warmup, None)
     assert (list(o.betas), o.eps) == ([0.9, 0.999], 1e-8)
     assert (s.batch_size, s.steps, s.eval_every) == (batch, epochs * (n_train // batch), n_train // batch)
@@ -281,6 +286,8 @@ def test_s4d_preset_builds_with_the_ssm_optimiser_group(task):
     layers, _, norm, *_ = RECIPES[task]
     model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, shape(cfg))
     assert not any(".mlp." in n or n.startswith("encoder.pos") for n, _ in model.named_parameters())
+    if task != "retrieval":  # one Linear from the pooled features to the classes
+        assert isinstance(model.head, torch.nn.Linear) and model.head.in_features == cfg.backbone.d_model
     assert isinstance(model.encoder.blocks[0].norm1, MaskedBatchNorm if norm == "batchnorm" else LayerNorm)
     groups = engine.parameter_groups(model, cfg.optim.weight_decay)
     assert len(groups) == 2
