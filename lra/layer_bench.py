@@ -22,6 +22,7 @@ compiles the model it trains; the warm-up steps compile it, and rows say ``compi
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -44,10 +45,13 @@ COLUMNS = LAYER_BENCH_COLUMNS
 
 
 def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,
-                 warmup: int = 3, steps: int = 10, compile_layer: bool = False) -> tuple[float, float | None]:
+                 warmup: int = 3, steps: int = 10, compile_layer: bool = False,
+                 profile_dir: Path | None = None) -> tuple[float, float | None]:
     """(median ms of one forward + backward, peak MB or None off CUDA) of ``layer`` on a (batch, n, D) input,
     through ``torch.compile`` with ``compile_layer`` (compiled during the warm-up). The one timing loop of this
-    module: our mixers and the public packages are timed by the same code."""
+    module: our mixers and the public packages are timed by the same code. ``profile_dir``: after the timed calls,
+    as many more under torch.profiler, whose tables (``profile.txt``: kernels by device time on a GPU, operators
+    and our own functions by host time) and trace go there; the timing does not include them."""
     if compile_layer:
         layer = torch.compile(layer)
     x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
@@ -68,11 +72,19 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
         step()
         engine.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), (engine.peak_memory_mb(device) if device.type == "cuda" else None)
+    peak = engine.peak_memory_mb(device) if device.type == "cuda" else None
+    if profile_dir is not None:
+        profiler = engine.StepProfiler(device, 0, steps, profile_dir)
+        for done in range(steps):
+            profiler.before_step(done)
+            step()
+            profiler.after_step(done + 1)
+    return statistics.median(times), peak
 
 
 def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 10,
-               options: dict | None = None, compile_layer: bool = False) -> tuple[float, float | None]:
+               options: dict | None = None, compile_layer: bool = False,
+               profile_dir: Path | None = None) -> tuple[float, float | None]:
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n)."""
     torch.manual_seed(0)
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=0.0, max_len=n,
@@ -84,14 +96,24 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
         if side * side != n:
             raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
         extra["grid"] = Grid(side, side)
-    return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps, compile_layer)
+    return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps, compile_layer,
+                        profile_dir)
 
 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
-              steps: int = 10, compile_layer: bool = False) -> tuple[float, float | None]:
+              steps: int = 10, compile_layer: bool = False,
+              profile_dir: Path | None = None) -> tuple[float, float | None]:
     """``time_forward`` of a public package's layer (lra/peers.py), built for length n, at (batch, n)."""
     torch.manual_seed(0)
-    return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps, compile_layer)
+    return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps, compile_layer,
+                        profile_dir)
+
+
+def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -> Path | None:
+    """``--profile``'s folder for one row: <root>/<implementation>_<N>x<B>, the name made safe for a path."""
+    if root is None:
+        return None
+    return root / f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', implementation).strip('_')}_{n}x{batch}"
 
 
 def measure(row: dict, timer: Callable[[], tuple[float, float | None]], device: torch.device,
@@ -200,6 +222,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help="also time the public packages of these models and a bare SDPA layer, here and now")
     parser.add_argument("--compile", action="store_true",
                         help="time every layer (ours, the packages', SDPA's) through torch.compile, as lra trains")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="after each row's timing, profile as many calls into DIR/<implementation>_<N>x<B>/ "
+                             "(profile.txt: kernels by device time, operators and functions by host time)")
     args = parser.parse_args(argv)
     device = engine.resolve_device(args.device)
     engine.configure(device, engine.cpu_threads(None))
@@ -209,12 +234,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                   torch=torch.__version__, git_sha=git_sha(), compiled=args.compile)
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours = [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
-                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile),
+                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile,
+                                       profile_folder(args.profile, f"lra {label}", n, batch)),
                     device, args.out)
             for label, name, options in cases for n, batch in shapes]
     theirs = [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
-                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile), device,
-                      args.out)
+                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile,
+                                        profile_folder(args.profile, peer.name(), n, batch)), device, args.out)
               for peer in (for_models(models) if args.peers else []) for n, batch in shapes]
     ours, theirs = frame(ours), frame(theirs)
     if not args.peers:

@@ -13,8 +13,8 @@ NOT_HASHED_TRAINER = ("compile", "compile_mode", "pack", "trim", "devices", "thr
 # values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.
 HASHED_ONLY_IF_NOT = {
-    "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "head": "mlp", "embedding": "tokens", "pixel_mean": 0.5,
-                 "pixel_std": 0.5},
+    "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "head": "mlp", "embedding": "tokens",
+                 "pixel_mean": 0.5, "pixel_std": 0.5},
     "schedule": {"batching": "random"},
 }
 

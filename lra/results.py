@@ -1,6 +1,6 @@
 """Result rows: the schemas of ``runs.csv`` and ``bench.csv`` (one dataclass each) and of ``layer_bench.csv`` (a
-column list), documented in ``results/README.md``; atomic appends, and provenance (device, torch, git commit, config hash). Leaderboards and
-charts are derived from these CSVs, never edited.
+column list), documented in ``results/README.md``; atomic appends, and provenance (device, torch, git commit,
+config hash). Leaderboards and charts are derived from these CSVs, never edited.
 
 Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the run), ``oom`` or
 ``error: <Type>: <message>``. Only ``ok`` rows carry accuracies or timings; nothing else is ever averaged.

@@ -139,6 +139,25 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     assert "measured in this call" in capsys.readouterr().out
 
 
+def test_profile_writes_a_table_for_every_row_after_its_timing(tmp_path, monkeypatch):
+    """``--profile DIR``: ours, the package's and the SDPA layer each get DIR/<implementation>_<N>x<B>/profile.txt,
+    profiled after the timed calls (the timing loop is untouched: one median of as many calls as without it)."""
+    out, where = tmp_path / "layers.csv", tmp_path / "profiles"
+    started = []
+    real = layer_bench.engine.StepProfiler
+    monkeypatch.setattr(layer_bench.engine, "StepProfiler", lambda *a: started.append(a[1:3]) or real(*a))
+    layer_bench.main(["--models", "performer", "--out", str(out), "--profile", str(where), *PEER_ARGS])
+    rows = pd.read_csv(out)
+    assert (rows.status == "ok").all() and len(rows) == 3
+    folders = sorted(p.name for p in where.iterdir())
+    assert folders == ["SDPA_exact_cuDNN_flash_128x2", "lra_performer_128x2",
+                       "performer-pytorch_1.1.4_256_features_128x2"]
+    for name in folders:
+        text = (where / name / "profile.txt").read_text()
+        assert text.startswith("steps 1-1") and "host time by operator" in text
+    assert started == [(0, 1)] * 3  # profiled from call 0 for --steps calls, after the timing
+
+
 def test_compile_puts_every_timed_layer_through_torch_compile(tmp_path, monkeypatch, capsys):
     """--compile: ours, the package's and SDPA's layers alike (a stand-in for torch.compile records them)."""
     compiled = []
