@@ -152,6 +152,7 @@ def check_writable(*folders: str | Path) -> None:
 
 
 HELD_BY_PARENT = "LRA_RUN_FOLDER_HELD"  # the run folder the process that spawned this rank holds
+PARENT_OVERRIDES = "LRA_RUN_OVERRIDES"  # the command-line overrides of that process (a spawned rank has no Hydra)
 
 
 def start_logger(cfg: DictConfig, run_dir: Path):
@@ -173,11 +174,13 @@ def run(cfg: DictConfig) -> dict:
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable, Hydra's resolvers done
         check_writable(plain.run_dir, plain.results.dir)
         with RunFiles(plain.run_dir).hold():  # here, so that a folder in use fails before any rank starts
-            os.environ[HELD_BY_PARENT] = str(Path(plain.run_dir).resolve())  # the ranks inherit it
+            os.environ[HELD_BY_PARENT] = str(Path(plain.run_dir).resolve())  # the ranks inherit both
+            os.environ[PARENT_OVERRIDES] = _overrides()
             try:
                 distributed.spawn(int(cfg.trainer.devices), run_rank, plain)
             finally:
                 os.environ.pop(HELD_BY_PARENT)
+                os.environ.pop(PARENT_OVERRIDES)
         return RunFiles(plain.run_dir).finished()
     return run_rank(cfg)
 
@@ -623,6 +626,8 @@ def is_compile_error(error: BaseException) -> bool:
 
 
 def _overrides() -> str:
+    if PARENT_OVERRIDES in os.environ:  # a rank spawned by ``run``: Hydra lives in the parent
+        return os.environ[PARENT_OVERRIDES]
     try:
         from hydra.core.hydra_config import HydraConfig
 

@@ -59,7 +59,8 @@ def test_the_gpu_launcher_runs_in_parallel_never_two_jobs_on_one_gpu_and_resumes
 
 def test_data_parallel_jobs_under_the_gpu_launcher_hold_their_gpus_for_the_whole_run(tmp_path):
     """trainer.devices=2 with hydra/launcher=gpus on 2 slots: each job holds both (so they run one after the other,
-    never sharing a GPU), trains over two processes, and writes one row."""
+    never sharing a GPU), trains over two processes, and writes one row that names the command's overrides (the
+    ranks run in processes of their own, without Hydra)."""
     lra_cli(["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "trainer.devices=2", *FAST,
              "model=transformer,linear"], tmp_path)
     slots = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "multirun").rglob("gpu_slot.json")]
@@ -69,6 +70,8 @@ def test_data_parallel_jobs_under_the_gpu_launcher_hold_their_gpus_for_the_whole
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert sorted(rows["model"]) == ["linear", "transformer"] and (rows["devices"] == 2).all()
     assert (rows["status"] == "ok").all()
+    assert all("trainer.devices=2" in o.split() and f"model={m}" in o.split()
+               for o, m in zip(rows["overrides"], rows["model"])), list(rows["overrides"])
 
 
 def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
