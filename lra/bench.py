@@ -80,16 +80,17 @@ def build_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None =
     return engine.build_model(name, {**model_config_options(name), **(options or {})}, cfg.backbone, shape)
 
 
-def variant_cases(variants) -> list[tuple[str, str, dict]]:
+def variant_cases(variants, attributes: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
-    changed options as the rows' ``model``: ``bigbird(block=64)``."""
+    changed options as the rows' ``model``: ``bigbird(block=64)``. ``attributes``: keys that are not constructor
+    options but set on the built mixer (left to the caller to check)."""
     cases = []
     for variant in variants or []:
         options = dict(variant)
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        error = unknown_options(name, options, backbone=False)  # fail before the sweep, not in its rows
+        error = unknown_options(name, {k: v for k, v in options.items() if k not in attributes}, backbone=False)
         if error:
             raise ValueError(f"bench.variants: {error}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"

@@ -87,8 +87,14 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
                profile_dir: Path | None = None) -> tuple[float, float | None]:
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n)."""
     torch.manual_seed(0)
+    options = dict(options or {})
+    backend = options.pop("backend", None)  # how a mixer runs: an attribute (models/base.py), not an option
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=0.0, max_len=n,
-                         **{**model_config_options(name), **(options or {})}).to(device).train()
+                         **{**model_config_options(name), **options}).to(device).train()
+    if backend is not None:
+        if not hasattr(mixer, "backend"):
+            raise ValueError(f"{name} has one execution, no backend to choose")
+        mixer.backend = backend
     mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
     extra = {}
     if getattr(mixer, "needs_grid", False):
@@ -203,7 +209,7 @@ def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
         options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
         variants.append({"model": name, **options})
     try:
-        return variant_cases(variants)
+        return variant_cases(variants, attributes=("backend",))  # backend: how a mixer runs, checked when built
     except ValueError as error:  # a misspelt option: before the sweep, in one line
         raise SystemExit(f"--variants: {error}") from None
 
@@ -217,7 +223,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
     parser.add_argument("--variants", default="", help="more rows of our mixers with options changed, e.g. "
-                        "'performer:chunk_size=1024;reformer:n_hashes=4' (rows 'lra performer(chunk_size=1024)', ...)")
+                        "'performer:chunk_size=1024;reformer:n_hashes=4' (rows 'lra performer(chunk_size=1024)', ...); "
+                        "backend=<name> picks a mixer's execution (e.g. 'performer:backend=torch')")
     parser.add_argument("--peers", action="store_true",
                         help="also time the public packages of these models and a bare SDPA layer, here and now")
     parser.add_argument("--compile", action="store_true",

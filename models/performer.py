@@ -23,20 +23,20 @@ matmuls run at half of bf16's rate at best and move twice the bytes (on the GPU 
 runner and bench set matmul precision "high"; the exponents' matmuls too). Tested against fp64: 0.5%
 relative error, most of it from rounding q, k, v themselves to bf16.
 
-On CUDA the backward is written by hand and recomputes the two (N x m) feature maps instead of keeping them
-(``recompute``): two extra matmuls, but 2 x B H N m fp32 fewer saved per layer (the CPU path keeps them,
-3x faster there). Forward and backward bodies run through torch.compile (``compile_core``), fusing the
-elementwise passes over the feature maps around the cuBLAS matmuls: recomputation trades about 1.6x the
-layer's time for a third of its saved memory, and compilation cuts the eager time by a third or more
-(measurements: ``results/layer_bench.csv`` and ``results/bench.csv``).
-
-``chunk_size`` (softmax kernel; null = whole sequence): forward and backward walk the sequence in chunks of that
-many positions, so the feature-map transients (the exponents, features and their gradients, several of them at
-once) are O(B H chunk m) instead of O(B H N m) (each whole one is 537 MB fp32 at N 4096, batch 32, 4 heads,
-m 256). Cost: the forward's key matmul runs twice (once for the key stabiliser, which needs every key before any
-feature is formed), and the sums over chunks round differently from one sum. The memory is saved with the
-hand-written backward (CUDA's ``recompute``); the autograd path keeps every chunk's features anyway. Kernels and
-details: ``models/_favor.py``.
+Two executions of the softmax kernel (``backend``, an attribute: how it runs, never what it computes):
+* **triton** (CUDA's default for unpacked rows): the kernels of ``models/_favor_triton.py`` form each tile's
+  exponents and features in registers and use them at once, as flash attention does with its scores, so no
+  (N x m) map is ever written: a step moves O(N Dh) bytes per head and the backward keeps q, k, v, the output and
+  the (m x Dh) summaries. The PyTorch path writes each (B, H, N, m) fp32 map (537 MB at N 4096, batch 32, 4 heads,
+  m 256) and reads it back several times, which made it 2-3x slower than a bf16 package.
+* **torch** (the CPU, packed rows, or ``backend = "torch"``): ``models/_favor.py`` in PyTorch operations. On CUDA
+  its backward is written by hand and recomputes the two feature maps instead of keeping them (``recompute``:
+  2 x B H N m fp32 fewer saved per layer; the CPU path keeps them, 3x faster there), and forward and backward run
+  through torch.compile (``compile_core``). ``chunk_size`` (null = whole sequence) walks the sequence in chunks
+  of that many positions, so the feature-map transients are O(B H chunk m) instead of O(B H N m), for a second
+  key matmul in the forward (the key stabiliser needs every key before any feature is formed); the memory is
+  saved with the hand-written backward only. These three options serve this path alone.
+Measurements of both: ``results/layer_bench.csv``.
 
 Features come from a torch.Generator seeded with ``seed`` (draw j uses a seed derived from (seed, j)), so a
 layer's features are reproducible and survive a checkpoint (the matrix is a buffer; seed and counters are
@@ -49,8 +49,8 @@ follow the run seed. In training the features are redrawn every ``redraw_every``
 phi(x) = relu(x) + 1e-3 on the raw q, k, no random features, no stabiliser; ``n_features``/``redraw_every``
 are then unused (LRA ignored ``nb_features`` as well).
 
-Complexity: softmax kernel O(N m Dh) time, O(N m) transient memory per head (O(chunk m) with ``chunk_size``;
-O(N Dh) kept for backward);
+Complexity: softmax kernel O(N m Dh) time; memory O(N Dh) with the Triton kernels, else O(N m) transient per head
+(O(chunk m) with ``chunk_size``) and O(N Dh) kept for the backward;
 relu kernel O(N Dh^2) time, O(N Dh) memory. Nothing N x N is ever formed.
 Packed rows (``segments``): each example has its own key stabiliser (the maximum over its own keys, so its
 normaliser is >= 1 as when alone, however far its exponents lie below another example's) and its own
@@ -69,12 +69,13 @@ applied (LRA ignored it too).
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 import torch
 
 from ._favor import FavorAttention, favor_attention, relu_attention, upcast
-from .base import MultiHeadMixer, compiled, segment_members
+from .base import MultiHeadMixer, compiled, segment_members, takes_fused_path
 from .registry import Taxonomy, register_model
 
 
@@ -124,6 +125,7 @@ class Performer(MultiHeadMixer):
         self.seed = int(torch.randint(2**31, ())) if seed is None else int(seed)
         self.recompute, self.compile_core = bool(recompute), bool(compile_core)
         self.chunk_size = None if chunk_size is None else int(chunk_size)
+        self.backend = "auto"  # softmax kernel: "triton" | "torch" (models/_favor*.py); how it runs, not what
         self.train_calls = 0  # training forward calls seen; drives the redraw schedule
         self.draws = 0  # index of the current feature draw
         self.register_buffer("features", self.draw(0) if kernel == "softmax" else None)  # (m, Dh) fp32
@@ -149,6 +151,18 @@ class Performer(MultiHeadMixer):
     def set_extra_state(self, state: dict) -> None:
         self.seed, self.train_calls, self.draws = (int(state[k]) for k in ("seed", "train_calls", "draws"))
 
+    def takes_triton(self, q: torch.Tensor, member: torch.Tensor | None) -> bool:
+        """Whether the softmax kernel runs the Triton kernels (``backend``): on CUDA under "auto", for unpacked rows
+        (packed rows, with their per-example sums, take the PyTorch path)."""
+        if self.backend == "triton" and member is not None:
+            raise ValueError("backend='triton' takes unpacked rows only; packed rows (segments) run the PyTorch "
+                             "path: set backend='auto' or 'torch'")
+        if self.backend == "triton" and importlib.util.find_spec("triton") is None:
+            raise ModuleNotFoundError("backend='triton' needs the triton package (it comes with CUDA builds of "
+                                      "torch): pip install triton, or set backend='torch'")
+        return takes_fused_path(self.backend, "triton", "torch",
+                                q.is_cuda and member is None and importlib.util.find_spec("triton") is not None)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         keep = mask[:, None, :, None]  # (B, 1, N, 1)
@@ -159,6 +173,10 @@ class Performer(MultiHeadMixer):
                 return (compiled(relu_attention) if fused else relu_attention)(q, k, v, keep, member).to(q.dtype)
         self.advance_schedule()
         w = upcast(self.features).to(upcast(q).dtype) * self.d_head**-0.25  # (m, Dh): folds in q' = q Dh^-1/4
+        if self.takes_triton(q, member):  # no (N x m) map in memory: the fastest and leanest on a GPU
+            from ._favor_triton import favor_attention_triton  # imported on first use: triton comes with CUDA
+
+            return favor_attention_triton(q, k, v, keep, w).to(q.dtype)  # (B, H, N, Dh)
         if self.recompute and q.is_cuda:  # hand-written backward, features recomputed: lean GPU memory
             return FavorAttention.apply(q, k, v, keep, w, fused, member, self.chunk_size).to(q.dtype)  # (B, H, N, Dh)
         with torch.autocast(device_type=q.device.type, enabled=False):  # autograd keeps both feature maps

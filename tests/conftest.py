@@ -1,7 +1,14 @@
 """Shared fixtures: Hydra composition from conf/, and isolated cache/result folders per test."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+
+# Triton kernels (models/_favor_triton.py) run on the CPU through Triton's interpreter where there is no GPU. Triton
+# reads this when first imported, and torch imports it, so it is set before anything imports torch.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from hydra import compose, initialize_config_dir

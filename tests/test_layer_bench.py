@@ -227,3 +227,17 @@ def test_variants_are_rows_of_their_own_labelled_by_their_options(tmp_path):
                               "--warmup", "0", "--steps", "1", "--device", "cpu", "--out", str(out)])
     assert pd.read_csv(out).implementation.tolist() == ["lra linear", "lra linear(chunk_size=16)"]
     assert table.ours.tolist() == ["lra linear", "lra linear(chunk_size=16)"]
+
+
+def test_a_variant_may_choose_a_mixers_execution(monkeypatch):
+    """backend=<name> is set on the built mixer (how it runs, not a constructor option); a mixer with one
+    execution says so."""
+    assert layer_bench.parse_variants("performer:backend=torch") == [
+        ("performer(backend=torch)", "performer", {"backend": "torch"})]
+    built, create = [], layer_bench.create_model
+    monkeypatch.setattr(layer_bench, "create_model", lambda *a, **k: built.append(create(*a, **k)) or built[-1])
+    monkeypatch.setattr(layer_bench, "time_forward", lambda *args: (1.0, None))
+    layer_bench.time_layer("performer", 64, 2, torch.device("cpu"), options={"backend": "torch"})
+    assert built[0].backend == "torch"
+    with pytest.raises(ValueError, match="linear has one execution"):
+        layer_bench.time_layer("linear", 64, 2, torch.device("cpu"), options={"backend": "torch"})

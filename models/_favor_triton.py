@@ -1,0 +1,318 @@
+"""FAVOR+ (models/performer.py states the method, its stabilisers and precision) as four Triton kernels in which
+no (N x m) feature map ever reaches GPU memory: each tile of 32-64 positions forms its exponents from q or k and
+the random matrix, takes its features, uses them in the next matmul and drops them, as flash attention does with
+its scores. The PyTorch path (models/_favor.py) writes every (B, H, N, m) fp32 map to memory and reads it back
+several times, which is what made it 2-3x slower than a bf16 package; here a training step moves O(N Dh) bytes
+per head, and the saved state is q, k, v, the output and the (m x Dh) summaries.
+
+* keys, forward (grid: heads x splits of the sequence): each program walks its keys block by block, keeping a
+  running per-feature maximum c and rescaling its partial summaries sum_n fk_n v_n^T and key sums sum_n fk_n
+  when c grows (the online maximum of flash attention, per feature instead of per query). The splits' partials
+  are merged in PyTorch (a few (m x Dh) tensors per head): c is the maximum over the real keys, exactly the
+  PyTorch path's stabiliser, the summaries the same sums in another order.
+* queries, forward (grid: heads x query blocks): fq = softmax over features of w . q' + c, out = fq kv / (fq ksum
+  + eps); the normaliser is kept for the backward.
+* queries, backward (grid: heads x splits): the features are recomputed; dq, and each split's partial gradients
+  of the summaries and key sums, merged in PyTorch.
+* keys, backward (grid: heads x key blocks): the key features are recomputed with the forward's c; dk, dv.
+
+Precision follows the PyTorch path: exponents, features, stabilisers, key sums and normaliser in fp32 (the
+exponents' matmuls at TF32 on the GPU, as torch's "high" matmul precision gives there); the products with values
+and gradients take bf16 operands when v is bf16, with fp32 accumulation. Head sizes and feature counts that are
+not powers of two (or under 16, the least tl.dot takes) are zero-padded inside the kernels, which is exact:
+padded head columns add nothing to any dot product, padded features get the exponent -inf.
+
+CUDA only in use (the performer takes it for unpacked rows, ``backend``); under ``TRITON_INTERPRET=1`` the same
+kernels run on the CPU, which is how tests/test_favor_triton.py checks them against the PyTorch path.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._favor import EPS
+
+NEG = -1e30  # the stabiliser of a feature no real key has reached: finite, so exp(-inf - NEG) = 0, never nan
+BLOCK = 32  # positions per tile (the kernels hold a few (BLOCK x m) fp32 tiles at once)
+WARPS = 4
+
+
+@triton.jit
+def _rows(base, stride_n, stride_d, offs_n, offs_d, N, D):
+    """A (BLOCK, DP) tile of a (N, D) matrix in fp32, zeros outside it."""
+    ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
+    return tl.load(ptrs, mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d):
+    """k (BLOCK, DP) fp32, keep (BLOCK,) -> (BLOCK, MP): w . k' - |k'|^2 / 2, -inf at padded keys and features."""
+    e = tl.dot(k, wt) + (tl.sum(k * k, axis=1) * (-0.5 * inv_sqrt_d))[:, None]
+    return tl.where(keep[:, None] & (offs_m[None, :] < M), e, float("-inf"))
+
+
+@triton.jit
+def _query_features(q, wt, c, offs_m, M):
+    """q (BLOCK, DP) fp32, c (MP,) -> fq (BLOCK, MP): the softmax over features of w . q' + c."""
+    e = tl.where(offs_m[None, :] < M, tl.dot(q, wt) + c[None, :], float("-inf"))
+    p = tl.exp(e - tl.max(e, axis=1)[:, None])
+    return p / tl.sum(p, axis=1)[:, None]
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: the GPU's conversion, done on the bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mm(a, b, BF16: tl.constexpr):
+    """a @ b accumulated in fp32, with operands in fp32 (BF16 = 0), bf16 (1), or rounded to bf16 and multiplied in
+    fp32 (2: the same products, for the interpreter, whose tl.dot mishandles bf16 operands and whose conversion
+    to bf16 truncates, in triton 3.9)."""
+    if BF16 == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    if BF16 == 2:
+        return tl.dot(_round_bf16(a), _round_bf16(b))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _keys_forward(K, V, KEEP, W, C_OUT, KV_OUT, KS_OUT, H, N, D, M, blocks_per_split,
+                  skb, skh, skn, skd, svb, svh, svn, svd, inv_sqrt_d,
+                  BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+    bh, split, splits = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    b, h = bh // H, bh % H
+    offs_d, offs_m, offs_b = tl.arange(0, DP), tl.arange(0, MP), tl.arange(0, BLOCK)
+    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
+                 other=0.0)  # (DP, MP)
+    c = tl.full((MP,), NEG, tl.float32)  # running per-feature maximum
+    kv = tl.zeros((MP, DP), tl.float32)  # sum_n exp(e_n - c) v_n^T
+    ks = tl.zeros((MP,), tl.float32)  # sum_n exp(e_n - c)
+    for i in range(0, blocks_per_split):
+        offs_n = (split * blocks_per_split + i) * BLOCK + offs_b
+        k = _rows(K + b * skb + h * skh, skn, skd, offs_n, offs_d, N, D)  # (BLOCK, DP)
+        keep = tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0
+        e = _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d)  # (BLOCK, MP)
+        c_new = tl.maximum(c, tl.max(e, axis=0))
+        rescale = tl.exp(c - c_new)  # (MP,): the partial sums move to the new maximum
+        f = tl.exp(e - c_new[None, :])  # (BLOCK, MP), in [0, 1]
+        v = _rows(V + b * svb + h * svh, svn, svd, offs_n, offs_d, N, D)  # (BLOCK, DP)
+        kv = kv * rescale[:, None] + _mm(tl.trans(f), v, BF16)
+        ks = ks * rescale + tl.sum(f, axis=0)
+        c = c_new
+    part = bh * splits + split
+    tl.store(C_OUT + part * MP + offs_m, c)
+    tl.store(KV_OUT + (part * MP + offs_m[:, None]) * DP + offs_d[None, :], kv)
+    tl.store(KS_OUT + part * MP + offs_m, ks)
+
+
+@triton.jit
+def _queries_forward(Q, W, C, KV, KS, OUT, DEN, H, N, D, M, sqb, sqh, sqn, sqd,
+                     BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+    bh, blk = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_d, offs_m = tl.arange(0, DP), tl.arange(0, MP)
+    offs_n = blk * BLOCK + tl.arange(0, BLOCK)
+    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
+                 other=0.0)  # (DP, MP)
+    c = tl.load(C + bh * MP + offs_m)  # (MP,)
+    kv = tl.load(KV + (bh * MP + offs_m[:, None]) * DP + offs_d[None, :])  # (MP, DP)
+    ks = tl.load(KS + bh * MP + offs_m)  # (MP,)
+    q = _rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D)  # (BLOCK, DP)
+    f = _query_features(q, wt, c, offs_m, M)  # (BLOCK, MP)
+    den = tl.sum(f * ks[None, :], axis=1) + EPS  # (BLOCK,), >= 1 + EPS for a query of an example with real keys
+    out = _mm(f, kv, BF16) / den[:, None]  # (BLOCK, DP)
+    rows = bh * N + offs_n
+    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out, mask=(offs_n[:, None] < N) & (offs_d[None, :] < D))
+    tl.store(DEN + rows, den, mask=offs_n < N)
+
+
+@triton.jit
+def _queries_backward(Q, G, OUT, DEN, W, C, KV, KS, DQ, DKV_OUT, DKS_OUT, H, N, D, M, blocks_per_split,
+                      sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd,
+                      BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+    bh, split, splits = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    b, h = bh // H, bh % H
+    offs_d, offs_m, offs_b = tl.arange(0, DP), tl.arange(0, MP), tl.arange(0, BLOCK)
+    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
+                 other=0.0)  # (DP, MP)
+    c = tl.load(C + bh * MP + offs_m)
+    kv = tl.load(KV + (bh * MP + offs_m[:, None]) * DP + offs_d[None, :])  # (MP, DP)
+    ks = tl.load(KS + bh * MP + offs_m)
+    dkv = tl.zeros((MP, DP), tl.float32)
+    dks = tl.zeros((MP,), tl.float32)
+    for i in range(0, blocks_per_split):
+        offs_n = (split * blocks_per_split + i) * BLOCK + offs_b
+        rows = bh * N + offs_n
+        f = _query_features(_rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D), wt, c, offs_m, M)
+        den = tl.load(DEN + rows, mask=offs_n < N, other=1.0)
+        g = _rows(G + b * sgb + h * sgh, sgn, sgd, offs_n, offs_d, N, D) / den[:, None]  # d loss / d numerator
+        g_den = -tl.sum(g * _rows(OUT + bh * N * D, D, 1, offs_n, offs_d, N, D), axis=1)  # d loss / d normaliser
+        dkv += _mm(tl.trans(f), g, BF16)
+        dks += tl.sum(f * g_den[:, None], axis=0)
+        d_f = _mm(g, tl.trans(kv), BF16) + g_den[:, None] * ks[None, :]  # (BLOCK, MP)
+        d_e = f * (d_f - tl.sum(d_f * f, axis=1)[:, None])  # through the softmax over features
+        dq = _mm(d_e, tl.trans(wt), BF16)  # (BLOCK, DP)
+        tl.store(DQ + rows[:, None] * D + offs_d[None, :], dq, mask=(offs_n[:, None] < N) & (offs_d[None, :] < D))
+    part = bh * splits + split
+    tl.store(DKV_OUT + (part * MP + offs_m[:, None]) * DP + offs_d[None, :], dkv)
+    tl.store(DKS_OUT + part * MP + offs_m, dks)
+
+
+@triton.jit
+def _keys_backward(K, V, KEEP, W, C, DKV, DKS, DK, DV, H, N, D, M, skb, skh, skn, skd, svb, svh, svn, svd,
+                   inv_sqrt_d, BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+    bh, blk = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_d, offs_m = tl.arange(0, DP), tl.arange(0, MP)
+    offs_n = blk * BLOCK + tl.arange(0, BLOCK)
+    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
+                 other=0.0)  # (DP, MP)
+    c = tl.load(C + bh * MP + offs_m)
+    dkv = tl.load(DKV + (bh * MP + offs_m[:, None]) * DP + offs_d[None, :])  # (MP, DP)
+    dks = tl.load(DKS + bh * MP + offs_m)
+    k = _rows(K + b * skb + h * skh, skn, skd, offs_n, offs_d, N, D)  # (BLOCK, DP)
+    keep = tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0
+    f = tl.exp(_key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d) - c[None, :])  # (BLOCK, MP), the forward's
+    v = _rows(V + b * svb + h * svh, svn, svd, offs_n, offs_d, N, D)
+    dv = _mm(f, dkv, BF16)  # (BLOCK, DP)
+    d_e = (_mm(v, tl.trans(dkv), BF16) + dks[None, :]) * f  # (BLOCK, MP)
+    # the exponent is w . k' - |k'|^2 / 2, so d/dk adds -(sum_r d_e_r) k / sqrt(Dh)
+    dk = _mm(d_e, tl.trans(wt), BF16) - tl.sum(d_e, axis=1)[:, None] * k * inv_sqrt_d
+    rows = bh * N + offs_n
+    inside = (offs_n[:, None] < N) & (offs_d[None, :] < D)
+    tl.store(DK + rows[:, None] * D + offs_d[None, :], dk, mask=inside)
+    tl.store(DV + rows[:, None] * D + offs_d[None, :], dv, mask=inside)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+
+def products(v: torch.Tensor) -> int:
+    """``_mm``'s BF16 for values of v's dtype: bf16 operands for bf16 values (emulated under the interpreter)."""
+    if v.dtype != torch.bfloat16:
+        return 0
+    return 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+
+
+def padded(size: int) -> int:
+    return max(16, triton.next_power_of_2(size))
+
+
+def splits_of(n_blocks: int, heads: int, device: torch.device) -> tuple[int, int]:
+    """How a reduction over the sequence is shared: (splits, blocks per split), enough programs to fill the GPU
+    twice over when there are few heads (at 16K, batch 8 and 4 heads: 32 heads, 512 blocks)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    per_split = triton.cdiv(n_blocks, max(1, min(n_blocks, triton.cdiv(2 * sms, heads))))
+    return triton.cdiv(n_blocks, per_split), per_split
+
+
+def merge_maxima(c: torch.Tensor, *sums: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The splits' partials, c (BH, S, MP) with sums (BH, S, MP[, DP]) at their own maxima -> c (BH, MP) the
+    maximum over all, and the sums moved to it and added."""
+    top = c.amax(1)  # (BH, MP)
+    rescale = torch.exp(c - top[:, None])  # (BH, S, MP)
+    return (top, *((s * rescale.view(*rescale.shape, *[1] * (s.dim() - 3))).sum(1) for s in sums))
+
+
+def forward(q, k, v, keep, w):
+    """q, k, v (B, H, N, Dh), keep (B, N) int8, w (m, Dh) fp32 pre-scaled by Dh^-1/4 -> out (B, H, N, Dh) fp32, the
+    (B H, N) normaliser, and the stabiliser, summaries and key sums (B H, MP[, DP]) the backward reads."""
+    B, H, N, D = q.shape
+    M, DP, MP = w.shape[0], padded(D), padded(w.shape[0])
+    bf16 = products(v)
+    n_blocks = triton.cdiv(N, BLOCK)
+    splits, per_split = splits_of(n_blocks, B * H, q.device)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    c, kv, ks = (torch.empty(B * H, splits, MP, **f32), torch.empty(B * H, splits, MP, DP, **f32),
+                 torch.empty(B * H, splits, MP, **f32))
+    _keys_forward[(B * H, splits)](k, v, keep, w, c, kv, ks, H, N, D, M, per_split, *k.stride(), *v.stride(),
+                                   1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=WARPS)
+    c, kv, ks = (t.contiguous() for t in merge_maxima(c, kv, ks))
+    out, den = torch.empty(B, H, N, D, **f32), torch.empty(B * H, N, **f32)
+    _queries_forward[(B * H, n_blocks)](q, w, c, kv, ks, out, den, H, N, D, M, *q.stride(),
+                                        BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=WARPS)
+    return out, den, c, kv, ks
+
+
+def backward(grad, q, k, v, keep, w, out, den, c, kv, ks):
+    """The gradients of ``forward``'s out w.r.t. q, k, v, in their dtypes."""
+    B, H, N, D = q.shape
+    M, DP, MP = w.shape[0], padded(D), padded(w.shape[0])
+    bf16 = products(v)
+    n_blocks = triton.cdiv(N, BLOCK)
+    splits, per_split = splits_of(n_blocks, B * H, q.device)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dq = torch.empty(B, H, N, D, device=q.device, dtype=q.dtype)
+    dkv, dks = torch.empty(B * H, splits, MP, DP, **f32), torch.empty(B * H, splits, MP, **f32)
+    _queries_backward[(B * H, splits)](q, grad, out, den, w, c, kv, ks, dq, dkv, dks, H, N, D, M, per_split,
+                                       *q.stride(), *grad.stride(), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16,
+                                       num_warps=WARPS)
+    dkv, dks = dkv.sum(1).contiguous(), dks.sum(1).contiguous()  # (B H, MP, DP), (B H, MP)
+    dk = torch.empty(B, H, N, D, device=q.device, dtype=k.dtype)
+    dv = torch.empty(B, H, N, D, device=q.device, dtype=v.dtype)
+    _keys_backward[(B * H, n_blocks)](k, v, keep, w, c, dkv, dks, dk, dv, H, N, D, M, *k.stride(), *v.stride(),
+                                      1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=WARPS)
+    return dq, dk, dv
+
+
+def on_device(t: torch.Tensor):
+    """Launches go to t's GPU (Triton launches on the current device; a data-parallel rank runs on its own)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@torch.library.custom_op("lra::favor_forward", mutates_args=())
+def favor_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                     w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with on_device(q):
+        return forward(q, k, v, keep, w)
+
+
+@favor_forward_op.register_fake
+def _(q, k, v, keep, w):
+    B, H, N, D = q.shape
+    DP, MP = padded(D), padded(w.shape[0])
+    return (q.new_empty(B, H, N, D, dtype=torch.float32), *(q.new_empty(*s, dtype=torch.float32) for s in
+            ((B * H, N), (B * H, MP), (B * H, MP, DP), (B * H, MP))))
+
+
+@torch.library.custom_op("lra::favor_backward", mutates_args=())
+def favor_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                      w: torch.Tensor, out: torch.Tensor, den: torch.Tensor, c: torch.Tensor, kv: torch.Tensor,
+                      ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with on_device(q):
+        return backward(grad, q, k, v, keep, w, out, den, c, kv, ks)
+
+
+@favor_backward_op.register_fake
+def _(grad, q, k, v, keep, w, out, den, c, kv, ks):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernels write
+
+
+def _save(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _backward(ctx, grad, *_):  # only out is used: the other outputs are state for the backward
+    q, k, v, keep, w, out, den, c, kv, ks = ctx.saved_tensors
+    return (*favor_backward_op(grad, q, k, v, keep, w, out, den, c, kv, ks), None, None)
+
+
+favor_forward_op.register_autograd(_backward, setup_context=_save)
+
+
+def favor_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                           w: torch.Tensor) -> torch.Tensor:
+    """Normalised FAVOR+ attention through the kernels above: q, k, v (B, H, N, Dh), keep (B, 1, N, 1) bool, w (m,
+    Dh) pre-scaled by Dh^-1/4 -> out (B, H, N, Dh) fp32. Registered torch ops (``torch.library``), so a compiled
+    model traces through them without a break; the backward saves q, k, v, the output, the normaliser and the
+    (m x Dh) summaries, nothing (N x m)."""
+    keep = keep.reshape(keep.shape[0], keep.shape[2]).to(torch.int8)  # (B, N)
+    return favor_forward_op(q, k, v, keep, w.float().contiguous())[0]

@@ -1,0 +1,95 @@
+"""The performer's Triton kernels (models/_favor_triton.py) against its PyTorch path: on the CPU through Triton's
+interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets before triton is imported), or on a GPU."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton; CI installs it with .[dev])")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU, and Triton's interpreter is off (tests/conftest.py sets TRITON_INTERPRET=1 on machines "
+                "without nvidia-smi)", allow_module_level=True)
+
+from models._favor import favor_attention
+from models._favor_triton import favor_attention_triton, favor_forward_op
+from models.registry import create_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def inputs(B, H, N, D, m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, grad = (torch.randn(B, H, N, D, generator=g) * s for s in (0.8, 1.0, 1.0, 1.0))
+    keep = torch.ones(B, 1, N, 1, dtype=torch.bool)
+    keep[0, :, N - 7:] = False  # the first example is padded
+    if B > 2:
+        keep[2] = False  # and the third has no real key at all
+    w = torch.randn(m, D, generator=g) * D**-0.25
+    return [t.to(DEVICE) for t in (q, k, v, keep, w, grad)]
+
+
+def out_and_grads(attention, q, k, v, grad, dtype):
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v)
+    (out.double() * grad.double()).sum().backward()
+    return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+
+def relative_errors(a, b):
+    return [((x - y).norm() / y.norm().clamp_min(1e-30)).item() for x, y in zip(a, b)]
+
+
+# (B, H, N, Dh, m): head sizes and feature counts that are not powers of two, or under tl.dot's 16 (padded in
+# the kernels); lengths that end mid-tile; one head, so that the sums over the sequence are split among programs
+SHAPES = [(3, 2, 70, 12, 24), (1, 1, 200, 64, 256), (2, 2, 33, 4, 40)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_kernels_equal_the_pytorch_path_in_fp32(shape):
+    q, k, v, keep, w, grad = inputs(*shape)
+    reference = out_and_grads(lambda *x: favor_attention(*x, keep, w.double()), q, k, v, grad, torch.float64)
+    ours = out_and_grads(lambda *x: favor_attention_triton(*x, keep, w), q, k, v, grad, torch.float32)
+    assert max(relative_errors(ours, reference)) < 1e-5, relative_errors(ours, reference)
+    if shape[0] > 2:  # an example without real keys reads nothing: output 0, finite gradients
+        assert ours[0][2].abs().max() == 0 and all(torch.isfinite(t).all() for t in ours)
+
+
+def test_bf16_values_cost_no_more_accuracy_than_in_the_pytorch_path():
+    """Products with bf16 operands, fp32 elsewhere, as the PyTorch path: against fp64, errors of the same size
+    (both round q, k, v to bf16 first, which is most of it)."""
+    q, k, v, keep, w, grad = inputs(2, 2, 100, 64, 256)
+    reference = out_and_grads(lambda *x: favor_attention(*x, keep, w.double()), q, k, v, grad, torch.float64)
+    ours = relative_errors(out_and_grads(lambda *x: favor_attention_triton(*x, keep, w), q, k, v, grad,
+                                         torch.bfloat16), reference)
+    pytorch = relative_errors(out_and_grads(lambda *x: favor_attention(*x, keep, w), q, k, v, grad,
+                                            torch.bfloat16), reference)
+    assert max(ours) < 0.02, ours
+    assert all(a < 1.5 * b for a, b in zip(ours, pytorch)), (ours, pytorch)
+
+
+def test_the_ops_are_registered_for_autograd_and_compilation():
+    q, k, v, keep, w, _ = inputs(1, 2, 40, 12, 24)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    keep = keep.reshape(1, 40).to(torch.int8)
+    report = torch.library.opcheck(favor_forward_op, (q, k, v, keep, w))
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+def test_the_performer_takes_the_kernels_when_told_and_computes_the_same():
+    torch.manual_seed(0)
+    mixer = create_model("performer", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).to(DEVICE)
+    x = torch.randn(2, 50, 32, device=DEVICE)
+    mask = torch.ones(2, 50, dtype=torch.bool, device=DEVICE)
+    mask[1, 30:] = False
+    results = {}
+    for backend in ("triton", "torch"):
+        mixer.backend = backend
+        xb = x.clone().requires_grad_()
+        out = mixer(xb, mask)
+        out[mask].sum().backward()
+        results[backend] = (out[mask].detach(), xb.grad)
+    for a, b in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    mixer.backend = "triton"
+    with pytest.raises(ValueError, match="unpacked rows only"):
+        mixer(x, mask, segments=mask.long())
