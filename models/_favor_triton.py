@@ -37,9 +37,15 @@ import triton.language as tl
 
 from ._favor import EPS
 
-NEG = -1e30  # the stabiliser of a feature no real key has reached: finite, so exp(-inf - NEG) = 0, never nan
+# globals a kernel reads must be constexpr
+NEG = tl.constexpr(-1e30)  # the stabiliser of a feature no real key has reached: finite, exp(-inf - NEG) = 0, no nan
+NORMALISER_FLOOR = tl.constexpr(EPS)
 BLOCK = 32  # positions per tile (the kernels hold a few (BLOCK x m) fp32 tiles at once)
-WARPS = 4
+
+
+def warps(mp: int) -> int:
+    """Warps per program: the (m x Dh) fp32 accumulators and (BLOCK x m) tiles spread over more threads at large m."""
+    return 8 if mp >= 128 else 4
 
 
 @triton.jit
@@ -127,7 +133,7 @@ def _queries_forward(Q, W, C, KV, KS, OUT, DEN, H, N, D, M, sqb, sqh, sqn, sqd,
     ks = tl.load(KS + bh * MP + offs_m)  # (MP,)
     q = _rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D)  # (BLOCK, DP)
     f = _query_features(q, wt, c, offs_m, M)  # (BLOCK, MP)
-    den = tl.sum(f * ks[None, :], axis=1) + EPS  # (BLOCK,), >= 1 + EPS for a query of an example with real keys
+    den = tl.sum(f * ks[None, :], axis=1) + NORMALISER_FLOOR  # (BLOCK,), >= 1 + EPS for a query of an example with real keys
     out = _mm(f, kv, BF16) / den[:, None]  # (BLOCK, DP)
     rows = bh * N + offs_n
     tl.store(OUT + rows[:, None] * D + offs_d[None, :], out, mask=(offs_n[:, None] < N) & (offs_d[None, :] < D))
@@ -234,11 +240,11 @@ def forward(q, k, v, keep, w):
     c, kv, ks = (torch.empty(B * H, splits, MP, **f32), torch.empty(B * H, splits, MP, DP, **f32),
                  torch.empty(B * H, splits, MP, **f32))
     _keys_forward[(B * H, splits)](k, v, keep, w, c, kv, ks, H, N, D, M, per_split, *k.stride(), *v.stride(),
-                                   1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=WARPS)
+                                   1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=warps(MP))
     c, kv, ks = (t.contiguous() for t in merge_maxima(c, kv, ks))
     out, den = torch.empty(B, H, N, D, **f32), torch.empty(B * H, N, **f32)
     _queries_forward[(B * H, n_blocks)](q, w, c, kv, ks, out, den, H, N, D, M, *q.stride(),
-                                        BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=WARPS)
+                                        BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=warps(MP))
     return out, den, c, kv, ks
 
 
@@ -254,12 +260,12 @@ def backward(grad, q, k, v, keep, w, out, den, c, kv, ks):
     dkv, dks = torch.empty(B * H, splits, MP, DP, **f32), torch.empty(B * H, splits, MP, **f32)
     _queries_backward[(B * H, splits)](q, grad, out, den, w, c, kv, ks, dq, dkv, dks, H, N, D, M, per_split,
                                        *q.stride(), *grad.stride(), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16,
-                                       num_warps=WARPS)
+                                       num_warps=warps(MP))
     dkv, dks = dkv.sum(1).contiguous(), dks.sum(1).contiguous()  # (B H, MP, DP), (B H, MP)
     dk = torch.empty(B, H, N, D, device=q.device, dtype=k.dtype)
     dv = torch.empty(B, H, N, D, device=q.device, dtype=v.dtype)
     _keys_backward[(B * H, n_blocks)](k, v, keep, w, c, dkv, dks, dk, dv, H, N, D, M, *k.stride(), *v.stride(),
-                                      1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=WARPS)
+                                      1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=warps(MP))
     return dq, dk, dv
 
 
