@@ -133,7 +133,7 @@ def _queries_forward(Q, W, C, KV, KS, OUT, DEN, H, N, D, M, sqb, sqh, sqn, sqd,
     ks = tl.load(KS + bh * MP + offs_m)  # (MP,)
     q = _rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D)  # (BLOCK, DP)
     f = _query_features(q, wt, c, offs_m, M)  # (BLOCK, MP)
-    den = tl.sum(f * ks[None, :], axis=1) + NORMALISER_FLOOR  # (BLOCK,), >= 1 + EPS for a query of an example with real keys
+    den = tl.sum(f * ks[None, :], axis=1) + NORMALISER_FLOOR  # (BLOCK,), >= 1 where the example has real keys
     out = _mm(f, kv, BF16) / den[:, None]  # (BLOCK, DP)
     rows = bh * N + offs_n
     tl.store(OUT + rows[:, None] * D + offs_d[None, :], out, mask=(offs_n[:, None] < N) & (offs_d[None, :] < D))
