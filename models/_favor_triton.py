@@ -56,16 +56,26 @@ def _rows(base, stride_n, stride_d, offs_n, offs_d, N, D):
 
 
 @triton.jit
-def _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d):
+def _store_rows(base, stride_n, stride_d, offs_n, offs_d, N, D, x, BF16: tl.constexpr):
+    """x (BLOCK, DP) into a (N, D) matrix of the pointer's dtype (under the interpreter, rounded to the nearest
+    bf16 first: its own conversion truncates)."""
+    if BF16 == 2:
+        x = _round_bf16(x)
+    tl.store(base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d, x,
+             mask=(offs_n[:, None] < N) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d, F32: tl.constexpr):
     """k (BLOCK, DP) fp32, keep (BLOCK,) -> (BLOCK, MP): w . k' - |k'|^2 / 2, -inf at padded keys and features."""
-    e = tl.dot(k, wt) + (tl.sum(k * k, axis=1) * (-0.5 * inv_sqrt_d))[:, None]
+    e = tl.dot(k, wt, input_precision=F32) + (tl.sum(k * k, axis=1) * (-0.5 * inv_sqrt_d))[:, None]
     return tl.where(keep[:, None] & (offs_m[None, :] < M), e, float("-inf"))
 
 
 @triton.jit
-def _query_features(q, wt, c, offs_m, M):
+def _query_features(q, wt, c, offs_m, M, F32: tl.constexpr):
     """q (BLOCK, DP) fp32, c (MP,) -> fq (BLOCK, MP): the softmax over features of w . q' + c."""
-    e = tl.where(offs_m[None, :] < M, tl.dot(q, wt) + c[None, :], float("-inf"))
+    e = tl.where(offs_m[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
     p = tl.exp(e - tl.max(e, axis=1)[:, None])
     return p / tl.sum(p, axis=1)[:, None]
 
@@ -78,21 +88,21 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _mm(a, b, BF16: tl.constexpr):
+def _mm(a, b, BF16: tl.constexpr, F32: tl.constexpr):
     """a @ b accumulated in fp32, with operands in fp32 (BF16 = 0), bf16 (1), or rounded to bf16 and multiplied in
     fp32 (2: the same products, for the interpreter, whose tl.dot mishandles bf16 operands and whose conversion
     to bf16 truncates, in triton 3.9)."""
     if BF16 == 1:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     if BF16 == 2:
-        return tl.dot(_round_bf16(a), _round_bf16(b))
-    return tl.dot(a, b)
+        return tl.dot(_round_bf16(a), _round_bf16(b), input_precision=F32)
+    return tl.dot(a, b, input_precision=F32)
 
 
 @triton.jit
 def _keys_forward(K, V, KEEP, W, C_OUT, KV_OUT, KS_OUT, H, N, D, M, blocks_per_split,
                   skb, skh, skn, skd, svb, svh, svn, svd, inv_sqrt_d,
-                  BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+                  BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
     bh, split, splits = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, h = bh // H, bh % H
     offs_d, offs_m, offs_b = tl.arange(0, DP), tl.arange(0, MP), tl.arange(0, BLOCK)
@@ -105,12 +115,12 @@ def _keys_forward(K, V, KEEP, W, C_OUT, KV_OUT, KS_OUT, H, N, D, M, blocks_per_s
         offs_n = (split * blocks_per_split + i) * BLOCK + offs_b
         k = _rows(K + b * skb + h * skh, skn, skd, offs_n, offs_d, N, D)  # (BLOCK, DP)
         keep = tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0
-        e = _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d)  # (BLOCK, MP)
+        e = _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d, F32)  # (BLOCK, MP)
         c_new = tl.maximum(c, tl.max(e, axis=0))
         rescale = tl.exp(c - c_new)  # (MP,): the partial sums move to the new maximum
         f = tl.exp(e - c_new[None, :])  # (BLOCK, MP), in [0, 1]
         v = _rows(V + b * svb + h * svh, svn, svd, offs_n, offs_d, N, D)  # (BLOCK, DP)
-        kv = kv * rescale[:, None] + _mm(tl.trans(f), v, BF16)
+        kv = kv * rescale[:, None] + _mm(tl.trans(f), v, BF16, F32)
         ks = ks * rescale + tl.sum(f, axis=0)
         c = c_new
     part = bh * splits + split
@@ -120,8 +130,9 @@ def _keys_forward(K, V, KEEP, W, C_OUT, KV_OUT, KS_OUT, H, N, D, M, blocks_per_s
 
 
 @triton.jit
-def _queries_forward(Q, W, C, KV, KS, OUT, DEN, H, N, D, M, sqb, sqh, sqn, sqd,
-                     BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+def _queries_forward(Q, W, C, KV, KS, OUT, DEN, H, N, D, M, sqb, sqh, sqn, sqd, sob, soh, son, sod,
+                     BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr,
+                     F32: tl.constexpr):
     bh, blk = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_d, offs_m = tl.arange(0, DP), tl.arange(0, MP)
@@ -132,18 +143,18 @@ def _queries_forward(Q, W, C, KV, KS, OUT, DEN, H, N, D, M, sqb, sqh, sqn, sqd,
     kv = tl.load(KV + (bh * MP + offs_m[:, None]) * DP + offs_d[None, :])  # (MP, DP)
     ks = tl.load(KS + bh * MP + offs_m)  # (MP,)
     q = _rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D)  # (BLOCK, DP)
-    f = _query_features(q, wt, c, offs_m, M)  # (BLOCK, MP)
+    f = _query_features(q, wt, c, offs_m, M, F32)  # (BLOCK, MP)
     den = tl.sum(f * ks[None, :], axis=1) + NORMALISER_FLOOR  # (BLOCK,), >= 1 where the example has real keys
-    out = _mm(f, kv, BF16) / den[:, None]  # (BLOCK, DP)
-    rows = bh * N + offs_n
-    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out, mask=(offs_n[:, None] < N) & (offs_d[None, :] < D))
-    tl.store(DEN + rows, den, mask=offs_n < N)
+    out = _mm(f, kv, BF16, F32) / den[:, None]  # (BLOCK, DP)
+    _store_rows(OUT + b * sob + h * soh, son, sod, offs_n, offs_d, N, D, out, BF16)
+    tl.store(DEN + bh * N + offs_n, den, mask=offs_n < N)
 
 
 @triton.jit
 def _queries_backward(Q, G, OUT, DEN, W, C, KV, KS, DQ, DKV_OUT, DKS_OUT, H, N, D, M, blocks_per_split,
-                      sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd,
-                      BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+                      sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd, sob, soh, son, sod, sdb, sdh, sdn, sdd,
+                      BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr,
+                      F32: tl.constexpr):
     bh, split, splits = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, h = bh // H, bh % H
     offs_d, offs_m, offs_b = tl.arange(0, DP), tl.arange(0, MP), tl.arange(0, BLOCK)
@@ -156,17 +167,17 @@ def _queries_backward(Q, G, OUT, DEN, W, C, KV, KS, DQ, DKV_OUT, DKS_OUT, H, N, 
     dks = tl.zeros((MP,), tl.float32)
     for i in range(0, blocks_per_split):
         offs_n = (split * blocks_per_split + i) * BLOCK + offs_b
-        rows = bh * N + offs_n
-        f = _query_features(_rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D), wt, c, offs_m, M)
-        den = tl.load(DEN + rows, mask=offs_n < N, other=1.0)
+        f = _query_features(_rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D), wt, c, offs_m, M, F32)
+        den = tl.load(DEN + bh * N + offs_n, mask=offs_n < N, other=1.0)
         g = _rows(G + b * sgb + h * sgh, sgn, sgd, offs_n, offs_d, N, D) / den[:, None]  # d loss / d numerator
-        g_den = -tl.sum(g * _rows(OUT + bh * N * D, D, 1, offs_n, offs_d, N, D), axis=1)  # d loss / d normaliser
-        dkv += _mm(tl.trans(f), g, BF16)
+        out = _rows(OUT + b * sob + h * soh, son, sod, offs_n, offs_d, N, D)
+        g_den = -tl.sum(g * out, axis=1)  # d loss / d normaliser
+        dkv += _mm(tl.trans(f), g, BF16, F32)
         dks += tl.sum(f * g_den[:, None], axis=0)
-        d_f = _mm(g, tl.trans(kv), BF16) + g_den[:, None] * ks[None, :]  # (BLOCK, MP)
+        d_f = _mm(g, tl.trans(kv), BF16, F32) + g_den[:, None] * ks[None, :]  # (BLOCK, MP)
         d_e = f * (d_f - tl.sum(d_f * f, axis=1)[:, None])  # through the softmax over features
-        dq = _mm(d_e, tl.trans(wt), BF16)  # (BLOCK, DP)
-        tl.store(DQ + rows[:, None] * D + offs_d[None, :], dq, mask=(offs_n[:, None] < N) & (offs_d[None, :] < D))
+        dq = _mm(d_e, tl.trans(wt), BF16, F32)  # (BLOCK, DP)
+        _store_rows(DQ + b * sdb + h * sdh, sdn, sdd, offs_n, offs_d, N, D, dq, BF16)
     part = bh * splits + split
     tl.store(DKV_OUT + (part * MP + offs_m[:, None]) * DP + offs_d[None, :], dkv)
     tl.store(DKS_OUT + part * MP + offs_m, dks)
@@ -174,7 +185,8 @@ def _queries_backward(Q, G, OUT, DEN, W, C, KV, KS, DQ, DKV_OUT, DKS_OUT, H, N, 
 
 @triton.jit
 def _keys_backward(K, V, KEEP, W, C, DKV, DKS, DK, DV, H, N, D, M, skb, skh, skn, skd, svb, svh, svn, svd,
-                   inv_sqrt_d, BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr):
+                   s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, inv_sqrt_d,
+                   BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
     bh, blk = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_d, offs_m = tl.arange(0, DP), tl.arange(0, MP)
@@ -186,16 +198,14 @@ def _keys_backward(K, V, KEEP, W, C, DKV, DKS, DK, DV, H, N, D, M, skb, skh, skn
     dks = tl.load(DKS + bh * MP + offs_m)
     k = _rows(K + b * skb + h * skh, skn, skd, offs_n, offs_d, N, D)  # (BLOCK, DP)
     keep = tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0
-    f = tl.exp(_key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d) - c[None, :])  # (BLOCK, MP), the forward's
+    f = tl.exp(_key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d, F32) - c[None, :])  # (BLOCK, MP), the forward's
     v = _rows(V + b * svb + h * svh, svn, svd, offs_n, offs_d, N, D)
-    dv = _mm(f, dkv, BF16)  # (BLOCK, DP)
-    d_e = (_mm(v, tl.trans(dkv), BF16) + dks[None, :]) * f  # (BLOCK, MP)
+    dv = _mm(f, dkv, BF16, F32)  # (BLOCK, DP)
+    d_e = (_mm(v, tl.trans(dkv), BF16, F32) + dks[None, :]) * f  # (BLOCK, MP)
     # the exponent is w . k' - |k'|^2 / 2, so d/dk adds -(sum_r d_e_r) k / sqrt(Dh)
-    dk = _mm(d_e, tl.trans(wt), BF16) - tl.sum(d_e, axis=1)[:, None] * k * inv_sqrt_d
-    rows = bh * N + offs_n
-    inside = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-    tl.store(DK + rows[:, None] * D + offs_d[None, :], dk, mask=inside)
-    tl.store(DV + rows[:, None] * D + offs_d[None, :], dv, mask=inside)
+    dk = _mm(d_e, tl.trans(wt), BF16, F32) - tl.sum(d_e, axis=1)[:, None] * k * inv_sqrt_d
+    _store_rows(DK + b * s_dkb + h * s_dkh, s_dkn, s_dkd, offs_n, offs_d, N, D, dk, BF16)
+    _store_rows(DV + b * s_dvb + h * s_dvh, s_dvn, s_dvd, offs_n, offs_d, N, D, dv, BF16)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -206,6 +216,12 @@ def products(v: torch.Tensor) -> int:
     if v.dtype != torch.bfloat16:
         return 0
     return 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+
+
+def fp32_matmuls(q: torch.Tensor) -> str:
+    """tl.dot's precision for fp32 operands, as torch's for its fp32 matmuls: TF32 on a GPU under matmul precision
+    "high" or "medium" (the runner's and the benches' setting), full fp32 ("ieee") otherwise."""
+    return "tf32" if q.is_cuda and torch.get_float32_matmul_precision() != "highest" else "ieee"
 
 
 def padded(size: int) -> int:
@@ -228,44 +244,47 @@ def merge_maxima(c: torch.Tensor, *sums: torch.Tensor) -> tuple[torch.Tensor, ..
     return (top, *((s * rescale.view(*rescale.shape, *[1] * (s.dim() - 3))).sum(1) for s in sums))
 
 
-def forward(q, k, v, keep, w):
-    """q, k, v (B, H, N, Dh), keep (B, N) int8, w (m, Dh) fp32 pre-scaled by Dh^-1/4 -> out (B, H, N, Dh) fp32, the
-    (B H, N) normaliser, and the stabiliser, summaries and key sums (B H, MP[, DP]) the backward reads."""
+def layout(q: torch.Tensor, v: torch.Tensor, w: torch.Tensor):
+    """The launch plan shared by forward and backward: (M, DP, MP, query or key blocks, splits, blocks per split,
+    the kernels' compile-time options)."""
     B, H, N, D = q.shape
     M, DP, MP = w.shape[0], padded(D), padded(w.shape[0])
-    bf16 = products(v)
     n_blocks = triton.cdiv(N, BLOCK)
     splits, per_split = splits_of(n_blocks, B * H, q.device)
+    meta = dict(BLOCK=BLOCK, DP=DP, MP=MP, BF16=products(v), F32=fp32_matmuls(q), num_warps=warps(MP))
+    return M, DP, MP, n_blocks, splits, per_split, meta
+
+
+def forward(q, k, v, keep, w):
+    """q, k, v (B, H, N, Dh), keep (B, N) int8, w (m, Dh) fp32 pre-scaled by Dh^-1/4 -> out (B, H, N, Dh) in q's
+    dtype and memory layout (so that the heads' outputs merge without a copy), the (B H, N) fp32 normaliser, and
+    the stabiliser, summaries and key sums (B H, MP[, DP]) the backward reads."""
+    B, H, N, D = q.shape
+    M, DP, MP, n_blocks, splits, per_split, meta = layout(q, v, w)
     f32 = dict(device=q.device, dtype=torch.float32)
     c, kv, ks = (torch.empty(B * H, splits, MP, **f32), torch.empty(B * H, splits, MP, DP, **f32),
                  torch.empty(B * H, splits, MP, **f32))
     _keys_forward[(B * H, splits)](k, v, keep, w, c, kv, ks, H, N, D, M, per_split, *k.stride(), *v.stride(),
-                                   1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=warps(MP))
+                                   1 / math.sqrt(D), **meta)
     c, kv, ks = (t.contiguous() for t in merge_maxima(c, kv, ks))
-    out, den = torch.empty(B, H, N, D, **f32), torch.empty(B * H, N, **f32)
-    _queries_forward[(B * H, n_blocks)](q, w, c, kv, ks, out, den, H, N, D, M, *q.stride(),
-                                        BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=warps(MP))
+    out, den = torch.empty_like(q), torch.empty(B * H, N, **f32)  # out in q's dtype and layout
+    _queries_forward[(B * H, n_blocks)](q, w, c, kv, ks, out, den, H, N, D, M, *q.stride(), *out.stride(), **meta)
     return out, den, c, kv, ks
 
 
 def backward(grad, q, k, v, keep, w, out, den, c, kv, ks):
-    """The gradients of ``forward``'s out w.r.t. q, k, v, in their dtypes."""
+    """The gradients of ``forward``'s out w.r.t. q, k, v, each in its input's dtype and layout. The normaliser's
+    gradient comes from the output as stored (bf16 under autocast, as flash attention's backward reads O)."""
     B, H, N, D = q.shape
-    M, DP, MP = w.shape[0], padded(D), padded(w.shape[0])
-    bf16 = products(v)
-    n_blocks = triton.cdiv(N, BLOCK)
-    splits, per_split = splits_of(n_blocks, B * H, q.device)
+    M, DP, MP, n_blocks, splits, per_split, meta = layout(q, v, w)
     f32 = dict(device=q.device, dtype=torch.float32)
-    dq = torch.empty(B, H, N, D, device=q.device, dtype=q.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # each in its input's layout
     dkv, dks = torch.empty(B * H, splits, MP, DP, **f32), torch.empty(B * H, splits, MP, **f32)
     _queries_backward[(B * H, splits)](q, grad, out, den, w, c, kv, ks, dq, dkv, dks, H, N, D, M, per_split,
-                                       *q.stride(), *grad.stride(), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16,
-                                       num_warps=warps(MP))
+                                       *q.stride(), *grad.stride(), *out.stride(), *dq.stride(), **meta)
     dkv, dks = dkv.sum(1).contiguous(), dks.sum(1).contiguous()  # (B H, MP, DP), (B H, MP)
-    dk = torch.empty(B, H, N, D, device=q.device, dtype=k.dtype)
-    dv = torch.empty(B, H, N, D, device=q.device, dtype=v.dtype)
     _keys_backward[(B * H, n_blocks)](k, v, keep, w, c, dkv, dks, dk, dv, H, N, D, M, *k.stride(), *v.stride(),
-                                      1 / math.sqrt(D), BLOCK=BLOCK, DP=DP, MP=MP, BF16=bf16, num_warps=warps(MP))
+                                      *dk.stride(), *dv.stride(), 1 / math.sqrt(D), **meta)
     return dq, dk, dv
 
 
@@ -285,7 +304,7 @@ def favor_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
 def _(q, k, v, keep, w):
     B, H, N, D = q.shape
     DP, MP = padded(D), padded(w.shape[0])
-    return (q.new_empty(B, H, N, D, dtype=torch.float32), *(q.new_empty(*s, dtype=torch.float32) for s in
+    return (torch.empty_like(q), *(q.new_empty(*s, dtype=torch.float32) for s in
             ((B * H, N), (B * H, MP), (B * H, MP, DP), (B * H, MP))))
 
 
@@ -299,7 +318,7 @@ def favor_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 @favor_backward_op.register_fake
 def _(grad, q, k, v, keep, w, out, den, c, kv, ks):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernels write
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # in their inputs' layouts, as the kernels
 
 
 def _save(ctx, inputs, output):
@@ -317,8 +336,8 @@ favor_forward_op.register_autograd(_backward, setup_context=_save)
 def favor_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                            w: torch.Tensor) -> torch.Tensor:
     """Normalised FAVOR+ attention through the kernels above: q, k, v (B, H, N, Dh), keep (B, 1, N, 1) bool, w (m,
-    Dh) pre-scaled by Dh^-1/4 -> out (B, H, N, Dh) fp32. Registered torch ops (``torch.library``), so a compiled
-    model traces through them without a break; the backward saves q, k, v, the output, the normaliser and the
-    (m x Dh) summaries, nothing (N x m)."""
+    Dh) pre-scaled by Dh^-1/4 -> out (B, H, N, Dh), in q's dtype and layout. Registered torch ops
+    (``torch.library``), so a compiled model traces through them without a break; the backward saves q, k, v, the
+    output, the normaliser and the (m x Dh) summaries, nothing (N x m)."""
     keep = keep.reshape(keep.shape[0], keep.shape[2]).to(torch.int8)  # (B, N)
     return favor_forward_op(q, k, v, keep, w.float().contiguous())[0]
