@@ -1,26 +1,30 @@
-"""FAVOR+ (models/performer.py states the method, its stabilisers and precision) as four Triton kernels in which
-no (N x m) feature map ever reaches GPU memory: each tile of 32-64 positions forms its exponents from q or k and
-the random matrix, takes its features, uses them in the next matmul and drops them, as flash attention does with
+"""FAVOR+ (models/performer.py states the method, its stabilisers and precision) as five Triton kernels in which
+no (N x m) feature map ever reaches GPU memory: each tile of positions forms its exponents from q or k and a chunk of
+the random features, takes its features, uses them in the next matmul and drops them, as flash attention does with
 its scores. The PyTorch path (models/_favor.py) writes every (B, H, N, m) fp32 map to memory and reads it back
 several times, which is what made it 2-3x slower than a bf16 package; here a training step moves O(N Dh) bytes
-per head, and the saved state is q, k, v, the output and the (m x Dh) summaries.
+per head, and the saved state is q, k, v, the output, two numbers per query and the (m x Dh) summaries.
 
-* keys, forward (grid: heads x splits of the sequence): each program walks its keys block by block, keeping a
-  running per-feature maximum c and rescaling its partial summaries sum_n fk_n v_n^T and key sums sum_n fk_n
-  when c grows (the online maximum of flash attention, per feature instead of per query). The splits' partials
-  are merged in PyTorch (a few (m x Dh) tensors per head): c is the maximum over the real keys, exactly the
-  PyTorch path's stabiliser, the summaries the same sums in another order.
-* queries, forward (grid: heads x query blocks): fq = softmax over features of w . q' + c, out = fq kv / (fq ksum
-  + eps); the normaliser is kept for the backward.
-* queries, backward (grid: heads x splits): the features are recomputed; dq, and each split's partial gradients
-  of the summaries and key sums, merged in PyTorch.
-* keys, backward (grid: heads x key blocks): the key features are recomputed with the forward's c; dk, dv.
+* keys, forward (grid: heads x splits of the sequence x feature chunks): each program walks its keys block by
+  block, keeping a running per-feature maximum c and rescaling its partial summaries sum_n fk_n v_n^T and key sums
+  sum_n fk_n when c grows (flash attention's online maximum, per feature instead of per query). The splits'
+  partials are merged in PyTorch (a few (m x Dh) tensors per head): c is the maximum over the real keys, exactly
+  the PyTorch path's stabiliser, the summaries the same sums in another order.
+* queries, forward (grid: heads x query blocks): fq = softmax over features of w . q' + c, taken chunk by chunk
+  with a running maximum (the features play flash attention's keys), out = fq kv / (fq ksum + eps); the normaliser
+  and the log-sum-exp of the exponents are kept, so the backward forms fq chunk by chunk without a first pass.
+* queries, backward (grid: heads x query blocks): dq. The softmax's backward needs sum_r fq_r d_fq_r, which is
+  eps g . out exactly (g the numerator's gradient): no pass over all features first, and no cancellation.
+* summaries, backward (grid: heads x splits x feature chunks): each split's partial gradients of the summaries and
+  key sums, merged in PyTorch.
+* keys, backward (grid: heads x key blocks): the key features recomputed with the forward's c; dk, dv.
 
-Precision follows the PyTorch path: exponents, features, stabilisers, key sums and normaliser in fp32 (the
-exponents' matmuls at TF32 on the GPU, as torch's "high" matmul precision gives there); the products with values
-and gradients take bf16 operands when v is bf16, with fp32 accumulation. Head sizes and feature counts that are
-not powers of two (or under 16, the least tl.dot takes) are zero-padded inside the kernels, which is exact:
-padded head columns add nothing to any dot product, padded features get the exponent -inf.
+Precision follows the PyTorch path: exponents, features, stabilisers, key sums and normaliser in fp32 (fp32 dots
+at torch's fp32 matmul precision: TF32 under "high", the runner's and the benches' setting); the products with
+values and gradients take bf16 operands when v is bf16, with fp32 accumulation; the output and the gradients come
+out in their inputs' dtype and memory layout. Head sizes and feature counts that are not powers of two (or under
+16, the least tl.dot takes) are zero-padded inside the kernels, which is exact: padded head columns add nothing to
+any dot product, padded features get the exponent -inf.
 
 CUDA only in use (the performer takes it for unpacked rows, ``backend``); under ``TRITON_INTERPRET=1`` the same
 kernels run on the CPU, which is how tests/test_favor_triton.py checks them against the PyTorch path.
@@ -34,18 +38,19 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._favor import EPS
 
 # globals a kernel reads must be constexpr
 NEG = tl.constexpr(-1e30)  # the stabiliser of a feature no real key has reached: finite, exp(-inf - NEG) = 0, no nan
 NORMALISER_FLOOR = tl.constexpr(EPS)
-BLOCK = 32  # positions per tile (the kernels hold a few (BLOCK x m) fp32 tiles at once)
-
-
-def warps(mp: int) -> int:
-    """Warps per program: the (m x Dh) fp32 accumulators and (BLOCK x m) tiles spread over more threads at large m."""
-    return 8 if mp >= 128 else 4
+# Tiles: a program holds (BLOCK x CHUNK) and (CHUNK x Dh) tiles, never all m features at once. At Dh 64 and m 256,
+# ptxas (sm_90) spills no register with these (a few bytes in the keys' backward); 32-position tiles with all 256
+# features spilled up to 588 bytes a thread.
+BLOCK = 64  # positions per tile
+CHUNK = 32  # features per tile
+WARPS = 4
 
 
 @triton.jit
@@ -66,18 +71,10 @@ def _store_rows(base, stride_n, stride_d, offs_n, offs_d, N, D, x, BF16: tl.cons
 
 
 @triton.jit
-def _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d, F32: tl.constexpr):
+def _key_exponents(k, keep, wt, offs_c, M, inv_sqrt_d, F32: tl.constexpr):
     """k (BLOCK, DP) fp32, keep (BLOCK,) -> (BLOCK, MP): w . k' - |k'|^2 / 2, -inf at padded keys and features."""
     e = tl.dot(k, wt, input_precision=F32) + (tl.sum(k * k, axis=1) * (-0.5 * inv_sqrt_d))[:, None]
-    return tl.where(keep[:, None] & (offs_m[None, :] < M), e, float("-inf"))
-
-
-@triton.jit
-def _query_features(q, wt, c, offs_m, M, F32: tl.constexpr):
-    """q (BLOCK, DP) fp32, c (MP,) -> fq (BLOCK, MP): the softmax over features of w . q' + c."""
-    e = tl.where(offs_m[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
-    p = tl.exp(e - tl.max(e, axis=1)[:, None])
-    return p / tl.sum(p, axis=1)[:, None]
+    return tl.where(keep[:, None] & (offs_c[None, :] < M), e, float("-inf"))
 
 
 @triton.jit
@@ -100,111 +97,168 @@ def _mm(a, b, BF16: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
+def _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP: tl.constexpr):
+    """Features offs_c of the random matrix, transposed (DP, MC), and of the stabiliser (MC,)."""
+    wt = tl.load(W + offs_c[None, :] * D + offs_d[:, None], mask=(offs_c[None, :] < M) & (offs_d[:, None] < D),
+                 other=0.0)
+    return wt, tl.load(C + bh * MP + offs_c)
+
+
+@triton.jit
 def _keys_forward(K, V, KEEP, W, C_OUT, KV_OUT, KS_OUT, H, N, D, M, blocks_per_split,
-                  skb, skh, skn, skd, svb, svh, svn, svd, inv_sqrt_d,
-                  BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+                  skb, skh, skn, skd, svb, svh, svn, svd, inv_sqrt_d, BLOCK: tl.constexpr, DP: tl.constexpr,
+                  MP: tl.constexpr, MC: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+    """Grid (heads, splits, feature chunks): one split's partial stabiliser, summaries and key sums of MC features."""
     bh, split, splits = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, h = bh // H, bh % H
-    offs_d, offs_m, offs_b = tl.arange(0, DP), tl.arange(0, MP), tl.arange(0, BLOCK)
-    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
-                 other=0.0)  # (DP, MP)
-    c = tl.full((MP,), NEG, tl.float32)  # running per-feature maximum
-    kv = tl.zeros((MP, DP), tl.float32)  # sum_n exp(e_n - c) v_n^T
-    ks = tl.zeros((MP,), tl.float32)  # sum_n exp(e_n - c)
+    offs_d, offs_b = tl.arange(0, DP), tl.arange(0, BLOCK)
+    offs_c = tl.program_id(2) * MC + tl.arange(0, MC)
+    wt = tl.load(W + offs_c[None, :] * D + offs_d[:, None], mask=(offs_c[None, :] < M) & (offs_d[:, None] < D),
+                 other=0.0)  # (DP, MC)
+    c = tl.full((MC,), NEG, tl.float32)  # running per-feature maximum
+    kv = tl.zeros((MC, DP), tl.float32)  # sum_n exp(e_n - c) v_n^T
+    ks = tl.zeros((MC,), tl.float32)  # sum_n exp(e_n - c)
     for i in range(0, blocks_per_split):
         offs_n = (split * blocks_per_split + i) * BLOCK + offs_b
         k = _rows(K + b * skb + h * skh, skn, skd, offs_n, offs_d, N, D)  # (BLOCK, DP)
         keep = tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0
-        e = _key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d, F32)  # (BLOCK, MP)
+        e = _key_exponents(k, keep, wt, offs_c, M, inv_sqrt_d, F32)  # (BLOCK, MC)
         c_new = tl.maximum(c, tl.max(e, axis=0))
-        rescale = tl.exp(c - c_new)  # (MP,): the partial sums move to the new maximum
-        f = tl.exp(e - c_new[None, :])  # (BLOCK, MP), in [0, 1]
+        rescale = tl.exp(c - c_new)  # (MC,): the partial sums move to the new maximum
+        f = tl.exp(e - c_new[None, :])  # (BLOCK, MC), in [0, 1]
         v = _rows(V + b * svb + h * svh, svn, svd, offs_n, offs_d, N, D)  # (BLOCK, DP)
         kv = kv * rescale[:, None] + _mm(tl.trans(f), v, BF16, F32)
         ks = ks * rescale + tl.sum(f, axis=0)
         c = c_new
     part = bh * splits + split
-    tl.store(C_OUT + part * MP + offs_m, c)
-    tl.store(KV_OUT + (part * MP + offs_m[:, None]) * DP + offs_d[None, :], kv)
-    tl.store(KS_OUT + part * MP + offs_m, ks)
+    tl.store(C_OUT + part * MP + offs_c, c)
+    tl.store(KV_OUT + (part * MP + offs_c[:, None]) * DP + offs_d[None, :], kv)
+    tl.store(KS_OUT + part * MP + offs_c, ks)
 
 
 @triton.jit
-def _queries_forward(Q, W, C, KV, KS, OUT, DEN, H, N, D, M, sqb, sqh, sqn, sqd, sob, soh, son, sod,
-                     BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr,
-                     F32: tl.constexpr):
+def _queries_forward(Q, W, C, KV, KS, OUT, DEN, LSE, H, N, D, M, sqb, sqh, sqn, sqd, sob, soh, son, sod,
+                     BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, MC: tl.constexpr,
+                     BF16: tl.constexpr, F32: tl.constexpr):
+    """Grid (heads, query blocks): the softmax over features taken chunk by chunk with a running maximum (flash
+    attention's online softmax, the features playing the keys); out, the normaliser and the log-sum-exp."""
     bh, blk = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    offs_d, offs_m = tl.arange(0, DP), tl.arange(0, MP)
+    offs_d = tl.arange(0, DP)
     offs_n = blk * BLOCK + tl.arange(0, BLOCK)
-    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
-                 other=0.0)  # (DP, MP)
-    c = tl.load(C + bh * MP + offs_m)  # (MP,)
-    kv = tl.load(KV + (bh * MP + offs_m[:, None]) * DP + offs_d[None, :])  # (MP, DP)
-    ks = tl.load(KS + bh * MP + offs_m)  # (MP,)
     q = _rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D)  # (BLOCK, DP)
-    f = _query_features(q, wt, c, offs_m, M, F32)  # (BLOCK, MP)
-    den = tl.sum(f * ks[None, :], axis=1) + NORMALISER_FLOOR  # (BLOCK,), >= 1 where the example has real keys
-    out = _mm(f, kv, BF16, F32) / den[:, None]  # (BLOCK, DP)
-    _store_rows(OUT + b * sob + h * soh, son, sod, offs_n, offs_d, N, D, out, BF16)
+    top = tl.full((BLOCK,), NEG, tl.float32)  # running maximum of the exponents
+    total = tl.zeros((BLOCK,), tl.float32)  # sum of exp(exponent - top)
+    num = tl.zeros((BLOCK, DP), tl.float32)  # those weights times the summaries
+    den = tl.zeros((BLOCK,), tl.float32)  # and times the key sums
+    for j in range(0, MP // MC):
+        offs_c = j * MC + tl.arange(0, MC)
+        wt, c = _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP)
+        e = tl.where(offs_c[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
+        top_new = tl.maximum(top, tl.max(e, axis=1))
+        rescale = tl.exp(top - top_new)
+        p = tl.exp(e - top_new[:, None])  # (BLOCK, MC)
+        kv = tl.load(KV + (bh * MP + offs_c[:, None]) * DP + offs_d[None, :])  # (MC, DP)
+        total = total * rescale + tl.sum(p, axis=1)
+        num = num * rescale[:, None] + _mm(p, kv, BF16, F32)
+        den = den * rescale + tl.sum(p * tl.load(KS + bh * MP + offs_c)[None, :], axis=1)
+        top = top_new
+    den = den / total + NORMALISER_FLOOR  # fq . ksum + eps, >= 1 where the example has real keys
+    _store_rows(OUT + b * sob + h * soh, son, sod, offs_n, offs_d, N, D, num / total[:, None] / den[:, None], BF16)
     tl.store(DEN + bh * N + offs_n, den, mask=offs_n < N)
+    tl.store(LSE + bh * N + offs_n, top + tl.log(total), mask=offs_n < N)
 
 
 @triton.jit
-def _queries_backward(Q, G, OUT, DEN, W, C, KV, KS, DQ, DKV_OUT, DKS_OUT, H, N, D, M, blocks_per_split,
-                      sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd, sob, soh, son, sod, sdb, sdh, sdn, sdd,
-                      BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr,
-                      F32: tl.constexpr):
+def _query_grads(Q, G, OUT, DEN, LSE, b, h, bh, offs_n, offs_d, N, D, sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd,
+                 sob, soh, son, sod):
+    """A query block's q, d loss / d numerator g, d loss / d normaliser, and log-sum-exp of its exponents."""
+    q = _rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D)
+    den = tl.load(DEN + bh * N + offs_n, mask=offs_n < N, other=1.0)
+    g = _rows(G + b * sgb + h * sgh, sgn, sgd, offs_n, offs_d, N, D) / den[:, None]
+    g_den = -tl.sum(g * _rows(OUT + b * sob + h * soh, son, sod, offs_n, offs_d, N, D), axis=1)
+    return q, g, g_den, tl.load(LSE + bh * N + offs_n, mask=offs_n < N, other=0.0)
+
+
+@triton.jit
+def _queries_backward(Q, G, OUT, DEN, LSE, W, C, KV, KS, DQ, H, N, D, M, sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd,
+                      sob, soh, son, sod, sdb, sdh, sdn, sdd, BLOCK: tl.constexpr, DP: tl.constexpr,
+                      MP: tl.constexpr, MC: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+    """Grid (heads, query blocks): dq, the features recomputed chunk by chunk from the log-sum-exp. Through the
+    softmax over features d_e = fq (d_fq - sum_r fq_r d_fq_r), and that sum is eps g . out exactly (g the
+    numerator's gradient), so no pass over all features comes first."""
+    bh, blk = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_d = tl.arange(0, DP)
+    offs_n = blk * BLOCK + tl.arange(0, BLOCK)
+    q, g, g_den, lse = _query_grads(Q, G, OUT, DEN, LSE, b, h, bh, offs_n, offs_d, N, D, sqb, sqh, sqn, sqd,
+                                    sgb, sgh, sgn, sgd, sob, soh, son, sod)
+    through = -NORMALISER_FLOOR * g_den  # sum_r fq_r d_fq_r
+    dq = tl.zeros((BLOCK, DP), tl.float32)
+    for j in range(0, MP // MC):
+        offs_c = j * MC + tl.arange(0, MC)
+        wt, c = _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP)
+        e = tl.where(offs_c[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
+        f = tl.exp(e - lse[:, None])  # (BLOCK, MC)
+        kv = tl.load(KV + (bh * MP + offs_c[:, None]) * DP + offs_d[None, :])  # (MC, DP)
+        d_f = _mm(g, tl.trans(kv), BF16, F32) + g_den[:, None] * tl.load(KS + bh * MP + offs_c)[None, :]
+        dq += _mm(f * (d_f - through[:, None]), tl.trans(wt), BF16, F32)
+    _store_rows(DQ + b * sdb + h * sdh, sdn, sdd, offs_n, offs_d, N, D, dq, BF16)
+
+
+@triton.jit
+def _summaries_backward(Q, G, OUT, DEN, LSE, W, C, DKV_OUT, DKS_OUT, H, N, D, M, blocks_per_split,
+                        sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd, sob, soh, son, sod, BLOCK: tl.constexpr,
+                        DP: tl.constexpr, MP: tl.constexpr, MC: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+    """Grid (heads, splits, feature chunks): one split's partial gradients of MC features' summaries and key
+    sums, sum_n fq_n g_n^T and sum_n fq_n g_den_n."""
     bh, split, splits = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, h = bh // H, bh % H
-    offs_d, offs_m, offs_b = tl.arange(0, DP), tl.arange(0, MP), tl.arange(0, BLOCK)
-    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
-                 other=0.0)  # (DP, MP)
-    c = tl.load(C + bh * MP + offs_m)
-    kv = tl.load(KV + (bh * MP + offs_m[:, None]) * DP + offs_d[None, :])  # (MP, DP)
-    ks = tl.load(KS + bh * MP + offs_m)
-    dkv = tl.zeros((MP, DP), tl.float32)
-    dks = tl.zeros((MP,), tl.float32)
+    offs_d, offs_b = tl.arange(0, DP), tl.arange(0, BLOCK)
+    offs_c = tl.program_id(2) * MC + tl.arange(0, MC)
+    wt, c = _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP)
+    dkv = tl.zeros((MC, DP), tl.float32)
+    dks = tl.zeros((MC,), tl.float32)
     for i in range(0, blocks_per_split):
         offs_n = (split * blocks_per_split + i) * BLOCK + offs_b
-        f = _query_features(_rows(Q + b * sqb + h * sqh, sqn, sqd, offs_n, offs_d, N, D), wt, c, offs_m, M, F32)
-        den = tl.load(DEN + bh * N + offs_n, mask=offs_n < N, other=1.0)
-        g = _rows(G + b * sgb + h * sgh, sgn, sgd, offs_n, offs_d, N, D) / den[:, None]  # d loss / d numerator
-        out = _rows(OUT + b * sob + h * soh, son, sod, offs_n, offs_d, N, D)
-        g_den = -tl.sum(g * out, axis=1)  # d loss / d normaliser
+        q, g, g_den, lse = _query_grads(Q, G, OUT, DEN, LSE, b, h, bh, offs_n, offs_d, N, D, sqb, sqh, sqn, sqd,
+                                        sgb, sgh, sgn, sgd, sob, soh, son, sod)
+        e = tl.where(offs_c[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
+        f = tl.where((offs_n < N)[:, None], tl.exp(e - lse[:, None]), 0.0)  # (BLOCK, MC)
         dkv += _mm(tl.trans(f), g, BF16, F32)
         dks += tl.sum(f * g_den[:, None], axis=0)
-        d_f = _mm(g, tl.trans(kv), BF16, F32) + g_den[:, None] * ks[None, :]  # (BLOCK, MP)
-        d_e = f * (d_f - tl.sum(d_f * f, axis=1)[:, None])  # through the softmax over features
-        dq = _mm(d_e, tl.trans(wt), BF16, F32)  # (BLOCK, DP)
-        _store_rows(DQ + b * sdb + h * sdh, sdn, sdd, offs_n, offs_d, N, D, dq, BF16)
     part = bh * splits + split
-    tl.store(DKV_OUT + (part * MP + offs_m[:, None]) * DP + offs_d[None, :], dkv)
-    tl.store(DKS_OUT + part * MP + offs_m, dks)
+    tl.store(DKV_OUT + (part * MP + offs_c[:, None]) * DP + offs_d[None, :], dkv)
+    tl.store(DKS_OUT + part * MP + offs_c, dks)
 
 
 @triton.jit
 def _keys_backward(K, V, KEEP, W, C, DKV, DKS, DK, DV, H, N, D, M, skb, skh, skn, skd, svb, svh, svn, svd,
-                   s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, inv_sqrt_d,
-                   BLOCK: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+                   s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, inv_sqrt_d, BLOCK: tl.constexpr,
+                   DP: tl.constexpr, MP: tl.constexpr, MC: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+    """Grid (heads, key blocks): dk, dv, the key features recomputed chunk by chunk with the forward's c."""
     bh, blk = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    offs_d, offs_m = tl.arange(0, DP), tl.arange(0, MP)
+    offs_d = tl.arange(0, DP)
     offs_n = blk * BLOCK + tl.arange(0, BLOCK)
-    wt = tl.load(W + offs_m[None, :] * D + offs_d[:, None], mask=(offs_m[None, :] < M) & (offs_d[:, None] < D),
-                 other=0.0)  # (DP, MP)
-    c = tl.load(C + bh * MP + offs_m)
-    dkv = tl.load(DKV + (bh * MP + offs_m[:, None]) * DP + offs_d[None, :])  # (MP, DP)
-    dks = tl.load(DKS + bh * MP + offs_m)
     k = _rows(K + b * skb + h * skh, skn, skd, offs_n, offs_d, N, D)  # (BLOCK, DP)
-    keep = tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0
-    f = tl.exp(_key_exponents(k, keep, wt, offs_m, M, inv_sqrt_d, F32) - c[None, :])  # (BLOCK, MP), the forward's
     v = _rows(V + b * svb + h * svh, svn, svd, offs_n, offs_d, N, D)
-    dv = _mm(f, dkv, BF16, F32)  # (BLOCK, DP)
-    d_e = (_mm(v, tl.trans(dkv), BF16, F32) + dks[None, :]) * f  # (BLOCK, MP)
+    keep = tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0
+    dk = tl.zeros((BLOCK, DP), tl.float32)
+    dv = tl.zeros((BLOCK, DP), tl.float32)
+    d_e_sum = tl.zeros((BLOCK,), tl.float32)
+    for j in range(0, MP // MC):
+        offs_c = j * MC + tl.arange(0, MC)
+        wt, c = _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP)
+        f = tl.exp(_key_exponents(k, keep, wt, offs_c, M, inv_sqrt_d, F32) - c[None, :])  # (BLOCK, MC)
+        dkv = tl.load(DKV + (bh * MP + offs_c[:, None]) * DP + offs_d[None, :])  # (MC, DP)
+        dv += _mm(f, dkv, BF16, F32)
+        d_e = (_mm(v, tl.trans(dkv), BF16, F32) + tl.load(DKS + bh * MP + offs_c)[None, :]) * f  # (BLOCK, MC)
+        dk += _mm(d_e, tl.trans(wt), BF16, F32)
+        d_e_sum += tl.sum(d_e, axis=1)
     # the exponent is w . k' - |k'|^2 / 2, so d/dk adds -(sum_r d_e_r) k / sqrt(Dh)
-    dk = _mm(d_e, tl.trans(wt), BF16, F32) - tl.sum(d_e, axis=1)[:, None] * k * inv_sqrt_d
-    _store_rows(DK + b * s_dkb + h * s_dkh, s_dkn, s_dkd, offs_n, offs_d, N, D, dk, BF16)
+    _store_rows(DK + b * s_dkb + h * s_dkh, s_dkn, s_dkd, offs_n, offs_d, N, D,
+                dk - d_e_sum[:, None] * k * inv_sqrt_d, BF16)
     _store_rows(DV + b * s_dvb + h * s_dvh, s_dvn, s_dvd, offs_n, offs_d, N, D, dv, BF16)
 
 
@@ -245,43 +299,48 @@ def merge_maxima(c: torch.Tensor, *sums: torch.Tensor) -> tuple[torch.Tensor, ..
 
 
 def layout(q: torch.Tensor, v: torch.Tensor, w: torch.Tensor):
-    """The launch plan shared by forward and backward: (M, DP, MP, query or key blocks, splits, blocks per split,
-    the kernels' compile-time options)."""
+    """The launch plan shared by forward and backward: (M, DP, MP, feature chunks, position blocks, splits, blocks
+    per split, the kernels' compile-time options)."""
     B, H, N, D = q.shape
     M, DP, MP = w.shape[0], padded(D), padded(w.shape[0])
+    mc = min(CHUNK, MP)
     n_blocks = triton.cdiv(N, BLOCK)
-    splits, per_split = splits_of(n_blocks, B * H, q.device)
-    meta = dict(BLOCK=BLOCK, DP=DP, MP=MP, BF16=products(v), F32=fp32_matmuls(q), num_warps=warps(MP))
-    return M, DP, MP, n_blocks, splits, per_split, meta
+    splits, per_split = splits_of(n_blocks, B * H * (MP // mc), q.device)
+    meta = dict(BLOCK=BLOCK, DP=DP, MP=MP, MC=mc, BF16=products(v), F32=fp32_matmuls(q), num_warps=WARPS)
+    return M, DP, MP, MP // mc, n_blocks, splits, per_split, meta
 
 
 def forward(q, k, v, keep, w):
     """q, k, v (B, H, N, Dh), keep (B, N) int8, w (m, Dh) fp32 pre-scaled by Dh^-1/4 -> out (B, H, N, Dh) in q's
-    dtype and memory layout (so that the heads' outputs merge without a copy), the (B H, N) fp32 normaliser, and
-    the stabiliser, summaries and key sums (B H, MP[, DP]) the backward reads."""
+    dtype and memory layout (so that the heads' outputs merge without a copy), the (B H, N) fp32 normaliser and
+    log-sum-exp of the query exponents, and the stabiliser, summaries and key sums (B H, MP[, DP])."""
     B, H, N, D = q.shape
-    M, DP, MP, n_blocks, splits, per_split, meta = layout(q, v, w)
+    M, DP, MP, chunks, n_blocks, splits, per_split, meta = layout(q, v, w)
     f32 = dict(device=q.device, dtype=torch.float32)
     c, kv, ks = (torch.empty(B * H, splits, MP, **f32), torch.empty(B * H, splits, MP, DP, **f32),
                  torch.empty(B * H, splits, MP, **f32))
-    _keys_forward[(B * H, splits)](k, v, keep, w, c, kv, ks, H, N, D, M, per_split, *k.stride(), *v.stride(),
-                                   1 / math.sqrt(D), **meta)
+    _keys_forward[(B * H, splits, chunks)](k, v, keep, w, c, kv, ks, H, N, D, M, per_split, *k.stride(),
+                                           *v.stride(), 1 / math.sqrt(D), **meta)
     c, kv, ks = (t.contiguous() for t in merge_maxima(c, kv, ks))
-    out, den = torch.empty_like(q), torch.empty(B * H, N, **f32)  # out in q's dtype and layout
-    _queries_forward[(B * H, n_blocks)](q, w, c, kv, ks, out, den, H, N, D, M, *q.stride(), *out.stride(), **meta)
-    return out, den, c, kv, ks
+    out, den, lse = torch.empty_like(q), torch.empty(B * H, N, **f32), torch.empty(B * H, N, **f32)
+    _queries_forward[(B * H, n_blocks)](q, w, c, kv, ks, out, den, lse, H, N, D, M, *q.stride(), *out.stride(),
+                                        **meta)
+    return out, den, lse, c, kv, ks
 
 
-def backward(grad, q, k, v, keep, w, out, den, c, kv, ks):
+def backward(grad, q, k, v, keep, w, out, den, lse, c, kv, ks):
     """The gradients of ``forward``'s out w.r.t. q, k, v, each in its input's dtype and layout. The normaliser's
     gradient comes from the output as stored (bf16 under autocast, as flash attention's backward reads O)."""
     B, H, N, D = q.shape
-    M, DP, MP, n_blocks, splits, per_split, meta = layout(q, v, w)
+    M, DP, MP, chunks, n_blocks, splits, per_split, meta = layout(q, v, w)
     f32 = dict(device=q.device, dtype=torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # each in its input's layout
+    strides = (*q.stride(), *grad.stride(), *out.stride())
+    _queries_backward[(B * H, n_blocks)](q, grad, out, den, lse, w, c, kv, ks, dq, H, N, D, M, *strides,
+                                         *dq.stride(), **meta)
     dkv, dks = torch.empty(B * H, splits, MP, DP, **f32), torch.empty(B * H, splits, MP, **f32)
-    _queries_backward[(B * H, splits)](q, grad, out, den, w, c, kv, ks, dq, dkv, dks, H, N, D, M, per_split,
-                                       *q.stride(), *grad.stride(), *out.stride(), *dq.stride(), **meta)
+    _summaries_backward[(B * H, splits, chunks)](q, grad, out, den, lse, w, c, dkv, dks, H, N, D, M, per_split,
+                                                 *strides, **meta)
     dkv, dks = dkv.sum(1).contiguous(), dks.sum(1).contiguous()  # (B H, MP, DP), (B H, MP)
     _keys_backward[(B * H, n_blocks)](k, v, keep, w, c, dkv, dks, dk, dv, H, N, D, M, *k.stride(), *v.stride(),
                                       *dk.stride(), *dv.stride(), 1 / math.sqrt(D), **meta)
@@ -295,7 +354,7 @@ def on_device(t: torch.Tensor):
 
 @torch.library.custom_op("lra::favor_forward", mutates_args=())
 def favor_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                     w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     w: torch.Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with on_device(q):
         return forward(q, k, v, keep, w)
 
@@ -305,19 +364,19 @@ def _(q, k, v, keep, w):
     B, H, N, D = q.shape
     DP, MP = padded(D), padded(w.shape[0])
     return (torch.empty_like(q), *(q.new_empty(*s, dtype=torch.float32) for s in
-            ((B * H, N), (B * H, MP), (B * H, MP, DP), (B * H, MP))))
+            ((B * H, N), (B * H, N), (B * H, MP), (B * H, MP, DP), (B * H, MP))))
 
 
 @torch.library.custom_op("lra::favor_backward", mutates_args=())
 def favor_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                      w: torch.Tensor, out: torch.Tensor, den: torch.Tensor, c: torch.Tensor, kv: torch.Tensor,
-                      ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      w: torch.Tensor, out: torch.Tensor, den: torch.Tensor, lse: torch.Tensor, c: torch.Tensor,
+                      kv: torch.Tensor, ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with on_device(q):
-        return backward(grad, q, k, v, keep, w, out, den, c, kv, ks)
+        return backward(grad, q, k, v, keep, w, out, den, lse, c, kv, ks)
 
 
 @favor_backward_op.register_fake
-def _(grad, q, k, v, keep, w, out, den, c, kv, ks):
+def _(grad, q, k, v, keep, w, out, den, lse, c, kv, ks):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # in their inputs' layouts, as the kernels
 
 
@@ -326,8 +385,7 @@ def _save(ctx, inputs, output):
 
 
 def _backward(ctx, grad, *_):  # only out is used: the other outputs are state for the backward
-    q, k, v, keep, w, out, den, c, kv, ks = ctx.saved_tensors
-    return (*favor_backward_op(grad, q, k, v, keep, w, out, den, c, kv, ks), None, None)
+    return (*favor_backward_op(grad, *ctx.saved_tensors), None, None)
 
 
 favor_forward_op.register_autograd(_backward, setup_context=_save)
@@ -338,6 +396,6 @@ def favor_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     """Normalised FAVOR+ attention through the kernels above: q, k, v (B, H, N, Dh), keep (B, 1, N, 1) bool, w (m,
     Dh) pre-scaled by Dh^-1/4 -> out (B, H, N, Dh), in q's dtype and layout. Registered torch ops
     (``torch.library``), so a compiled model traces through them without a break; the backward saves q, k, v, the
-    output, the normaliser and the (m x Dh) summaries, nothing (N x m)."""
+    output, its normaliser and log-sum-exp per query and the (m x Dh) summaries, nothing (N x m)."""
     keep = keep.reshape(keep.shape[0], keep.shape[2]).to(torch.int8)  # (B, N)
     return favor_forward_op(q, k, v, keep, w.float().contiguous())[0]
