@@ -313,6 +313,7 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
 
     lg = cfg.logger
     run = wandb.init(project=lg.get("project", "lra"), entity=lg.get("entity"), mode=lg.get("mode", "online"),
+                     dir=cfg.get("run_dir"),  # the bench's own folder, as a run's wandb files go to its run folder
                      tags=list(lg.get("tags") or []), job_type="bench", name=f"bench-{cfg.task.name}",
                      config=OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["bench", "task", "backbone"]),
                                                    resolve=True))

@@ -61,6 +61,11 @@ class BackboneConfig:
     pixel_std: float = 0.5
 
 
+def backbone_defaults() -> dict:
+    """The backbone keys that have a default, with it: what a backbone section saved before a key existed takes."""
+    return {f.name: f.default for f in fields(BackboneConfig) if f.default is not MISSING}
+
+
 @dataclass
 class OptimConfig:
     lr: float = MISSING

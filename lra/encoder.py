@@ -22,6 +22,7 @@ LRA's protocol keeps the defaults above, so there models still differ only in th
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -329,14 +330,15 @@ def build_classifier(model: str, model_options: dict, backbone, vocab_size: int,
     ``cls_token`` null meaning ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
     ``padded`` whether any token may be 0 (see ``Classifier``), ``grid`` the (height, width) of an image task.
     Keys a backbone section may lack (one saved before they existed) take today's defaults."""
-    b = backbone
-    cls_token = b.pooling == "cls" if b.get("cls_token") is None else bool(b.cls_token)
+    from lra.config import backbone_defaults  # the schema's defaults, in one place
+
+    b = SimpleNamespace(**{**backbone_defaults(), **backbone})
+    cls_token = b.pooling == "cls" if b.cls_token is None else bool(b.cls_token)
     encoder = Encoder(
         model, model_options, vocab_size=vocab_size, seq_len=seq_len, n_layers=b.n_layers, d_model=b.d_model,
         n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
-        positions=b.get("positions", "learned"), cls_token=cls_token, grid=grid, norm=b.get("norm", "layernorm"),
-        prenorm=bool(b.get("prenorm", True)), mlp=bool(b.get("mlp", True)), embedding=b.get("embedding", "tokens"),
-        pixel_mean=b.get("pixel_mean", 0.5), pixel_std=b.get("pixel_std", 0.5),
+        positions=b.positions, cls_token=cls_token, grid=grid, norm=b.norm, prenorm=bool(b.prenorm), mlp=bool(b.mlp),
+        embedding=b.embedding, pixel_mean=b.pixel_mean, pixel_std=b.pixel_std,
     )
     return Classifier(encoder, b.d_model, b.d_classifier, n_classes, b.pooling, pair=pair, padded=padded,
-                      head=b.get("head", "mlp"))
+                      head=b.head)

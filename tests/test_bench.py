@@ -230,8 +230,9 @@ def test_wandb_logging_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")  # a busy machine starts the wandb service slowly
     cfg = make_cfg(tmp_path, ["transformer"], [32, 64], steps=1)
     cfg.logger = OmegaConf.create(dict(name="wandb", project="lra-test", entity=None, mode="offline", tags=["test"]))
+    cfg.run_dir = str(tmp_path / "bench_run")  # the bench's folder takes its wandb files, whatever ran before
     bench.run_bench(cfg)
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    runs = list((tmp_path / "bench_run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     media = list(runs[0].rglob("*.png"))
     names = sorted(p.name for p in media)  # both charts went up as images, named by their keys
