@@ -1,6 +1,9 @@
 """The performer's Triton kernels (models/_favor_triton.py) against its PyTorch path: on the CPU through Triton's
 interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets before triton is imported), or on a GPU."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from models._favor_triton import favor_attention_triton, favor_forward_op
 from models.registry import create_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def inputs(B, H, N, D, m, seed=0):
@@ -94,3 +98,35 @@ def test_the_performer_takes_the_kernels_when_told_and_computes_the_same():
     mixer.backend = "triton"
     with pytest.raises(ValueError, match="unpacked rows only"):
         mixer(x, mask, segments=mask.long())
+
+
+HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import models._favor_triton as kernels
+
+IN_DTYPE = {"Q", "K", "V", "G", "OUT", "DQ", "DK", "DV"}  # tensors in the inputs' dtype; KEEP int8; the rest fp32
+SIZES = {"H", "N", "D", "M"}  # the other upper-case arguments, integers
+for meta in (dict(BLOCK=kernels.BLOCK, DP=64, MP=256, MC=kernels.CHUNK, BF16=1, F32="tf32"),
+             dict(BLOCK=kernels.BLOCK, DP=16, MP=32, MC=32, BF16=0, F32="ieee")):
+    value = "*bf16" if meta["BF16"] else "*fp32"
+    for fn in (kernels._keys_forward, kernels._queries_forward, kernels._queries_backward,
+               kernels._summaries_backward, kernels._keys_backward):
+        signature = {name: "constexpr" if name in meta else value if name in IN_DTYPE else "*i8" if name == "KEEP"
+                     else "*fp32" if name.isupper() and name not in SIZES else "fp32" if name == "inv_sqrt_d" else "i32"
+                     for name in fn.arg_names}
+        triton.compile(ASTSource(fn, signature, constexprs=meta), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": kernels.WARPS})
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run the kernels")
+def test_the_kernels_compile_for_a_hopper_gpu():
+    """The interpreter runs what the GPU compiler may refuse (a global that is not constexpr did): compile every
+    kernel for sm_90 here, with the ptxas that comes with triton, at the default tiles and at small sizes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
