@@ -69,7 +69,7 @@ applied (LRA ignored it too).
 """
 from __future__ import annotations
 
-import importlib.util
+import os
 from typing import Literal
 
 import torch
@@ -77,6 +77,11 @@ import torch
 from ._favor import FavorAttention, favor_attention, relu_attention, upcast
 from .base import MultiHeadMixer, compiled, segment_members, takes_fused_path
 from .registry import Taxonomy, register_model
+
+try:  # imported here, not in ``attend``, so that a compiled model traces no import
+    from ._favor_triton import favor_attention_triton
+except ImportError:  # a torch without triton (CPU builds): the PyTorch path everywhere
+    favor_attention_triton = None
 
 
 def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> torch.Tensor:
@@ -154,14 +159,18 @@ class Performer(MultiHeadMixer):
     def takes_triton(self, q: torch.Tensor, member: torch.Tensor | None) -> bool:
         """Whether the softmax kernel runs the Triton kernels (``backend``): on CUDA under "auto", for unpacked rows
         (packed rows, with their per-example sums, take the PyTorch path)."""
-        if self.backend == "triton" and member is not None:
-            raise ValueError("backend='triton' takes unpacked rows only; packed rows (segments) run the PyTorch "
-                             "path: set backend='auto' or 'torch'")
-        if self.backend == "triton" and importlib.util.find_spec("triton") is None:
-            raise ModuleNotFoundError("backend='triton' needs the triton package (it comes with CUDA builds of "
-                                      "torch): pip install triton, or set backend='torch'")
+        if self.backend == "triton":
+            if member is not None:
+                raise ValueError("backend='triton' takes unpacked rows only; packed rows (segments) run the PyTorch "
+                                 "path: set backend='auto' or 'torch'")
+            if favor_attention_triton is None:
+                raise ModuleNotFoundError("backend='triton' needs the triton package (it comes with CUDA builds of "
+                                          "torch): pip install triton, or set backend='torch'")
+            if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("backend='triton' runs on CUDA, or on the CPU under Triton's interpreter "
+                                 "(TRITON_INTERPRET=1 before triton is imported); here set backend='torch'")
         return takes_fused_path(self.backend, "triton", "torch",
-                                q.is_cuda and member is None and importlib.util.find_spec("triton") is not None)
+                                q.is_cuda and member is None and favor_attention_triton is not None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,9 +183,7 @@ class Performer(MultiHeadMixer):
         self.advance_schedule()
         w = upcast(self.features).to(upcast(q).dtype) * self.d_head**-0.25  # (m, Dh): folds in q' = q Dh^-1/4
         if self.takes_triton(q, member):  # no (N x m) map in memory: the fastest and leanest on a GPU
-            from ._favor_triton import favor_attention_triton  # imported on first use: triton comes with CUDA
-
-            return favor_attention_triton(q, k, v, keep, w).to(q.dtype)  # (B, H, N, Dh)
+            return favor_attention_triton(q, k, v, keep, w)  # (B, H, N, Dh), q's dtype
         if self.recompute and q.is_cuda:  # hand-written backward, features recomputed: lean GPU memory
             return FavorAttention.apply(q, k, v, keep, w, fused, member, self.chunk_size).to(q.dtype)  # (B, H, N, Dh)
         with torch.autocast(device_type=q.device.type, enabled=False):  # autograd keeps both feature maps

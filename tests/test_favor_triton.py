@@ -80,7 +80,7 @@ def test_the_ops_are_registered_for_autograd_and_compilation():
     assert set(report.values()) == {"SUCCESS"}, report
 
 
-def test_the_performer_takes_the_kernels_when_told_and_computes_the_same():
+def test_the_performer_takes_the_kernels_when_told_and_computes_the_same(monkeypatch):
     torch.manual_seed(0)
     mixer = create_model("performer", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).to(DEVICE)
     x = torch.randn(2, 50, 32, device=DEVICE)
@@ -98,6 +98,10 @@ def test_the_performer_takes_the_kernels_when_told_and_computes_the_same():
     mixer.backend = "triton"
     with pytest.raises(ValueError, match="unpacked rows only"):
         mixer(x, mask, segments=mask.long())
+    if DEVICE.type == "cpu":  # without the interpreter, a CPU tensor cannot reach the kernels
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="runs on CUDA"):
+            mixer(x, mask)
 
 
 HOPPER_COMPILE = """
