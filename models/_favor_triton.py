@@ -72,7 +72,8 @@ def _store_rows(base, stride_n, stride_d, offs_n, offs_d, N, D, x, BF16: tl.cons
 
 @triton.jit
 def _key_exponents(k, keep, wt, offs_c, M, inv_sqrt_d, F32: tl.constexpr):
-    """k (BLOCK, DP) fp32, keep (BLOCK,) -> (BLOCK, MP): w . k' - |k'|^2 / 2, -inf at padded keys and features."""
+    """k (BLOCK, DP) fp32, keep (BLOCK,), wt (DP, MC) -> (BLOCK, MC): w . k' - |k'|^2 / 2, -inf at padded keys
+    and features."""
     e = tl.dot(k, wt, input_precision=F32) + (tl.sum(k * k, axis=1) * (-0.5 * inv_sqrt_d))[:, None]
     return tl.where(keep[:, None] & (offs_c[None, :] < M), e, float("-inf"))
 
@@ -97,11 +98,16 @@ def _mm(a, b, BF16: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
+def _random_features(W, offs_c, offs_d, D, M):
+    """Rows offs_c of the (m, Dh) random matrix, transposed: (DP, MC), zeros outside it."""
+    return tl.load(W + offs_c[None, :] * D + offs_d[:, None], mask=(offs_c[None, :] < M) & (offs_d[:, None] < D),
+                   other=0.0)
+
+
+@triton.jit
 def _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP: tl.constexpr):
-    """Features offs_c of the random matrix, transposed (DP, MC), and of the stabiliser (MC,)."""
-    wt = tl.load(W + offs_c[None, :] * D + offs_d[:, None], mask=(offs_c[None, :] < M) & (offs_d[:, None] < D),
-                 other=0.0)
-    return wt, tl.load(C + bh * MP + offs_c)
+    """Features offs_c of the random matrix (DP, MC) and of this head's stabiliser (MC,)."""
+    return _random_features(W, offs_c, offs_d, D, M), tl.load(C + bh * MP + offs_c)
 
 
 @triton.jit
@@ -113,8 +119,7 @@ def _keys_forward(K, V, KEEP, W, C_OUT, KV_OUT, KS_OUT, H, N, D, M, blocks_per_s
     b, h = bh // H, bh % H
     offs_d, offs_b = tl.arange(0, DP), tl.arange(0, BLOCK)
     offs_c = tl.program_id(2) * MC + tl.arange(0, MC)
-    wt = tl.load(W + offs_c[None, :] * D + offs_d[:, None], mask=(offs_c[None, :] < M) & (offs_d[:, None] < D),
-                 other=0.0)  # (DP, MC)
+    wt = _random_features(W, offs_c, offs_d, D, M)  # (DP, MC)
     c = tl.full((MC,), NEG, tl.float32)  # running per-feature maximum
     kv = tl.zeros((MC, DP), tl.float32)  # sum_n exp(e_n - c) v_n^T
     ks = tl.zeros((MC,), tl.float32)  # sum_n exp(e_n - c)
