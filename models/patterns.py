@@ -185,19 +185,29 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     return tile_block_mask(partial[:, None], full[:, None], n, mask_mod)
 
 
-def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask_mod) -> BlockMask:
-    """(B, H, nt, nt) bool tiles (``partial``: mask_mod decides inside; ``full``: computed whole) -> the
-    BlockMask of a length-``length`` sequence. The q-major lists (for the backward pass) are the transposed
-    tiles, ordered the same way."""
-    kv_num, kv_index = ordered_tiles(partial)
-    full_kv_num, full_kv_index = ordered_tiles(full)
-    q_num, q_index = ordered_tiles(partial.transpose(-1, -2).contiguous())
-    full_q_num, full_q_index = ordered_tiles(full.transpose(-1, -2).contiguous())
+def tile_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(B, H, nt, nt) bool tiles (``partial``: mask_mod decides inside; ``full``: computed whole) -> FlexAttention's
+    eight tile lists: counts and indices of the partial and full tiles, kv-major, then q-major (for the backward
+    pass: the transposed tiles, ordered the same way). A pattern that depends on nothing but the length may keep
+    them: each ``ordered_tiles`` is a handful of small eager kernels on every call."""
+    return (*ordered_tiles(partial), *ordered_tiles(full), *ordered_tiles(partial.transpose(-1, -2).contiguous()),
+            *ordered_tiles(full.transpose(-1, -2).contiguous()))
+
+
+def block_mask_of(lists: tuple[torch.Tensor, ...], length: int, mask_mod) -> BlockMask:
+    """``tile_lists`` and the mask_mod -> the BlockMask of a length-``length`` sequence."""
+    kv_num, kv_index, full_kv_num, full_kv_index, q_num, q_index, full_q_num, full_q_index = lists
     return BlockMask(
         seq_lengths=(length, length), kv_num_blocks=kv_num, kv_indices=kv_index, full_kv_num_blocks=full_kv_num,
         full_kv_indices=full_kv_index, q_num_blocks=q_num, q_indices=q_index, full_q_num_blocks=full_q_num,
         full_q_indices=full_q_index, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
     )
+
+
+def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask_mod) -> BlockMask:
+    """(B, H, nt, nt) bool tiles (``partial``: mask_mod decides inside; ``full``: computed whole) -> the
+    BlockMask of a length-``length`` sequence."""
+    return block_mask_of(tile_lists(partial, full), length, mask_mod)
 
 
 # The forward kernel's work tile where many tiles evaluate a mask_mod that reads tensors. Inductor's default

@@ -13,7 +13,8 @@ softmax_r(logsumexp of round r's logits), i.e. attention over the union of the r
 With one round (LRA's setting) the chunk attention is one fused kernel (self masked, a query left with no key
 takes its own value): on CUDA without attention dropout (evaluation, and the bench, which runs every mixer
 without it) FlexAttention over the sorted sequence, whose band of two chunks per query is a block mask of
-partial 128 x 128 tiles, so no chunk is copied into a window; otherwise ``scaled_dot_product_attention`` with
+partial 128 x 128 tiles, so no chunk is copied into a window (without a padding mask the band depends on the length
+alone, and its tile lists are made once per length); otherwise ``scaled_dot_product_attention`` with
 chunks as heads and (chunk, 2 chunks) windows, since FlexAttention has no dropout. Both compute the same
 attention (tested). With several rounds it is computed explicitly in fp32, because the combination needs each
 round's logsumexp.
@@ -54,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, takes_fused_path
-from .patterns import FLEX_BLOCK, flex_attend, flex_call, realized, tile_block_mask
+from .patterns import FLEX_BLOCK, block_mask_of, flex_attend, flex_call, realized, tile_block_mask, tile_lists
 from .registry import Taxonomy, register_model
 
 SELF_LOGIT = -5e4  # a token sees itself only if nothing else is visible
@@ -92,6 +93,7 @@ class Reformer(MultiHeadMixer):
         rot = torch.randn(n_hashes, n_heads, self.d_head, max(n_buckets // 2, 1), generator=gen)
         self.register_buffer("rotations", rot)  # (R, H, Dh, n_buckets/2)
         self.backend = "auto"  # one round: "flex" (CUDA, no attention dropout) or "sdpa"; how it runs, not what
+        self._band_tiles: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}  # FlexAttention's, per N
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, N, _ = x.shape
@@ -214,24 +216,30 @@ def _flex_round(mixer: Reformer, q, k, v, n_real):
     nt = -(-N // FLEX_BLOCK)
     first = torch.arange(nt, device=device) * FLEX_BLOCK  # (nt,): each tile's first slot
     last = (first + FLEX_BLOCK).clamp(max=N) - 1  # (nt,)
-    lo = ((first // L - 1).clamp(min=0) * L)[:, None]  # (nt, 1): lowest key a query of the tile may see
-    hi = (((last // L + 1) * L).clamp(max=N) - 1)[:, None]  # (nt, 1): highest
-    band = (last[None, :] >= lo) & (first[None, :] <= hi)  # (nt q, nt kv)
 
     def near(q_idx, kv_idx):
         q_chunk, kv_chunk = q_idx // L, kv_idx // L
         return ((kv_chunk == q_chunk) | (kv_chunk == q_chunk - 1)) & (q_idx != kv_idx)
 
-    if n_real is None:
-        tiles, mask_mod = band[None], lambda b, h, q_idx, kv_idx: near(q_idx, kv_idx)  # (1, nt, nt)
+    def band():  # (nt q, nt kv): the tiles the two-chunk band touches
+        lo = ((first // L - 1).clamp(min=0) * L)[:, None]  # (nt, 1): lowest key a query of the tile may see
+        hi = (((last // L + 1) * L).clamp(max=N) - 1)[:, None]  # (nt, 1): highest
+        return (last[None, :] >= lo) & (first[None, :] <= hi)
+
+    if n_real is None:  # the tiles depend on the length alone: listed once per length and device
+        key = (N, device)
+        if key not in mixer._band_tiles:
+            tiles = band()[None, None]  # (1, 1, nt, nt)
+            mixer._band_tiles[key] = tile_lists(tiles, torch.zeros_like(tiles))
+        block_mask = block_mask_of(mixer._band_tiles[key], N, lambda b, h, q_idx, kv_idx: near(q_idx, kv_idx))
     else:
-        tiles = band[None] & (first[None, None, :] < n_real[:, None, None])  # (B, nt, nt): some real key inside
+        tiles = band()[None] & (first[None, None, :] < n_real[:, None, None])  # (B, nt, nt): some real key inside
         limit = realized(n_real)  # (B,), read by the mask_mod: a buffer of its own
 
         def mask_mod(b, h, q_idx, kv_idx):
             return near(q_idx, kv_idx) & (kv_idx < limit[b])
 
-    block_mask = tile_block_mask(tiles[:, None], torch.zeros_like(tiles[:, None]), N, mask_mod)
+        block_mask = tile_block_mask(tiles[:, None], torch.zeros_like(tiles[:, None]), N, mask_mod)
     o = flex_attend(q, k, v, block_mask, small_tiles=True)  # (B, H, N, Dh); a row with no key gives 0
     # the real keys a query sees but itself: slots in [start, end) below n_real, less one when the query is real
     slot = torch.arange(N, device=device)

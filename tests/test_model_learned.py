@@ -295,3 +295,25 @@ def test_reformer_without_a_mask_equals_an_all_true_mask(backend, n_hashes, n):
     x = torch.randn(2, n, D)
     with torch.no_grad():
         torch.testing.assert_close(model(x, None), model(x, torch.ones(2, n, dtype=torch.bool)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_reformer_lists_its_band_tiles_once_per_length(monkeypatch):
+    """Without a mask the band's tiles depend on the length alone: FlexAttention's tile lists are made on the first
+    call at a length and reused (each list is a few small eager kernels per call, host time the GPU waits for)."""
+    from models import patterns
+
+    made = []
+    ordered = patterns.ordered_tiles
+    monkeypatch.setattr(patterns, "ordered_tiles", lambda tiles: made.append(tiles.shape) or ordered(tiles))
+    model = build("reformer", max_len=300, bucket_size=8)
+    model.backend = "flex"
+    x = torch.randn(2, 256, D)
+    with torch.no_grad():
+        first, again = model(x, None), model(x, None)
+        assert len(made) == 4  # partial and full tiles, kv- and q-major: once
+        torch.testing.assert_close(again, first, atol=0, rtol=0)
+        model(torch.randn(2, 136, D), None)  # another length: its own lists
+        assert len(made) == 8
+        model(x, torch.ones(2, 256, dtype=torch.bool))  # a mask: the tiles depend on the batch, made every call
+        assert len(made) == 12
