@@ -317,3 +317,19 @@ def test_reformer_lists_its_band_tiles_once_per_length(monkeypatch):
         assert len(made) == 8
         model(x, torch.ones(2, 256, dtype=torch.bool))  # a mask: the tiles depend on the batch, made every call
         assert len(made) == 12
+
+
+@pytest.mark.gpu
+def test_reformer_compiled_on_cuda_keeps_its_band_tiles_and_its_answer():
+    """The model compiled as a whole, as lra trains it: the first call at a length lists the band's tiles inside
+    the graph and keeps them, later calls read them; every call equals the SDPA round."""
+    model = build("reformer", max_len=1024, bucket_size=64).cuda().eval()
+    compiled_model = torch.compile(lambda x: model(x, None))
+    with torch.no_grad():
+        for n in (1024, 1024, 512):
+            x = torch.randn(2, n, D, device="cuda")
+            model.backend = "auto"
+            flex = compiled_model(x)
+            model.backend = "sdpa"
+            torch.testing.assert_close(flex, model(x, None), atol=1e-4, rtol=1e-4)
+    assert sorted(n for n, _ in model._band_tiles) == [512, 1024]
