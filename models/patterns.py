@@ -21,7 +21,9 @@ Two executions of the same pattern:
   every one of the B N^2 positions, and since the padding mask changes every batch its result could not be
   cached. ``tests/test_model_patterns.py`` checks that both constructions give the same tiles.
   The call goes through ``torch.compile`` (the fused kernel exists only compiled): traced with the model
-  when the model is compiled (lra's default on CUDA), else compiled here per call site.
+  when the model is compiled (lra's default on CUDA), else compiled here per call site. A static pattern without
+  key padding (the pixel tasks, the benches) depends on the length alone: its tile lists are made once per length
+  and kept, instead of a few small eager kernels on every call.
 - **Dense mask** (CPU, or ``backend="dense"``): the layout is expanded to a (B, 1, N, N) boolean mask for
   ``F.scaled_dot_product_attention``. O(N^2) time and memory: it exists for correctness and CPU tests, and
   speed claims for these models must come from the flex path.
@@ -136,7 +138,7 @@ def _ordered_tiles_shapes(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: int | None = None,
-                    key_padding: bool = True) -> BlockMask:
+                    key_padding: bool = True, kept: dict | None = None) -> BlockMask:
     """The pattern and the key padding mask as a FlexAttention BlockMask for sequences of ``length`` (default:
     all of ``keep``). ``layout`` (B or 1, Np/block, Np/block) decides the tiles; ``rule(b, q_block, k_block)``,
     the same pattern as a function of indices, decides the positions inside partial tiles. Positions from
@@ -144,9 +146,33 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     partial nor need a lookup; ``key_padding=False`` (no padding before ``length``) drops the mask_mod's
     lookup of ``keep`` altogether. Index arithmetic and 1-D loads are FlexAttention's fast form of a mask_mod;
     looking the layout up with a multi-dimensional gather per position is several times slower
-    (pytorch/torchtitan#2171 measured 3.5x for a 2-D index)."""
+    (pytorch/torchtitan#2171 measured 3.5x for a 2-D index). ``kept``: a dict that keeps the tile lists by length
+    and device, for a pattern that depends on the length alone (no key padding, no per-sample context)."""
     B, Np = keep.shape
     n = Np if length is None else length
+    if kept is not None and (n, keep.device) in kept:
+        lists = kept[(n, keep.device)]
+    else:
+        lists = tile_lists(*flex_tiles(layout, keep, block, global_tokens, n))
+        if kept is not None:
+            kept[(n, keep.device)] = lists
+    keep_flat = realized(keep.reshape(-1)) if key_padding else None  # (B * Np,), a buffer for the mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        if B == 1:  # one mask for the whole batch (FlexAttention broadcasts it): look everything up in sample 0
+            b = b * 0
+        allowed = rule(b, q_idx // block, kv_idx // block)
+        if global_tokens:
+            allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
+        return allowed & keep_flat[b * Np + kv_idx] if key_padding else allowed
+
+    return block_mask_of(lists, n, mask_mod)
+
+
+def flex_tiles(layout, keep, block: int, global_tokens: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pattern's tiles for ``flex_block_mask``: (B, 1, ntr, ntr) partial (mask_mod decides inside) and full
+    (computed whole), for sequences of length ``n``."""
+    B, Np = keep.shape
     nt, nb = Np // FLEX_BLOCK, layout.shape[-1]
     layout = layout.expand(B, -1, -1)  # (B, Np/block, Np/block)
     # Pool the pattern to tiles: `some` = the tile holds an allowed block pair, `every` = all its pairs are.
@@ -171,18 +197,7 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     ntr = -(-n // FLEX_BLOCK)  # tiles the sequence spans
     full = (every & real_all[:, None, :])[:, :ntr, :ntr]  # (B, ntr, ntr): computed without mask_mod
     partial = (some & real_any[:, None, :])[:, :ntr, :ntr] & ~full  # (B, ntr, ntr): mask_mod decides inside
-
-    keep_flat = realized(keep.reshape(-1))  # (B * Np,), a buffer of its own for the mask_mod
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        if B == 1:  # one mask for the whole batch (FlexAttention broadcasts it): look everything up in sample 0
-            b = b * 0
-        allowed = rule(b, q_idx // block, kv_idx // block)
-        if global_tokens:
-            allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
-        return allowed & keep_flat[b * Np + kv_idx] if key_padding else allowed
-
-    return tile_block_mask(partial[:, None], full[:, None], n, mask_mod)
+    return partial[:, None], full[:, None]
 
 
 def tile_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -269,6 +284,7 @@ class BlockSparseMixer(MultiHeadMixer):
         self.block, self.global_tokens = block, global_tokens
         self.backend = "auto"
         self._layouts: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._tile_lists: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}  # FlexAttention's, per N
 
     def pattern(self, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
         """True where query block ``q`` of sample ``b`` may attend to key block ``k``. Called twice with the
@@ -316,7 +332,9 @@ class BlockSparseMixer(MultiHeadMixer):
         """The FlexAttention BlockMask of a length-``n`` input with (B, n) key mask ``mask`` (None: no padding,
         and then no key lookup in the mask_mod)."""
         keep, layout, rule = self.lay_out(mask, n, device)
-        return flex_block_mask(layout, keep, self.block, self.global_tokens, rule, n, key_padding=mask is not None)
+        static = self.static_pattern and mask is None  # the tiles depend on the length alone: listed once
+        return flex_block_mask(layout, keep, self.block, self.global_tokens, rule, n, key_padding=mask is not None,
+                               kept=self._tile_lists if static else None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.check_length(q.shape[2])

@@ -392,3 +392,31 @@ def test_a_misspelt_backend_is_refused_not_read_as_the_reference_path():
     model.backend = "flx"
     with pytest.raises(ValueError, match="backend must be 'auto', 'flex' or 'dense', got 'flx'"):
         model(torch.randn(1, 256, 32), torch.ones(1, 256, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("name,once", [("local", True), ("sparse", True), ("longformer", True), ("bigbird", False)])
+def test_a_static_pattern_lists_its_tiles_once_per_length(monkeypatch, name, once):
+    """Without a mask a static pattern's tiles depend on the length alone: FlexAttention's tile lists are made on the
+    first call at a length and kept (each is a few small eager kernels per call); BigBird's random blocks are drawn
+    per sample, so its lists are made every call. Eager and compiled alike, the answer is the dense mask's."""
+    from models import patterns
+
+    made = []
+    ordered = patterns.ordered_tiles
+    monkeypatch.setattr(patterns, "ordered_tiles", lambda tiles: made.append(tiles.shape) or ordered(tiles))
+    torch.manual_seed(0)
+    model = make(name)
+    x = torch.randn(2, 512, D)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model.backend = "dense"
+        dense = model(x, None)
+        model.backend = "flex"
+        eager = [model(x, None) for _ in range(2)]
+        assert len(made) == (4 if once else 8)
+        compiled = [torch.compile(model)(x, None) for _ in range(2)]
+        model._tile_lists.clear()  # a compiled first call lists the tiles inside its graph and keeps them
+        compiled += [torch.compile(model)(x, None) for _ in range(2)]
+    for out in (*eager, *compiled):
+        torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-4)
+    assert (512, x.device) in model._tile_lists if once else not model._tile_lists
