@@ -59,6 +59,20 @@ def test_the_kernels_equal_the_pytorch_path_in_fp32(shape):
         assert ours[0][2].abs().max() == 0 and all(torch.isfinite(t).all() for t in ours)
 
 
+@pytest.mark.parametrize("block,chunk", [(16, 16), (32, 64), (128, 32)])
+def test_any_tile_setting_gives_the_same_answer(monkeypatch, block, chunk):
+    """The tiles (positions and features per program) are a speed setting, tuned per card: none changes the
+    answer (m 96 in chunks of 16, 32 or 64, the last of them ragged at 64)."""
+    from models import _favor_triton
+
+    monkeypatch.setattr(_favor_triton, "BLOCK", block)
+    monkeypatch.setattr(_favor_triton, "CHUNK", chunk)
+    q, k, v, keep, w, grad = inputs(3, 1, 150, 32, 96)
+    reference = out_and_grads(lambda *x: favor_attention(*x, keep, w.double()), q, k, v, grad, torch.float64)
+    ours = out_and_grads(lambda *x: favor_attention_triton(*x, keep, w), q, k, v, grad, torch.float32)
+    assert max(relative_errors(ours, reference)) < 1e-5, relative_errors(ours, reference)
+
+
 def test_bf16_values_cost_no_more_accuracy_than_in_the_pytorch_path():
     """Products with bf16 operands, fp32 elsewhere, as the PyTorch path: against fp64, errors of the same size
     (both round q, k, v to bf16 first, which is most of it)."""
