@@ -79,6 +79,18 @@ def _key_exponents(k, keep, wt, offs_c, M, inv_sqrt_d, F32: tl.constexpr):
 
 
 @triton.jit
+def _query_exponents(q, wt, c, offs_c, M, F32: tl.constexpr):
+    """q (BLOCK, DP) fp32, wt (DP, MC), c (MC,) -> (BLOCK, MC): w . q' + c, -inf at padded features."""
+    return tl.where(offs_c[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
+
+
+@triton.jit
+def _summaries_chunk(KV, KS, bh, offs_c, offs_d, MP: tl.constexpr, DP: tl.constexpr):
+    """This head's summaries (MC, DP) and key sums (MC,) of features offs_c (or their gradients)."""
+    return tl.load(KV + (bh * MP + offs_c[:, None]) * DP + offs_d[None, :]), tl.load(KS + bh * MP + offs_c)
+
+
+@triton.jit
 def _round_bf16(x):
     """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: the GPU's conversion, done on the bits."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -159,14 +171,14 @@ def _queries_forward(Q, W, C, KV, KS, OUT, DEN, LSE, H, N, D, M, sqb, sqh, sqn, 
     for j in range(0, MP // MC):
         offs_c = j * MC + tl.arange(0, MC)
         wt, c = _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP)
-        e = tl.where(offs_c[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
+        e = _query_exponents(q, wt, c, offs_c, M, F32)  # (BLOCK, MC)
         top_new = tl.maximum(top, tl.max(e, axis=1))
         rescale = tl.exp(top - top_new)
         p = tl.exp(e - top_new[:, None])  # (BLOCK, MC)
-        kv = tl.load(KV + (bh * MP + offs_c[:, None]) * DP + offs_d[None, :])  # (MC, DP)
+        kv, ks = _summaries_chunk(KV, KS, bh, offs_c, offs_d, MP, DP)  # (MC, DP), (MC,)
         total = total * rescale + tl.sum(p, axis=1)
         num = num * rescale[:, None] + _mm(p, kv, BF16, F32)
-        den = den * rescale + tl.sum(p * tl.load(KS + bh * MP + offs_c)[None, :], axis=1)
+        den = den * rescale + tl.sum(p * ks[None, :], axis=1)
         top = top_new
     den = den / total + NORMALISER_FLOOR  # fq . ksum + eps, >= 1 where the example has real keys
     _store_rows(OUT + b * sob + h * soh, son, sod, offs_n, offs_d, N, D, num / total[:, None] / den[:, None], BF16)
@@ -203,10 +215,10 @@ def _queries_backward(Q, G, OUT, DEN, LSE, W, C, KV, KS, DQ, H, N, D, M, sqb, sq
     for j in range(0, MP // MC):
         offs_c = j * MC + tl.arange(0, MC)
         wt, c = _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP)
-        e = tl.where(offs_c[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
+        e = _query_exponents(q, wt, c, offs_c, M, F32)  # (BLOCK, MC)
         f = tl.exp(e - lse[:, None])  # (BLOCK, MC)
-        kv = tl.load(KV + (bh * MP + offs_c[:, None]) * DP + offs_d[None, :])  # (MC, DP)
-        d_f = _mm(g, tl.trans(kv), BF16, F32) + g_den[:, None] * tl.load(KS + bh * MP + offs_c)[None, :]
+        kv, ks = _summaries_chunk(KV, KS, bh, offs_c, offs_d, MP, DP)  # (MC, DP), (MC,)
+        d_f = _mm(g, tl.trans(kv), BF16, F32) + g_den[:, None] * ks[None, :]
         dq += _mm(f * (d_f - through[:, None]), tl.trans(wt), BF16, F32)
     _store_rows(DQ + b * sdb + h * sdh, sdn, sdd, offs_n, offs_d, N, D, dq, BF16)
 
@@ -228,7 +240,7 @@ def _summaries_backward(Q, G, OUT, DEN, LSE, W, C, DKV_OUT, DKS_OUT, H, N, D, M,
         offs_n = (split * blocks_per_split + i) * BLOCK + offs_b
         q, g, g_den, lse = _query_grads(Q, G, OUT, DEN, LSE, b, h, bh, offs_n, offs_d, N, D, sqb, sqh, sqn, sqd,
                                         sgb, sgh, sgn, sgd, sob, soh, son, sod)
-        e = tl.where(offs_c[None, :] < M, tl.dot(q, wt, input_precision=F32) + c[None, :], float("-inf"))
+        e = _query_exponents(q, wt, c, offs_c, M, F32)  # (BLOCK, MC)
         f = tl.where((offs_n < N)[:, None], tl.exp(e - lse[:, None]), 0.0)  # (BLOCK, MC)
         dkv += _mm(tl.trans(f), g, BF16, F32)
         dks += tl.sum(f * g_den[:, None], axis=0)
@@ -256,9 +268,9 @@ def _keys_backward(K, V, KEEP, W, C, DKV, DKS, DK, DV, H, N, D, M, skb, skh, skn
         offs_c = j * MC + tl.arange(0, MC)
         wt, c = _features_chunk(W, C, offs_c, offs_d, D, M, bh, MP)
         f = tl.exp(_key_exponents(k, keep, wt, offs_c, M, inv_sqrt_d, F32) - c[None, :])  # (BLOCK, MC)
-        dkv = tl.load(DKV + (bh * MP + offs_c[:, None]) * DP + offs_d[None, :])  # (MC, DP)
+        dkv, dks = _summaries_chunk(DKV, DKS, bh, offs_c, offs_d, MP, DP)  # (MC, DP), (MC,)
         dv += _mm(f, dkv, BF16, F32)
-        d_e = (_mm(v, tl.trans(dkv), BF16, F32) + tl.load(DKS + bh * MP + offs_c)[None, :]) * f  # (BLOCK, MC)
+        d_e = (_mm(v, tl.trans(dkv), BF16, F32) + dks[None, :]) * f  # (BLOCK, MC)
         dk += _mm(d_e, tl.trans(wt), BF16, F32)
         d_e_sum += tl.sum(d_e, axis=1)
     # the exponent is w . k' - |k'|^2 / 2, so d/dk adds -(sum_r d_e_r) k / sqrt(Dh)
