@@ -150,12 +150,7 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     and device, for a pattern that depends on the length alone (no key padding, no per-sample context)."""
     B, Np = keep.shape
     n = Np if length is None else length
-    if kept is not None and (n, keep.device) in kept:
-        lists = kept[(n, keep.device)]
-    else:
-        lists = tile_lists(*flex_tiles(layout, keep, block, global_tokens, n))
-        if kept is not None:
-            kept[(n, keep.device)] = lists
+    lists = kept_tile_lists(kept, (n, keep.device), lambda: flex_tiles(layout, keep, block, global_tokens, n))
     keep_flat = realized(keep.reshape(-1)) if key_padding else None  # (B * Np,), a buffer for the mask_mod
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -207,6 +202,16 @@ def tile_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor,
     them: each ``ordered_tiles`` is a handful of small eager kernels on every call."""
     return (*ordered_tiles(partial), *ordered_tiles(full), *ordered_tiles(partial.transpose(-1, -2).contiguous()),
             *ordered_tiles(full.transpose(-1, -2).contiguous()))
+
+
+def kept_tile_lists(kept: dict | None, key, tiles) -> tuple[torch.Tensor, ...]:
+    """``tile_lists(*tiles())``, made once per ``key`` (length, device) and kept in ``kept``, for a pattern that
+    depends on the length alone; made on every call where ``kept`` is None."""
+    if kept is None:
+        return tile_lists(*tiles())
+    if key not in kept:
+        kept[key] = tile_lists(*tiles())
+    return kept[key]
 
 
 def block_mask_of(lists: tuple[torch.Tensor, ...], length: int, mask_mod) -> BlockMask:

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, takes_fused_path
-from .patterns import FLEX_BLOCK, block_mask_of, flex_attend, flex_call, realized, tile_block_mask, tile_lists
+from .patterns import FLEX_BLOCK, block_mask_of, flex_attend, flex_call, kept_tile_lists, realized, tile_block_mask
 from .registry import Taxonomy, register_model
 
 SELF_LOGIT = -5e4  # a token sees itself only if nothing else is visible
@@ -227,11 +227,11 @@ def _flex_round(mixer: Reformer, q, k, v, n_real):
         return (last[None, :] >= lo) & (first[None, :] <= hi)
 
     if n_real is None:  # the tiles depend on the length alone: listed once per length and device
-        key = (N, device)
-        if key not in mixer._band_tiles:
-            tiles = band()[None, None]  # (1, 1, nt, nt)
-            mixer._band_tiles[key] = tile_lists(tiles, torch.zeros_like(tiles))
-        block_mask = block_mask_of(mixer._band_tiles[key], N, lambda b, h, q_idx, kv_idx: near(q_idx, kv_idx))
+        def band_tiles():  # partial (the band) and full (none), (1, 1, nt, nt) each
+            return band()[None, None], torch.zeros(1, 1, nt, nt, dtype=torch.bool, device=device)
+
+        lists = kept_tile_lists(mixer._band_tiles, (N, device), band_tiles)
+        block_mask = block_mask_of(lists, N, lambda b, h, q_idx, kv_idx: near(q_idx, kv_idx))
     else:
         tiles = band()[None] & (first[None, None, :] < n_real[:, None, None])  # (B, nt, nt): some real key inside
         limit = realized(n_real)  # (B,), read by the mask_mod: a buffer of its own
