@@ -172,6 +172,11 @@ class Performer(MultiHeadMixer):
         return takes_fused_path(self.backend, "triton", "torch",
                                 q.is_cuda and member is None and favor_attention_triton is not None)
 
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self.redraw_every:  # first, and read by the compiler: at most one graph break a call,
+            self.advance_schedule()  # at the call's start; none in eval or without redraws
+        return super().forward(x, mask, segments)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         keep = mask[:, None, :, None]  # (B, 1, N, 1)
@@ -180,7 +185,6 @@ class Performer(MultiHeadMixer):
         if self.kernel == "relu":
             with torch.autocast(device_type=q.device.type, enabled=False):
                 return (compiled(relu_attention) if fused else relu_attention)(q, k, v, keep, member).to(q.dtype)
-        self.advance_schedule()
         w = upcast(self.features).to(upcast(q).dtype) * self.d_head**-0.25  # (m, Dh): folds in q' = q Dh^-1/4
         if self.takes_triton(q, member):  # no (N x m) map in memory: the fastest and leanest on a GPU
             return favor_attention_triton(q, k, v, keep, w)  # (B, H, N, Dh), q's dtype

@@ -213,6 +213,23 @@ def test_performer_redraw_zero_never_redraws():
     assert torch.equal(model.features, first)
 
 
+def test_performer_schedule_breaks_a_compiled_graph_only_at_the_call_start_and_only_when_redrawing():
+    """The redraw schedule is host-side bookkeeping (a graph break): it runs first in the mixer's call, so a compiled
+    mixer stays one graph, and in eval or with redraw_every 0 the compiler never meets it."""
+    x, mask = torch.randn(2, 10, 32), torch.ones(2, 10, dtype=torch.bool)
+    for redraw_every, training in ((2, True), (2, False), (0, True)):
+        model = create_model("performer", **BACKBONE, n_features=8, redraw_every=redraw_every).train(training)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(x, mask)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (redraw_every, training, explained)
+    assert model.train_calls == 0 and model.draws == 0  # redraw_every 0: nothing counted
+    model = create_model("performer", **BACKBONE, n_features=8, redraw_every=1).train()
+    compiled = torch.compile(model, backend="eager")
+    first = model.features.clone()
+    compiled(x, mask), compiled(x, mask)
+    assert model.train_calls == 2 and model.draws == 1 and not torch.equal(model.features, first)  # still on time
+
+
 def test_performer_same_seed_same_features_and_checkpoint_roundtrip():
     a = create_model("performer", **BACKBONE, n_features=48, seed=7)
     b = create_model("performer", **BACKBONE, n_features=48, seed=7)
