@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -213,6 +214,31 @@ def test_a_data_parallel_job_claims_several_gpus_waiting_without_holding_any(tmp
     for lock in ours + [lock for _, lock in got]:
         lock.release()
     assert len(eval(waiting.communicate(timeout=120)[0])) == 2  # once two are free, it has them
+
+
+def test_waiting_jobs_get_a_freed_gpu_in_the_order_they_began_to_wait(tmp_path):
+    """A sweep's worker that finishes a job and claims again for its next must not take its GPU straight back from a
+    job that has waited longer (it did: a 100-second job waited the whole lease behind two long ones). A killed
+    waiter's ticket holds nobody up."""
+    code = ("import os, time; from pathlib import Path; from hydra_plugins.lra_launchers.lra_launchers import "
+            f"claim_gpus; claim_gpus(Path(r'{tmp_path}'), 1, 1, poll_s=0.05); print(time.time(), flush=True)")
+    [(_, lock)] = claim_gpus(tmp_path, 1)
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (tmp_path / f"wait-{0:012d}-{dead.pid}-1").touch()  # a waiter killed before it got its GPU
+    dead.kill()
+    dead.wait()
+    (tmp_path / "queue.next").write_text("1")
+    first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(f"wait-*-{first.pid}-1")):  # it waits, with a ticket
+        assert time.time() < deadline and first.poll() is None
+        time.sleep(0.05)
+    lock.release()
+    [(_, again)] = claim_gpus(tmp_path, 1, poll_s=0.05)  # straight back in line: served after the waiter
+    taken_back = time.time()
+    again.release()
+    assert float(first.communicate(timeout=60)[0]) < taken_back
+    assert not list(tmp_path.glob("wait-*"))  # every ticket gone, the dead one's too
 
 
 def test_a_job_is_placed_on_the_gpus_it_holds_with_its_share_of_the_cores(monkeypatch):

@@ -104,31 +104,69 @@ class LocalConf(BasicLauncherConf):
 
 
 def claim_gpus(lock_dir: Path, slots: int, n: int = 1, poll_s: float = 1.0) -> list[tuple[int, FileLock]]:
-    """The locks of the first ``n`` free GPUs (held until released), waiting while fewer than ``n`` are free. A job
-    never sits on part of its GPUs while it waits for the rest: what it took is given back before the next try, so
-    two waiting multi-GPU jobs cannot block each other."""
+    """The locks of ``n`` free GPUs (held until released), waiting while fewer than ``n`` are free. Waiting jobs
+    are served in the order they began to wait (a ticket each in ``lock_dir``), so a job that has just released
+    its GPU cannot take it straight back from one that waited longer; a job whose request fits the free GPUs while
+    an earlier one's does not goes ahead. A job never sits on part of its GPUs while it waits for the rest: what it
+    took is given back before the next try, so two waiting multi-GPU jobs cannot block each other."""
     if n > slots:
         raise ValueError(f"a job asks for trainer.devices={n} GPUs but the launcher has {slots} GPU slots "
                          f"(hydra.launcher.gpus): ask for at most {slots}")
     lock_dir.mkdir(parents=True, exist_ok=True)
+    ticket = take_ticket(lock_dir, n)
     said = False
-    while True:
-        held = []
-        for slot in range(slots):
-            lock = FileLock(str(lock_dir / f"gpu{slot}.lock"))
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                continue
-            held.append((slot, lock))
-            if len(held) == n:
-                return held
-        for _, lock in held:
-            lock.release()
-        if not said:  # once: a sweep's surplus jobs all wait here
-            log.info("waiting for %d free GPU%s of %d (locks in %s)", n, "s" if n > 1 else "", slots, lock_dir)
-            said = True
-        time.sleep(poll_s)
+    try:
+        while True:
+            free = []
+            for slot in range(slots):
+                lock = FileLock(str(lock_dir / f"gpu{slot}.lock"))
+                try:
+                    lock.acquire(timeout=0)
+                except Timeout:
+                    continue
+                free.append((slot, lock))
+            ahead = [need for seq, need in waiting(lock_dir) if seq < ticket[0] and need <= len(free)]
+            if not ahead and len(free) >= n:
+                for _, lock in free[n:]:
+                    lock.release()
+                return free[:n]
+            for _, lock in free:
+                lock.release()
+            if not said:  # once: a sweep's surplus jobs all wait here
+                log.info("waiting for %d free GPU%s of %d (locks in %s)", n, "s" if n > 1 else "", slots, lock_dir)
+                said = True
+            time.sleep(poll_s)
+    finally:
+        ticket[1].unlink(missing_ok=True)
+
+
+def take_ticket(lock_dir: Path, n: int) -> tuple[int, Path]:
+    """A waiting job's place in the queue: the next number of ``lock_dir``'s counter and a file naming it, this
+    process and the GPUs it wants (``wait-<number>-<pid>-<n>``; removed when the job has its GPUs or gives up)."""
+    with FileLock(str(lock_dir / "queue.lock")):
+        counter = lock_dir / "queue.next"
+        seq = int(counter.read_text() or 0) if counter.exists() else 0
+        counter.write_text(str(seq + 1))
+        path = lock_dir / f"wait-{seq:012d}-{os.getpid()}-{n}"
+        path.touch()
+    return seq, path
+
+
+def waiting(lock_dir: Path) -> list[tuple[int, int]]:
+    """(number, GPUs wanted) of every job waiting for GPUs on this host. A ticket whose process is gone (killed
+    while waiting) is removed, so it never holds the queue up."""
+    found = []
+    for path in lock_dir.glob("wait-*"):
+        _, seq, pid, need = path.name.split("-")
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            continue
+        except PermissionError:  # another user's live process
+            pass
+        found.append((int(seq), int(need)))
+    return found
 
 
 def _send_result(conn, fn, args, env) -> None:
