@@ -120,7 +120,10 @@ class Reformer(MultiHeadMixer):
         else:
             with torch.autocast(device_type=qk.device.type, enabled=False):
                 rot = torch.einsum("bhnd,rhdc->bhrnc", qk.float(), self.rotations.float())  # (B, H, R, N, nb/2)
-                buckets = torch.cat([rot, -rot], dim=-1).argmax(dim=-1)  # (B, H, R, N)
+                # argmax over [xR, -xR] without building it: the largest entry of xR, or the most negative one
+                # (ties go to xR's, the first half, as argmax takes the first)
+                top, low = rot.max(dim=-1), rot.min(dim=-1)  # values and indices, (B, H, R, N) each
+                buckets = torch.where(top.values >= -low.values, top.indices, low.indices + rot.shape[-1])
         return buckets if mask is None else buckets.masked_fill(~mask[:, None, None, :], self.n_buckets)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -117,6 +117,20 @@ def test_reformer_matches_loop_reference(n_hashes):
     torch.testing.assert_close(y[mask], expected[mask], atol=1e-5, rtol=1e-4)
 
 
+def test_reformer_hash_is_the_argmax_over_the_rotation_and_its_negation():
+    """The paper's hash, argmax over [xR, -xR] (the first of equal entries), computed without building [xR, -xR]:
+    the same buckets, ties included; padding takes the extra bucket."""
+    model = build("reformer", max_len=64, bucket_size=8, n_hashes=2)
+    qk = torch.randn(2, H, 20, model.d_head)
+    qk[:, :, :3] = 0  # every entry of xR ties at 0: bucket 0
+    mask = lengths_mask([20, 15], 20)
+    rot = torch.einsum("bhnd,rhdc->bhrnc", qk, model.rotations)  # (B, H, R, N, nb/2)
+    expected = torch.cat([rot, -rot], -1).argmax(-1).masked_fill(~mask[:, None, None, :], model.n_buckets)
+    buckets = model.hash(qk, mask)
+    assert torch.equal(buckets, expected) and (buckets[..., :3] == 0).all()
+    assert buckets[0].unique().numel() > 4  # both halves are used
+
+
 def test_reformer_padding_invariance_and_options():
     assert_padding_invariant(build("reformer", max_len=128, bucket_size=8, n_hashes=2))
     assert_padding_invariant(build("reformer", max_len=128, n_buckets=4))
