@@ -87,6 +87,10 @@ class ScheduleConfig:
     # random: LRA's shuffled batches | length_grouped: batches of similar lengths (not LRA's protocol: faster with
     # trainer.trim; the leaderboard keeps such runs apart)
     batching: str = "random"
+    # end the run at this step, the learning-rate schedule still spanning `steps`: for a recipe longer than the
+    # device time it gets (its row says `stopped: at step N of M`, never `ok`); relaunched without it (or with a
+    # later step) the run resumes from its checkpoint. null: all `steps`
+    stop_at: Optional[int] = None
 
 
 @dataclass
@@ -338,6 +342,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     for key in ("optim.warmup_steps", "trainer.timing_warmup", "trainer.profile_steps", "seed"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} is not valid: it must be >= 0")
+    stop_at = cfg.schedule.stop_at
+    if stop_at is not None and not 1 <= stop_at <= cfg.schedule.steps:
+        raise ConfigError(f"schedule.stop_at={stop_at} is not valid: a step from 1 to schedule.steps="
+                          f"{cfg.schedule.steps}, or null to run them all")
     if cfg.optim.grad_clip is not None and cfg.optim.grad_clip <= 0:
         raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip} is not valid: a positive norm, or null for none")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):

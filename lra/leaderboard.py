@@ -6,7 +6,9 @@ Table 1. Rules:
 * runs of the chosen experiments only (default ``lra``: LRA's protocol; smoke runs never count); other
   experiments (recipes, variants) are separate rows, labelled by their ``experiment``;
 * only ``status == ok`` rows carry a result; ``diverged``, ``oom`` and ``error`` runs are counted (``n_failed``)
-  while their seed has no ok run, and never averaged;
+  while their seed has no ok run, and never averaged; a run ended early by ``schedule.stop_at`` (``stopped: at step
+  N of M``, a recipe longer than the device time it got) is named in the note with its accuracy so far, while its
+  seed has no ok run, and never averaged either;
 * per (experiment, model, task, seed) the ok run with the best validation accuracy (a re-run of the same seed
   replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
   1 point of the validation split's majority-class share: it still counts, and ``n_stalled`` says so;
@@ -136,7 +138,8 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     best = g[g["best"]]
     n = len(best)
     # a failed run counts while its seed has no ok run (a seed rerun to ok after an oom or a fixed error is a result)
-    unresolved = (g["status"] != "ok") & ~g["seed"].isin(best["seed"])
+    stopped = g["status"].str.startswith("stopped") & ~g["seed"].isin(best["seed"])  # schedule.stop_at, no ok run
+    unresolved = (g["status"] != "ok") & ~g["status"].str.startswith("stopped") & ~g["seed"].isin(best["seed"])
     failed = int(unresolved.sum())
     row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
                n_stalled=int(best["stalled"].sum()), note="")
@@ -149,6 +152,9 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
                    headline="final" if final else "best_val")
         if final:
             notes.append("final weights: the validation split is the test set")
+    for _, run in g[stopped].drop_duplicates("seed", keep="last").iterrows():  # the furthest-trained is the latest
+        where = run["status"].removeprefix("stopped: ").replace("at step", "stopped at step")
+        notes.append(f"seed {run['seed']} {where}, test {run['test_acc']:.2f} so far (not averaged)")
     if failed:
         kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()
         notes.append("failed: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))

@@ -9,6 +9,8 @@ import json
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
 NOT_HASHED_TRAINER = ("compile", "compile_mode", "pack", "trim", "devices", "threads", "eval_batch_size", "ckpt_every",
                       "timing_warmup", "progress", "profile_steps")
+# Where a run stops is not what it computes: the steps it does run are the full schedule's (its row says it stopped).
+NOT_HASHED_SCHEDULE = ("stop_at",)
 # Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
 # values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.
@@ -34,6 +36,7 @@ def departures(overrides: str, val_is_test: bool = False) -> list[str]:
         key = token.split("=", 1)[0].lstrip("+~").replace("/", ".")  # hydra/launcher=gpus: a group choice
         top, _, sub = key.partition(".")
         neutral = (key in PRESET_CHOICES or top in NOT_HASHED or (top == "trainer" and sub in NOT_HASHED_TRAINER)
+                   or (top == "schedule" and sub in NOT_HASHED_SCHEDULE)
                    or (top == "data" and sub in DATA_SOURCE) or (val_is_test and key in EVAL_CADENCE))
         if not neutral:
             changed.append(token)
@@ -46,6 +49,8 @@ def config_hash(cfg_dict: dict) -> str:
     keep = {k: v for k, v in cfg_dict.items() if k not in NOT_HASHED}
     if isinstance(keep.get("trainer"), dict):
         keep["trainer"] = {k: v for k, v in keep["trainer"].items() if k not in NOT_HASHED_TRAINER}
+    if isinstance(keep.get("schedule"), dict):
+        keep["schedule"] = {k: v for k, v in keep["schedule"].items() if k not in NOT_HASHED_SCHEDULE}
     if isinstance(keep.get("data"), dict):  # where the cache lives is not what the data is
         keep["data"] = {k: v for k, v in keep["data"].items() if k != "cache_dir"}
     for section, old_values in HASHED_ONLY_IF_NOT.items():

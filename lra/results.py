@@ -2,8 +2,11 @@
 column list), documented in ``results/README.md``; atomic appends, and provenance (device, torch, git commit,
 config hash). Leaderboards and charts are derived from these CSVs, never edited.
 
-Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the run), ``oom`` or
-``error: <Type>: <message>``. Only ``ok`` rows carry accuracies or timings; nothing else is ever averaged.
+Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the run), ``oom``,
+``error: <Type>: <message>``, or ``stopped: at step N of M`` (``schedule.stop_at``: a recipe run as far as device
+time allowed). Only ``ok`` and ``stopped`` rows carry accuracies or timings; only ``ok`` rows are ever averaged.
+Each row's validation curve goes beside ``runs.csv``: ``curves/<task>_<model>_<experiment>_seed<seed>_<config
+hash>_<timestamp>.csv`` (``CURVE_COLUMNS``; ``curve_path``), the evaluations of the run up to that row.
 """
 from __future__ import annotations
 
@@ -153,6 +156,48 @@ def append_row(path: str | Path, row: dict, columns: list[str]) -> None:
         os.replace(tmp, path)
 
 
+CURVE_COLUMNS = ["step", "train_loss", "val_acc", "lr"]  # one row per evaluation; train loss averaged since the last
+
+
+def curve_path(results_dir: str | Path, row: dict) -> Path:
+    """Where the validation curve of ``row`` (a runs.csv row) lives: named by what ran and when it was recorded,
+    so a run stopped early and later finished keeps both curves."""
+    when = str(row["timestamp"]).replace("-", "").replace(":", "")
+    name = f"{row['task']}_{row['model']}_{row['experiment']}_seed{row['seed']}_{row['config_hash']}_{when}.csv"
+    return Path(results_dir) / "curves" / name
+
+
+def write_curve(results_dir: str | Path, row: dict, history: list[dict]) -> Path | None:
+    """The run's evaluations (``history``: dicts of ``CURVE_COLUMNS``) as a CSV beside runs.csv, written
+    atomically; nothing for a run that never evaluated."""
+    if not history:
+        return None
+    path = curve_path(results_dir, row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CURVE_COLUMNS, lineterminator="\n", extrasaction="ignore")
+        w.writeheader()
+        w.writerows({k: _fmt(h.get(k)) for k in CURVE_COLUMNS} for h in history)
+    os.replace(tmp, path)
+    return path
+
+
+def merge_curves(source_dir: Path, dest_dir: Path) -> int:
+    """Copy the curves of ``source_dir`` that ``dest_dir`` lacks; returns how many were copied."""
+    copied = 0
+    for src in sorted((source_dir / "curves").glob("*.csv")):
+        dest = dest_dir / "curves" / src.name
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_name(dest)
+        tmp.write_bytes(src.read_bytes())
+        os.replace(tmp, dest)
+        copied += 1
+    return copied
+
+
 def _fmt(v):
     if v is None:
         return ""
@@ -234,12 +279,16 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m lra.results",
-                                 description="Merge result rows from another results folder (e.g. a GPU machine's).")
+                                 description="Merge result rows from another results folder (e.g. a GPU "
+                                             "machine's), and the validation curves beside them.")
     ap.add_argument("sources", nargs="+", help="runs.csv, bench.csv or layer_bench.csv files to merge")
     ap.add_argument("--into", required=True, help="the CSV to append the new rows to (e.g. results/runs.csv)")
     args = ap.parse_args(argv)
     for source in args.sources:
         print(f"{source}: {merge_rows(source, args.into)} new rows appended to {args.into}")
+        curves = merge_curves(Path(source).parent, Path(args.into).parent)
+        if curves:
+            print(f"{Path(source).parent / 'curves'}: {curves} curves copied to {Path(args.into).parent / 'curves'}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.packing import model_inputs, packed_share, real_ends, trim
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures
-from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso
+from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
 from models import list_models
 from models.registry import get_model_class
 
@@ -258,6 +258,8 @@ class Trainer:
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             raise
+        if status.startswith("stopped"):  # schedule.stop_at: a result of the steps done, never an ok run's
+            return self.record(status, metrics=self.test())
         if status != "ok":
             return self.record(status)
         return self.record("ok", metrics=self.test())
@@ -271,6 +273,12 @@ class Trainer:
             self.world.barrier()
             return None
         done = files.finished()
+        end = self.cfg.schedule.stop_at
+        if done is not None and str(done.get("status")).startswith("stopped") and end is not None \
+                and done.get("steps", 0) >= end and done.get("config_hash") == self.chash:
+            log.info("%s stopped at step %d already (schedule.stop_at=%d): no new row; raise or drop stop_at to "
+                     "train on", files.dir, done["steps"], end)
+            return {"row": done}
         if done is not None and files.settled() is None:
             log.warning("%s ended with status %r: running it again (from its checkpoint when there is one)",
                         files.dir, done.get("status"))
@@ -398,6 +406,7 @@ class Trainer:
         """The loop; returns ``ok`` or ``diverged``."""
         cfg, state, world, device = self.cfg, self.state, self.world, self.device
         steps, every = cfg.schedule.steps, cfg.schedule.eval_every
+        end = cfg.schedule.stop_at or steps  # the learning rate follows `steps` whatever the end
         order = self.batch_order()
         # profiled steps run slower: they are left out of the timing, as the warm-up before them
         timer = engine.StepTimer(device, cfg.trainer.timing_warmup + cfg.trainer.profile_steps, state["timed_steps"],
@@ -411,7 +420,7 @@ class Trainer:
         bar = tqdm(total=steps, initial=state["step"], desc=f"{cfg.task.name}/{cfg.model.name}",
                    disable=not (cfg.trainer.progress and world.is_main), dynamic_ncols=True)
         with graceful_stop() as previous_handlers:
-            while state["step"] < steps:
+            while state["step"] < end:
                 if self.stop_agreed():
                     self.checkpoint(timer)
                     bar.close()
@@ -429,7 +438,7 @@ class Trainer:
                 if profiler is not None:
                     profiler.after_step(state["step"])
                 bar.update(1)
-                step, last = state["step"], state["step"] == steps
+                step, last = state["step"], state["step"] == end
                 if not warned and device.type == "cpu" and timer.running()[0] >= 3 and cfg.experiment != "smoke":
                     warned = self.warn_cpu(timer, steps)
                 if (step % every == 0 or last or step % 100 == 0) and not self.finite(loss_sum):
@@ -445,7 +454,7 @@ class Trainer:
                     self.checkpoint(timer)
         bar.close()
         timer.pause()
-        return "ok"
+        return "ok" if state["step"] == steps else f"stopped: at step {state['step']:,} of {steps:,}"
 
     # -- pieces of the loop -------------------------------------------------------------------------------------
     def stop_agreed(self) -> bool:
@@ -563,11 +572,13 @@ class Trainer:
                 "final_val_acc": self.state["history"][-1]["val_acc"], "final_test_acc": final_test}
 
     def record(self, status: str, metrics: dict | None = None, detail: str = "") -> dict:
-        """The result row, appended once (rank 0); accuracies and timings only for an ``ok`` run."""
+        """The result row, appended once (rank 0); accuracies and timings only for an ``ok`` run and one stopped by
+        ``schedule.stop_at``."""
         cfg, state, data = self.cfg, self.state, self.data
-        if status != "ok":
+        stopped = status.startswith("stopped")  # schedule.stop_at: trained normally, for fewer steps
+        if status != "ok" and not stopped:
             log.error("%s/%s: %s%s", cfg.task.name, cfg.model.name, status, f" ({detail})" if detail else "")
-        ok = status == "ok"
+        ok = status == "ok" or stopped  # accuracies, speed and memory are measured
         counts = torch.bincount(data.val.labels, minlength=data.n_classes)
         steps_per_s = self.timer.steps_per_s if ok and hasattr(self, "timer") else None
         row = RunRow(
@@ -587,9 +598,9 @@ class Trainer:
             if ok:
                 speed = (f"{steps_per_s:.1f} steps/s" if math.isfinite(steps_per_s) else
                          f"speed not timed (all {state['step']} steps within trainer.timing_warmup)")
-                log.info("%s/%s: best val %.4f at step %d, test %.4f (final %.4f), %s, %.0f MB",
-                         cfg.task.name, cfg.model.name, out["val_acc"], out["best_step"], out["test_acc"],
-                         out["final_test_acc"], speed, state["peak_mem_mb"])
+                log.info("%s/%s: %sbest val %.4f at step %d, test %.4f (final %.4f), %s, %.0f MB",
+                         cfg.task.name, cfg.model.name, f"{status}: " if stopped else "", out["val_acc"],
+                         out["best_step"], out["test_acc"], out["final_test_acc"], speed, state["peak_mem_mb"])
             if getattr(self, "logger", None) is not None:
                 self.logger.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float))})
                 self.logger.finish()
@@ -615,8 +626,10 @@ def run_identity(cfg: DictConfig) -> dict:
 
 
 def save_row(cfg: DictConfig, files: RunFiles, row: dict, history: list) -> None:
-    """Append the row to ``runs.csv``, then record it in the run's folder (which marks the run as ended)."""
+    """Append the row to ``runs.csv`` and its validation curve to ``curves/`` beside it, then record it in the run's
+    folder (which marks the run as ended)."""
     append_row(Path(cfg.results.dir) / "runs.csv", row, RUN_COLUMNS)
+    write_curve(cfg.results.dir, row, history)
     files.write_result(row, history)
 
 

@@ -106,6 +106,19 @@ def test_stalled_runs_count_and_are_flagged():
     assert "~1" in leaderboard.format_leaderboard(lb)
 
 
+def test_a_run_stopped_early_is_named_with_its_accuracy_but_never_averaged_or_failed():
+    runs = pd.DataFrame([run("text", "s4d", 0, 70.0, 71.0, status="stopped: at step 10,000 of 50,000"),
+                         run("text", "s4d", 0, 80.0, 81.0, ts="2026-01-02T00:00:00Z",
+                             status="stopped: at step 30,000 of 50,000"),
+                         run("image", "s4d", 0, 85.0, 86.0, status="stopped: at step 100 of 200"),
+                         run("image", "s4d", 0, 88.0, 87.0, ts="2026-01-03T00:00:00Z")]).reindex(columns=RUN_COLUMNS)
+    lb = leaderboard.build_leaderboard(runs)
+    assert pd.isna(cell(lb, "s4d", "text")) and cell(lb, "s4d", "text", "n_failed") == 0
+    note = "seed 0 stopped at step 30,000 of 50,000, test 81.00 so far (not averaged)"  # the furthest run
+    assert cell(lb, "s4d", "text", "note") == note
+    assert cell(lb, "s4d", "image") == 87.0 and cell(lb, "s4d", "image", "note") == ""  # finished since: that counts
+
+
 def test_where_validation_is_the_test_set_the_final_weights_of_the_latest_run_count(tmp_path):
     """Text validates on its test set (as LRA): choosing a checkpoint or a re-run by validation would choose on test."""
     text = dict(val_is_test=True, split="train=train, val=test, test=test")

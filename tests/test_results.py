@@ -68,6 +68,24 @@ def test_merge_appends_only_new_rows(tmp_path):
     assert list(merged.model) == ["m0", "m1", "m2"] and list(merged.columns) == RUN_COLUMNS
 
 
+def test_merging_a_machines_rows_brings_their_curves_along(tmp_path, capsys):
+    from lra.results import curve_path, main, write_curve
+
+    remote, local = tmp_path / "remote", tmp_path / "results"
+    row = {"task": "image", "model": "s4d", "seed": 0, "experiment": "s4d_lra", "status": "ok", "config_hash": "h0",
+           "timestamp": "2026-01-01T00:00:00Z", "run_dir": "/r/0", "test_acc": 0.8}
+    append_row(remote / "runs.csv", row, RUN_COLUMNS)
+    history = [{"step": 900, "train_loss": 1.5, "val_acc": 0.4, "lr": 0.01}, {"step": 1800, "train_loss": 1.1,
+                                                                              "val_acc": 0.55, "lr": 0.009}]
+    assert write_curve(remote, row, history).name == "image_s4d_s4d_lra_seed0_h0_20260101T000000Z.csv"
+    assert write_curve(remote, {**row, "timestamp": "x"}, []) is None  # a run that never evaluated: no curve
+    main([str(remote / "runs.csv"), "--into", str(local / "runs.csv")])
+    curve = pd.read_csv(curve_path(local, row))
+    assert curve.to_dict("records") == history and "1 curves copied" in capsys.readouterr().out
+    main([str(remote / "runs.csv"), "--into", str(local / "runs.csv")])  # again: nothing new
+    assert "curves copied" not in capsys.readouterr().out and len(pd.read_csv(local / "runs.csv")) == 1
+
+
 def test_merge_keeps_each_kind_of_rows_in_its_own_schema(tmp_path):
     """A layer bench's rows (ours and a package's at one timestamp) merge into a layer_bench.csv with its own
     header; merging them into a runs.csv is refused, never a file with both headers."""

@@ -21,7 +21,7 @@ from lra import engine
 from lra.checkpoint import RunFiles
 from lra.config import ConfigError
 from lra.data import DataError, Split
-from lra.results import RUN_COLUMNS
+from lra.results import RUN_COLUMNS, curve_path
 from tests.conftest import ROOT
 
 TINY = ("task.seq_len=256", "backbone.n_layers=1")  # the runner's behaviour, not the model's: short and shallow
@@ -64,6 +64,34 @@ def test_same_seed_same_metrics_a_finished_run_is_not_rerun(smoke_cfg, tmp_path)
     keys = ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step")
     assert [first[k] for k in keys] == [second[k] for k in keys]
     assert len(rows(tmp_path)) == 2
+
+
+def test_stop_at_ends_a_run_early_as_stopped_and_it_resumes_to_the_full_run(smoke_cfg, tmp_path):
+    """schedule.stop_at: a row that says where the run stopped (never ok), its validation curve beside runs.csv;
+    the same command again adds nothing; without stop_at the run goes on from its checkpoint, and ends as the
+    uninterrupted run does (the learning rate spanned all the steps throughout)."""
+    overrides = (*TINY, "schedule.steps=12", "schedule.eval_every=3", "trainer.ckpt_every=100")
+    reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
+    time.sleep(1)  # rows a second apart: curves are named by what ran and the row's time
+    stopped = runner.run(smoke_cfg(*overrides, "schedule.stop_at=6"))
+    assert stopped["status"] == "stopped: at step 6 of 12" and stopped["steps"] == 6
+    assert 0 <= stopped["test_acc"] <= 1 and stopped["train_steps_per_s"] > 0 and stopped["peak_mem_mb"] > 0
+    assert stopped["config_hash"] == reference["config_hash"]  # where it stops is not what it computes
+    curve = pd.read_csv(curve_path(tmp_path / "results", stopped))
+    assert list(curve.columns) == ["step", "train_loss", "val_acc", "lr"] and curve["step"].tolist() == [3, 6]
+    assert runner.run(smoke_cfg(*overrides, "schedule.stop_at=6"))["timestamp"] == stopped["timestamp"]
+    assert len(rows(tmp_path)) == 2
+    time.sleep(1)
+    finished = runner.run(smoke_cfg(*overrides))
+    assert finished["status"] == "ok" and finished["steps"] == 12
+    for k in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step"):
+        assert finished[k] == reference[k], k
+    reference_curve, finished_curve = (pd.read_csv(curve_path(tmp_path / "results", r)) for r in (reference, finished))
+    assert finished_curve["step"].tolist() == [3, 6, 9, 12]  # the resumed run's curve goes on from the stop's
+    pd.testing.assert_frame_equal(finished_curve, reference_curve)
+    assert len(list((tmp_path / "results" / "curves").iterdir())) == 3  # the stopped row keeps its own
+    with pytest.raises(ConfigError, match="schedule.stop_at=13 is not valid"):
+        runner.run(smoke_cfg(*overrides, "schedule.stop_at=13"))
 
 
 def stop_during_step(monkeypatch, n: int, signum: int | None = None) -> dict:
