@@ -119,6 +119,9 @@ def test_job_states_from_the_run_folder(tmp_path):
     for failure in ("oom", "error: InductorError: LoweringException"):
         files.write_result({"status": failure}, [])
         assert job_state(files.dir) == "retry"
+    files.write_result({"status": "stopped: at step 1 of 9"}, [])  # schedule.stop_at: it goes on from its checkpoint
+    assert job_state(files.dir) == "resume"
+    files.write_result({"status": "oom"}, [])
     with files.hold():  # as the process training it holds it, seen from another (a process of its own)
         other = subprocess.run([sys.executable, "-c", "import sys; from hydra_plugins.lra_launchers.lra_launchers "
                                 "import job_state; print(job_state(sys.argv[1]))", str(files.dir)],

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 def job_state(run_dir: Path) -> str:
     """finished | running | retry | resume | new, as the runner will find the job's folder (running: another process
     is training it now, and this launch of the job stops at once; retry: it ended in ``oom`` or ``error`` and runs
-    again)."""
+    again; resume: it has a checkpoint to go on from, a run stopped by ``schedule.stop_at`` included)."""
     from lra.checkpoint import RunFiles
 
     files = RunFiles(run_dir)
@@ -55,7 +55,8 @@ def job_state(run_dir: Path) -> str:
         return "finished"
     if files.in_use():
         return "running"
-    if files.finished() is not None:
+    done = files.finished()
+    if done is not None and not str(done.get("status")).startswith("stopped"):
         return "retry"
     return "resume" if files.has_checkpoint() else "new"
 
