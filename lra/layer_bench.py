@@ -52,8 +52,9 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
     module: our mixers and the public packages are timed by the same code. ``profile_dir``: after the timed calls,
     as many more under torch.profiler, whose tables (``profile.txt``: kernels by device time on a GPU, operators
     and our own functions by host time) and trace go there; the timing does not include them."""
-    if compile_layer:
-        layer = torch.compile(layer)
+    if compile_layer:  # a fresh, static graph per row, as a training run (one shape) compiles: otherwise the cache
+        torch._dynamo.reset()  # of an earlier row's shape makes Dynamo compile this one with dynamic shapes
+        layer = torch.compile(layer, dynamic=False)
     x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
     autocast = engine.autocast(engine.resolve_precision("auto", device), device)
 

@@ -161,7 +161,7 @@ def test_profile_writes_a_table_for_every_row_after_its_timing(tmp_path, monkeyp
 def test_compile_puts_every_timed_layer_through_torch_compile(tmp_path, monkeypatch, capsys):
     """--compile: ours, the package's and SDPA's layers alike (a stand-in for torch.compile records them)."""
     compiled = []
-    monkeypatch.setattr(torch, "compile", lambda layer: compiled.append(layer) or layer)
+    monkeypatch.setattr(torch, "compile", lambda layer, dynamic: compiled.append(layer) or layer)
     out = tmp_path / "layers.csv"
     layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile"])
     rows = pd.read_csv(out)
@@ -169,6 +169,21 @@ def test_compile_puts_every_timed_layer_through_torch_compile(tmp_path, monkeypa
     assert "every layer compiled" in capsys.readouterr().out
     layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS[:-1]])
     assert len(compiled) == 3 and not pd.read_csv(out).compiled.iloc[-1]  # without the flag: eager
+
+
+def test_each_compiled_row_is_a_static_graph_of_its_own_shape(monkeypatch):
+    """The same layer code at a second shape: Dynamo would reuse its cache and compile it with dynamic shapes
+    (other kernels than a training run, which sees one shape, gets). Each row starts afresh, static."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter, real_compile = CompileCounterWithBackend("eager"), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: real_compile(fn, dynamic=dynamic, backend=counter))
+    for n, batch in ((16, 4), (32, 4), (64, 2)):
+        layer_bench.time_forward(lambda x: torch.nn.functional.gelu(x) * 2, n, batch, torch.device("cpu"), warmup=1,
+                                 steps=1, compile_layer=True)
+    inputs = [next(iter(g.graph.find_nodes(op="placeholder"))).meta["example_value"].shape for g in counter.graphs]
+    assert counter.frame_count == 3 and all(isinstance(size, int) for shape in inputs for size in shape)
+    assert [tuple(shape) for shape in inputs] == [(4, 16, 256), (4, 32, 256), (2, 64, 256)]
 
 
 def test_without_peers_the_header_says_the_numbers_are_stored(capsys):
