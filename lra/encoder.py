@@ -281,6 +281,13 @@ class Classifier(nn.Module):
             raise ValueError("head='linear' is for single sequences: a pair task (retrieval) combines its two "
                              "documents through the MLP head (backbone.head=mlp)")
         self.encoder, self.pooling, self.pair, self.padded = encoder, pooling, pair, padded
+        # Mixers with host-side bookkeeping per training call (the performer's feature redraws): the model advances
+        # them once per call, first, where the graph break it costs a compiled model splits nothing; in each layer
+        # it would split the model's graph in three there.
+        self.schedules = False
+        for block in encoder.blocks:
+            if hasattr(block.mixer, "advance_schedule"):
+                block.mixer.schedule_outside, self.schedules = True, True
         if head == "linear":
             self.head = nn.Linear(d_model, n_classes)
         elif pair:
@@ -301,6 +308,12 @@ class Classifier(nn.Module):
         one that declares ``padding_invariant = False`` (local's strided groups depend on the length)."""
         return all(getattr(b.mixer, "padding_invariant", True) for b in self.encoder.blocks)
 
+    @torch.compiler.disable  # host-side: its graph break falls at the start of the model's call
+    def advance_schedules(self) -> None:
+        for block in self.encoder.blocks:
+            if hasattr(block.mixer, "advance_schedule"):
+                block.mixer.advance_schedule()
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h, mask = self.encoder(tokens, tokens != 0 if self.padded else None)
         return pool(h, mask, self.pooling)  # (B, D)
@@ -309,6 +322,8 @@ class Classifier(nn.Module):
                 positions: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
         """(B, N) ids, or (B, 2, N) pairs -> (B, C) logits; or a packed batch's four tensors (``lra.packing``;
         for a pair task its documents are the 2B examples, pair b being documents 2b and 2b + 1)."""
+        if self.training and self.schedules:
+            self.advance_schedules()
         if segments is not None:
             h, _ = self.encoder(tokens, None, segments, positions)  # (R, M, D)
             z = pool_packed(h, segments, starts, self.pooling)  # (B or 2B, D)

@@ -43,7 +43,9 @@ layer's features are reproducible and survive a checkpoint (the matrix is a buff
 extra state). ``seed: null`` takes each layer's seed from torch's RNG at construction, so layers differ but
 follow the run seed. In training the features are redrawn every ``redraw_every`` training forward calls
 (0 = never); in eval they are frozen, so evaluation is deterministic. The heads of a layer share the matrix
-(as in the paper's code).
+(as in the paper's code). The count is host-side (a graph break under torch.compile): the mixer keeps it at the
+start of its call, or, with ``schedule_outside``, the model holding it does at the start of the model's call
+(lra's classifier does), so that a compiled model stays one graph.
 
 ``kernel: relu`` is LRA's default Performer ("generalized" attention with deterministic features):
 phi(x) = relu(x) + 1e-3 on the raw q, k, no random features, no stabiliser; ``n_features``/``redraw_every``
@@ -132,6 +134,7 @@ class Performer(MultiHeadMixer):
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.backend = "auto"  # softmax kernel: "triton" | "torch" (models/_favor*.py); how it runs, not what
         self.train_calls = 0  # training forward calls seen; drives the redraw schedule
+        self.schedule_outside = False  # True: the model holding this mixer calls advance_schedule once per call
         self.draws = 0  # index of the current feature draw
         self.register_buffer("features", self.draw(0) if kernel == "softmax" else None)  # (m, Dh) fp32
 
@@ -173,8 +176,10 @@ class Performer(MultiHeadMixer):
                                 q.is_cuda and member is None and favor_attention_triton is not None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training and self.redraw_every:  # first, and read by the compiler: at most one graph break a call,
-            self.advance_schedule()  # at the call's start; none in eval or without redraws
+        # first, and read by the compiler: at most one graph break a call, at its start; none in eval or without
+        # redraws, nor where the model holding this mixer advances the schedule itself (``schedule_outside``)
+        if self.training and self.redraw_every and not self.schedule_outside:
+            self.advance_schedule()
         return super().forward(x, mask, segments)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -230,6 +230,30 @@ def test_performer_schedule_breaks_a_compiled_graph_only_at_the_call_start_and_o
     assert model.train_calls == 2 and model.draws == 1 and not torch.equal(model.features, first)  # still on time
 
 
+def test_a_classifier_advances_its_performer_schedules_once_per_call_and_compiles_to_one_graph():
+    """lra's classifier advances every performer layer's redraw schedule first in its own call: a compiled model in
+    training is one graph (with each layer doing it in its own call, 3 layers made 8), and the redraws keep time."""
+    from lra.encoder import build_classifier
+
+    backbone = dict(n_layers=3, d_model=32, n_heads=2, d_qkv=32, d_ff=32, d_classifier=32, dropout=0.0,
+                    attn_dropout=0.0, positions="sinusoidal", pooling="cls")
+    model = build_classifier("performer", dict(n_features=8, redraw_every=2), backbone, 20, 16, 3).train()
+    tokens = torch.randint(1, 20, (2, 16))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(tokens)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    layers = [block.mixer for block in model.encoder.blocks]
+    first = [layer.features.clone() for layer in layers]
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(2):
+        compiled(tokens)
+    assert all(layer.schedule_outside and layer.train_calls == 3 and layer.draws == 1 for layer in layers)
+    assert not any(torch.equal(layer.features, f) for layer, f in zip(layers, first))  # call 3 drew anew
+    model.eval()
+    compiled(tokens)
+    assert all(layer.train_calls == 3 for layer in layers)  # eval: frozen
+
+
 def test_performer_same_seed_same_features_and_checkpoint_roundtrip():
     a = create_model("performer", **BACKBONE, n_features=48, seed=7)
     b = create_model("performer", **BACKBONE, n_features=48, seed=7)
