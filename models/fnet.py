@@ -88,7 +88,9 @@ def fourier_mix(x: torch.Tensor, mask: torch.Tensor | None, norm: str) -> torch.
     length = (position * mask).amax(-1).clamp_min(1)  # (B,): last real position + 1 (0-based)
     keep = mask[..., None].to(x.dtype)  # (B, N, 1)
     y = torch.fft.fft(x * keep, dim=-1)  # (B, N, D) complex: over the hidden dimension, padded tokens zero
-    if bool((length == N).all()):  # every row spans the batch (one host sync): the plain FFT is exact
+    # every row spans the batch: the plain FFT is exact. Eager only: the check is a host sync, and a compiled model
+    # would break its graph on it in every layer; Bluestein's transform is exact at any length
+    if not torch.compiler.is_compiling() and bool((length == N).all()):
         y = torch.fft.fft(y, dim=1)  # (B, N, D)
     else:
         y = dft_per_length(y, length)  # (B, N, D)

@@ -125,3 +125,17 @@ def test_bf16_autocast_runs_in_fp32():
 
 def test_fast_sizes():
     assert [fast_size(n) for n in (1, 7, 17, 511, 8193)] == [1, 8, 18, 512, 8640]
+
+
+@pytest.mark.parametrize("lengths", [[40, 40], [40, 23]])
+def test_compiled_it_is_one_graph_and_the_same_with_or_without_padding(lengths):
+    """Eager, a batch of full rows takes the plain FFT after a host check; compiled, that check would break the graph
+    in every layer, so the transform over each length runs whatever the lengths: the same numbers either way."""
+    torch.manual_seed(0)
+    mixer = create_model("fnet", **BACKBONE)
+    x, mask = torch.randn(2, 40, 16, dtype=torch.float64), ragged_mask(40, lengths)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(mixer)(x, mask)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    compiled = torch.compile(mixer, backend="eager")
+    torch.testing.assert_close(compiled(x, mask), mixer(x, mask), rtol=1e-10, atol=1e-10)
