@@ -157,6 +157,28 @@ def test_mask_free_classifier_equals_the_masked_one_without_padding(name, poolin
         torch.testing.assert_close(free(tokens), masked(tokens), atol=1e-5, rtol=1e-5)
 
 
+# Models whose step makes a host-side decision a compiled model cannot trace: a graph break (and a device sync) in
+# every layer, every step. gla: per-key decays take the factorised or the exact inside-chunk scores by reading
+# each chunk's total decay (torch.cond's backward refused the two branches' gradient layouts).
+GRAPH_BREAKS = {"gla"}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_compiled_model_in_training_is_one_graph(name):
+    """Every graph break costs a compiled model its host time and fusion in each layer of each step (a performer
+    model of three layers was eight graphs; an fnet one eleven): compiled in training, with padding, a model is one
+    graph, but for those listed above."""
+    torch.manual_seed(0)
+    enc = Encoder(name, {}, vocab_size=20, seq_len=64, n_layers=2, d_model=32, n_heads=2, d_qkv=32, d_ff=32,
+                  dropout=0.1, attn_dropout=0.1, positions="learned", cls_token=True, grid=(8, 8))
+    model = Classifier(enc, 32, 32, 3, "cls").train()
+    tokens = torch.randint(1, 20, (2, 64))
+    tokens[1, 40:] = 0  # padding
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(tokens)
+    assert (explained.graph_count == 1) == (name not in GRAPH_BREAKS), explained.break_reasons[:2]
+
+
 def test_runner_builds_pixel_tasks_mask_free():
     from lra.data import Split, TaskData
 
