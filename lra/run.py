@@ -403,7 +403,7 @@ class Trainer:
         return BatchOrder(len(self.data.train), cfg.schedule.batch_size, cfg.seed, lengths)
 
     def train(self) -> str:
-        """The loop; returns ``ok`` or ``diverged``."""
+        """The loop; returns ``ok``, ``diverged``, or ``stopped: at step N of M`` (``schedule.stop_at``)."""
         cfg, state, world, device = self.cfg, self.state, self.world, self.device
         steps, every = cfg.schedule.steps, cfg.schedule.eval_every
         end = cfg.schedule.stop_at or steps  # the learning rate follows `steps` whatever the end
