@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from lra.data.common import temporary_name
+from lra.data.common import atomic_write_text, temporary_name
 
 
 @dataclass
@@ -172,14 +172,12 @@ def write_curve(results_dir: str | Path, row: dict, history: list[dict]) -> Path
     atomically; nothing for a run that never evaluated."""
     if not history:
         return None
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CURVE_COLUMNS, lineterminator="\n", extrasaction="ignore")
+    w.writeheader()
+    w.writerows({k: _fmt(h.get(k)) for k in CURVE_COLUMNS} for h in history)
     path = curve_path(results_dir, row)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_name(path)
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CURVE_COLUMNS, lineterminator="\n", extrasaction="ignore")
-        w.writeheader()
-        w.writerows({k: _fmt(h.get(k)) for k in CURVE_COLUMNS} for h in history)
-    os.replace(tmp, path)
+    atomic_write_text(path, buf.getvalue())
     return path
 
 
@@ -188,13 +186,9 @@ def merge_curves(source_dir: Path, dest_dir: Path) -> int:
     copied = 0
     for src in sorted((source_dir / "curves").glob("*.csv")):
         dest = dest_dir / "curves" / src.name
-        if dest.exists():
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temporary_name(dest)
-        tmp.write_bytes(src.read_bytes())
-        os.replace(tmp, dest)
-        copied += 1
+        if not dest.exists():
+            atomic_write_text(dest, src.read_text())
+            copied += 1
     return copied
 
 
