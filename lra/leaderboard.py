@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lra.provenance import PARTIAL_PRESETS, departures
+from lra.provenance import PARTIAL_PRESETS, STOPPED, departures
 
 TASKS4 = ["listops", "text", "image", "pathfinder"]
 TASKS5 = ["listops", "text", "retrieval", "image", "pathfinder"]
@@ -138,8 +138,9 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     best = g[g["best"]]
     n = len(best)
     # a failed run counts while its seed has no ok run (a seed rerun to ok after an oom or a fixed error is a result)
-    stopped = g["status"].str.startswith("stopped") & ~g["seed"].isin(best["seed"])  # schedule.stop_at, no ok run
-    unresolved = (g["status"] != "ok") & ~g["status"].str.startswith("stopped") & ~g["seed"].isin(best["seed"])
+    open_seed, ended_early = ~g["seed"].isin(best["seed"]), g["status"].str.startswith(STOPPED)  # no ok run yet
+    stopped = ended_early & open_seed  # schedule.stop_at
+    unresolved = (g["status"] != "ok") & ~ended_early & open_seed
     failed = int(unresolved.sum())
     row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
                n_stalled=int(best["stalled"].sum()), note="")
@@ -153,7 +154,7 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
         if final:
             notes.append("final weights: the validation split is the test set")
     for _, run in g[stopped].drop_duplicates("seed", keep="last").iterrows():  # the furthest-trained is the latest
-        where = run["status"].removeprefix("stopped: ").replace("at step", "stopped at step")
+        where = run["status"].removeprefix(f"{STOPPED}: ").replace("at step", f"{STOPPED} at step")
         notes.append(f"seed {run['seed']} {where}, test {run['test_acc']:.2f} so far (not averaged)")
     if failed:
         kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()

@@ -11,6 +11,12 @@ NOT_HASHED_TRAINER = ("compile", "compile_mode", "pack", "trim", "devices", "thr
                       "timing_warmup", "progress", "profile_steps")
 # Where a run stops is not what it computes: the steps it does run are the full schedule's (its row says it stopped).
 NOT_HASHED_SCHEDULE = ("stop_at",)
+STOPPED = "stopped"  # the status of a run ended by schedule.stop_at, ``stopped_status``; a prefix to test for
+
+
+def stopped_status(step: int, steps: int) -> str:
+    """The status of a run that ``schedule.stop_at`` ended at ``step`` of its ``steps``."""
+    return f"{STOPPED}: at step {step:,} of {steps:,}"
 # Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
 # values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.

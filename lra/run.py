@@ -35,7 +35,7 @@ from lra.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.packing import model_inputs, packed_share, real_ends, trim
-from lra.provenance import PARTIAL_PRESETS, config_hash, departures
+from lra.provenance import PARTIAL_PRESETS, STOPPED, config_hash, departures, stopped_status
 from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
 from models import list_models
 from models.registry import get_model_class
@@ -258,7 +258,7 @@ class Trainer:
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             raise
-        if status.startswith("stopped"):  # schedule.stop_at: a result of the steps done, never an ok run's
+        if status.startswith(STOPPED):  # schedule.stop_at: a result of the steps done, never an ok run's
             return self.record(status, metrics=self.test())
         if status != "ok":
             return self.record(status)
@@ -274,7 +274,7 @@ class Trainer:
             return None
         done = files.finished()
         end = self.cfg.schedule.stop_at
-        if done is not None and str(done.get("status")).startswith("stopped") and end is not None \
+        if done is not None and str(done.get("status")).startswith(STOPPED) and end is not None \
                 and done.get("steps", 0) >= end and done.get("config_hash") == self.chash:
             log.info("%s stopped at step %d already (schedule.stop_at=%d): no new row; raise or drop stop_at to "
                      "train on", files.dir, done["steps"], end)
@@ -454,7 +454,7 @@ class Trainer:
                     self.checkpoint(timer)
         bar.close()
         timer.pause()
-        return "ok" if state["step"] == steps else f"stopped: at step {state['step']:,} of {steps:,}"
+        return "ok" if state["step"] == steps else stopped_status(state["step"], steps)
 
     # -- pieces of the loop -------------------------------------------------------------------------------------
     def stop_agreed(self) -> bool:
@@ -575,7 +575,7 @@ class Trainer:
         """The result row, appended once (rank 0); accuracies and timings only for an ``ok`` run and one stopped by
         ``schedule.stop_at``."""
         cfg, state, data = self.cfg, self.state, self.data
-        stopped = status.startswith("stopped")  # schedule.stop_at: trained normally, for fewer steps
+        stopped = status.startswith(STOPPED)  # schedule.stop_at: trained normally, for fewer steps
         if status != "ok" and not stopped:
             log.error("%s/%s: %s%s", cfg.task.name, cfg.model.name, status, f" ({detail})" if detail else "")
         ok = status == "ok" or stopped  # accuracies, speed and memory are measured

@@ -49,6 +49,7 @@ def job_state(run_dir: Path) -> str:
     is training it now, and this launch of the job stops at once; retry: it ended in ``oom`` or ``error`` and runs
     again; resume: it has a checkpoint to go on from, a run stopped by ``schedule.stop_at`` included)."""
     from lra.checkpoint import RunFiles
+    from lra.provenance import STOPPED
 
     files = RunFiles(run_dir)
     if files.settled() is not None:
@@ -56,7 +57,7 @@ def job_state(run_dir: Path) -> str:
     if files.in_use():
         return "running"
     done = files.finished()
-    if done is not None and not str(done.get("status")).startswith("stopped"):
+    if done is not None and not str(done.get("status")).startswith(STOPPED):
         return "retry"
     return "resume" if files.has_checkpoint() else "new"
 
