@@ -312,8 +312,8 @@ def splits_of(n_blocks: int, heads: int, device: torch.device) -> tuple[int, int
 
 def merge_maxima(c: torch.Tensor, *sums: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The splits' partials, c (BH, S, MP) with sums (BH, S, MP[, DP]) at their own maxima -> c (BH, MP) the
-    maximum over all, and the sums moved to it and added. One split (most shapes up to 4K) is already merged: views,
-    no launch."""
+    maximum over all, and the sums moved to it and added, each contiguous. One split (most shapes up to 4K) is
+    already merged: views (contiguous, the split axis having size 1), no launch."""
     if c.shape[1] == 1:
         return c[:, 0], *(s[:, 0] for s in sums)
     top = c.amax(1)  # (BH, MP)
@@ -350,7 +350,7 @@ def forward(q, k, v, keep, w):
                  torch.empty(B * H, splits, MP, **f32))
     _keys_forward[(B * H, splits, chunks)](k, v, keep, w, c, kv, ks, H, N, D, M, per_split, *k.stride(),
                                            *v.stride(), 1 / math.sqrt(D), **meta)
-    c, kv, ks = (t.contiguous() for t in merge_maxima(c, kv, ks))
+    c, kv, ks = merge_maxima(c, kv, ks)  # contiguous, as the queries' kernels index them
     out, den, lse = torch.empty_like(q), torch.empty(B * H, N, **f32), torch.empty(B * H, N, **f32)
     _queries_forward[(B * H, n_blocks)](q, w, c, kv, ks, out, den, lse, H, N, D, M, *q.stride(), *out.stride(),
                                         **meta)
