@@ -13,10 +13,12 @@ through fused ``scaled_dot_product_attention`` as an additive float mask (softma
 kernel); without it softmax(S) V is computed explicitly with an fp32 softmax and the query/key
 projections do not exist (only values are projected). The value path always uses V.
 
-Complexity: O(N^2 d) time and O(B H N^2) memory (the logit bias is materialised per batch, since the
-padding mask differs per example); parameters H max_len^2 for ``random`` (LRA's choice: 64M per layer
-at max_len 4000 with 4 heads), 2 H max_len r for ``factorized_random``, O(d^2 + d max_len) for
-``dense``. It is a quadratic model: it shows what learned, input-independent attention can do.
+Complexity: O(N^2 d) time and O(B H N^2) memory (with padding, the logit bias is materialised per batch, since
+the mask differs per example; without padding (``mask=None``, the pixel tasks) the random variants' bias stays one
+(1, H, N, N) tensor that SDPA broadcasts over the batch, sparing two (B, H, N, N) passes forward and one
+backward); parameters H max_len^2 for ``random`` (LRA's choice: 64M per layer at max_len 4000 with 4 heads),
+2 H max_len r for ``factorized_random``, O(d^2 + d max_len) for ``dense``. It is a quadratic model: it shows
+what learned, input-independent attention can do.
 
 Deviations from LRA's code: LRA's dense mode reshapes (B, N, H, max_len) straight to (B, H, N, max_len)
 without a transpose (scrambling heads and positions); we transpose. Init: R ~ N(0, 1/max_len), and R1,
@@ -44,6 +46,7 @@ VARIANTS = ("dense", "random", "factorized_random")
 @register_model
 class Synthesizer(MultiHeadMixer):
     taxonomy = Taxonomy("Tay et al. 2021, arXiv 2005.00743", "N^2", ("LR", "LP"), decode=True)
+    accepts_no_mask = True  # mask=None: the random variants' bias stays (1, H, N, N), broadcast over the batch
 
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *,
@@ -80,22 +83,27 @@ class Synthesizer(MultiHeadMixer):
         s = F.linear(h, self.syn_logits.weight[:N], self.syn_logits.bias[:N])  # (B, N, H, N)
         return s.transpose(1, 2)  # (B, H, N, N)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, N, _ = x.shape
         self.check_length(N)
         H, Dh = self.n_heads, self.d_head
-        pad_keys = ~mask[:, None, None, :]  # (B, 1, 1, N)
+        pad_keys = None if mask is None else ~mask[:, None, None, :]  # (B, 1, 1, N); None: no padding
         if self.keep_dot_product:
             q, k, v = self.project(x)  # each (B, H, N, Dh)
-            bias = self.synthesized(x).to(q.dtype).masked_fill(pad_keys, float("-inf"))  # (B, H, N, N)
+            bias = self.synthesized(x).to(q.dtype)  # (1 or B, H, N, N)
+            if pad_keys is not None:
+                bias = bias.masked_fill(pad_keys, float("-inf"))  # (B, H, N, N)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.dropout_p)  # (B, H, N, Dh)
         else:
             v = self.qkv(x).view(B, N, H, Dh).transpose(1, 2)  # (B, H, N, Dh)
             s = self.synthesized(x)
             with torch.autocast(device_type=x.device.type, enabled=False):
-                # finfo.min, not -inf: an example with no real token gets uniform weights, not NaN
-                s = s.float().masked_fill(pad_keys, torch.finfo(torch.float32).min)  # (B, H, N, N)
+                s = s.float()  # (1 or B, H, N, N)
+                if pad_keys is not None:
+                    # finfo.min, not -inf: an example with no real token gets uniform weights, not NaN
+                    s = s.masked_fill(pad_keys, torch.finfo(torch.float32).min)  # (B, H, N, N)
                 p = torch.softmax(s, dim=-1)
-            p = F.dropout(p, self.dropout_p, training=self.training)  # (B, H, N, N)
+            # expanded first: without padding p is (1, H, N, N), and each example needs its own dropout mask
+            p = F.dropout(p.expand(B, -1, -1, -1), self.dropout_p, training=self.training)  # (B, H, N, N)
             o = torch.matmul(p.to(v.dtype), v)  # (B, H, N, Dh)
         return self.out(o.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, D)

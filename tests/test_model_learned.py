@@ -272,6 +272,22 @@ def test_synthesizer_variants_padding_and_gradients(variant, keep_dot_product):
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("variant", ["dense", "random", "factorized_random"])
+@pytest.mark.parametrize("keep_dot_product", [True, False])
+def test_synthesizer_without_a_mask_equals_an_all_true_mask(variant, keep_dot_product):
+    model = build("synthesizer", max_len=40, variant=variant, keep_dot_product=keep_dot_product, factor_rank=4)
+    x = torch.randn(3, 33, D)
+    torch.testing.assert_close(model(x, None), model(x, torch.ones(3, 33, dtype=torch.bool)), atol=1e-6, rtol=1e-5)
+
+
+def test_synthesizer_without_a_mask_drops_each_example_on_its_own():
+    # without padding the random logits are one (1, H, N, N) tensor: dropout must still draw a mask per example
+    torch.manual_seed(0)
+    model = create_model("synthesizer", **{**BACKBONE, "dropout": 0.5}, max_len=40, keep_dot_product=False).train()
+    out = model(torch.randn(1, 33, D).expand(2, -1, -1), None)  # two identical examples
+    assert not torch.allclose(out[0], out[1])
+
+
 def test_synthesizer_rejects_unknown_variant():
     with pytest.raises(ValueError, match="variant"):
         build("synthesizer", max_len=8, variant="mixture")
