@@ -272,7 +272,8 @@ class BlockSparseMixer(MultiHeadMixer):
 
     ``backend``: "auto" (FlexAttention on CUDA, dense mask elsewhere), "flex" or "dense". It is an attribute,
     not a constructor option, because it changes how the model runs, never what it computes.
-    ``static_pattern``: True when the pattern needs no ``context``, so its layout can be cached per length.
+    ``static_pattern``: True when the pattern needs no ``context``, so its layout can be cached per length (with
+    or without padding; the tile lists are kept per length for every pattern when there is no padding).
     """
 
     static_pattern = True
@@ -335,11 +336,18 @@ class BlockSparseMixer(MultiHeadMixer):
 
     def block_mask(self, mask: torch.Tensor | None, n: int, device: torch.device) -> BlockMask:
         """The FlexAttention BlockMask of a length-``n`` input with (B, n) key mask ``mask`` (None: no padding,
-        and then no key lookup in the mask_mod)."""
+        and then no key lookup in the mask_mod). Without padding the tiles depend on the length alone, a pattern
+        with a ``context`` included (it reads the key mask, here the same for every length-``n`` input, and the
+        module's fixed buffers), so they are listed once per length and kept; loading a state dict drops them."""
         keep, layout, rule = self.lay_out(mask, n, device)
-        static = self.static_pattern and mask is None  # the tiles depend on the length alone: listed once
         return flex_block_mask(layout, keep, self.block, self.global_tokens, rule, n, key_padding=mask is not None,
-                               kept=self._tile_lists if static else None)
+                               kept=self._tile_lists if mask is None else None)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # kept tiles and layouts may follow from buffers being replaced (BigBird's random plan)
+        self._tile_lists.clear()
+        self._layouts.clear()
+        super()._load_from_state_dict(*args, **kwargs)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.check_length(q.shape[2])

@@ -394,11 +394,12 @@ def test_a_misspelt_backend_is_refused_not_read_as_the_reference_path():
         model(torch.randn(1, 256, 32), torch.ones(1, 256, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("name,once", [("local", True), ("sparse", True), ("longformer", True), ("bigbird", False)])
-def test_a_static_pattern_lists_its_tiles_once_per_length(monkeypatch, name, once):
-    """Without a mask a static pattern's tiles depend on the length alone: FlexAttention's tile lists are made on the
-    first call at a length and kept (each is a few small eager kernels per call); BigBird's random blocks are drawn
-    per sample, so its lists are made every call. Eager and compiled alike, the answer is the dense mask's."""
+@pytest.mark.parametrize("name", ["local", "sparse", "longformer", "bigbird"])
+def test_without_padding_a_pattern_lists_its_tiles_once_per_length(monkeypatch, name):
+    """Without a mask a pattern's tiles depend on the length alone: FlexAttention's tile lists are made on the first
+    call at a length and kept (each is a few small eager kernels per call). BigBird's random blocks follow each
+    sample's real length, which without padding is the input's. Eager and compiled alike, the answer is the dense
+    mask's."""
     from models import patterns
 
     made = []
@@ -413,10 +414,29 @@ def test_a_static_pattern_lists_its_tiles_once_per_length(monkeypatch, name, onc
         dense = model(x, None)
         model.backend = "flex"
         eager = [model(x, None) for _ in range(2)]
-        assert len(made) == (4 if once else 8)
+        assert len(made) == 4  # partial and full tiles, kv- and q-major: once
         compiled = [torch.compile(model)(x, None) for _ in range(2)]
         model._tile_lists.clear()  # a compiled first call lists the tiles inside its graph and keeps them
         compiled += [torch.compile(model)(x, None) for _ in range(2)]
     for out in (*eager, *compiled):
         torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-4)
-    assert (512, x.device) in model._tile_lists if once else not model._tile_lists
+    assert (512, x.device) in model._tile_lists
+
+
+def test_bigbird_drops_its_kept_tiles_when_its_random_plan_is_loaded():
+    """BigBird's kept tiles follow from its random plan (a buffer): a state dict with another plan must not leave
+    the old tiles in use. 16 blocks: the random blocks matter (8 would be full attention). Compiled: eager
+    FlexAttention evaluates the mask_mod everywhere, and only a compiled kernel follows the tile lists alone."""
+    torch.manual_seed(0)
+    model = make("bigbird", max_len=2048)
+    state = {**model.state_dict(), "plan": torch.rand_like(model.plan)}
+    x = torch.randn(2, 2048, D)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model.backend = "flex"
+        before = torch.compile(model)(x, None)
+        model.load_state_dict(state)
+        after = torch.compile(model)(x, None)
+        model.backend = "dense"
+        torch.testing.assert_close(after, model(x, None), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(before, after, atol=1e-3)
