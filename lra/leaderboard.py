@@ -20,7 +20,8 @@ Table 1. Rules:
 * averages, when every task they need is present: ``avg4`` = ListOps, Text, Image, Pathfinder (LRA's five without
   Retrieval, whose AAN files a user may not have); ``avg5`` = the paper's LRA score (Path-X excluded); ``avg6`` =
   six tasks with Path-X counted as 50 when it failed (50 +- 1 %) or is missing (S4's Table 10 convention);
-* ``published`` = the LRA Table 1 cell and ``diff`` = ours - published.
+* ``published`` = the LRA Table 1 cell and ``diff`` = ours - published; a recipe's rows (an experiment in
+  ``RECIPE_PAPERS``) are set beside the paper the recipe comes from instead (S4D's recipe: S4D-LegS's numbers).
 
 Accuracies are percentages; a runs file holding fractions (every accuracy <= 1) is scaled by 100.
 
@@ -44,6 +45,9 @@ AVERAGES = {"avg4": TASKS4, "avg5": TASKS5, "avg6": TASKS5}
 PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
 STALL_BAND = 1.0  # points above the majority-class share within which a run counts as stalled
 PUBLISHED_SOURCE = "lra_table1"
+# a recipe's rows are compared with the paper it reproduces: experiment -> (published.csv source, our model name ->
+# the model name in that source's rows)
+RECIPE_PAPERS = {"s4d_lra": ("s4d_2022", {"s4d": "s4d_legs"})}
 DEFAULT_RESULTS = os.environ.get("LRA_RESULTS_DIR", "outputs/results")
 LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "n_failed", "n_stalled",
                        "val_acc", "final_test_acc", "final_test_std", "headline", "published", "diff", "note"]
@@ -195,9 +199,9 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
     rows = [_cell(e, m, t, g) for (e, m, t), g in runs.groupby(["experiment", "model", "task"], sort=False)]
     cells = pd.DataFrame(rows, columns=LEADERBOARD_COLUMNS)
     lb = pd.DataFrame(rows + _averages(cells), columns=LEADERBOARD_COLUMNS)
-    pub = published_cells(published)
+    pub = {experiment: published_cells(published, experiment) for experiment in lb["experiment"].unique()}
     for i, r in lb.iterrows():
-        value, note = pub.get((r["model"], r["task"]), (None, ""))
+        value, note = pub[r["experiment"]].get((r["model"], r["task"]), (None, ""))
         lb.at[i, "published"] = value
         lb.at[i, "diff"] = None if value is None or pd.isna(r["test_acc"]) else r["test_acc"] - value
         if value is None and note.startswith("FAIL"):
@@ -209,11 +213,14 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
     return sort_leaderboard(lb)
 
 
-def published_cells(published: pd.DataFrame | None) -> dict:
-    """(model, task) -> (value or None, note) from LRA Table 1 (test accuracy, avg4, avg5, avg6)."""
+def published_cells(published: pd.DataFrame | None, experiment: str = "lra") -> dict:
+    """(model, task) -> (value or None, note) from LRA Table 1 (test accuracy, avg4, avg5, avg6), or for a recipe
+    (``RECIPE_PAPERS``) from its paper's rows, under our model names."""
     if published is None or published.empty:
         return {}
-    p = published[published["source"] == PUBLISHED_SOURCE]
+    source, names = RECIPE_PAPERS.get(experiment, (PUBLISHED_SOURCE, {}))
+    p = published[published["source"] == source]
+    p = p.assign(model=p["model"].map({theirs: ours for ours, theirs in names.items()}).fillna(p["model"]))
     out = {}
     for r in p[p["metric"].isin(["test_acc", "avg5", "avg6"])].itertuples(index=False):
         value = pd.to_numeric(r.value, errors="coerce")
@@ -279,7 +286,8 @@ def format_leaderboard(lb: pd.DataFrame) -> str:
     tasks = list(wide(lb).columns)
     labels = {(e, m): m if e == "lra" else f"{m} [{e}]" for e, m in zip(lb["experiment"], lb["model"], strict=True)}
     width = max(12, max(map(len, labels.values())) + 2)
-    lines = ["test accuracy %: mean +- std over seeds [n seeds] (diff vs LRA Table 1); !n failed runs, ~n stalled",
+    lines = ["test accuracy %: mean +- std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper); "
+             "!n failed runs, ~n stalled",
              "model".ljust(width) + "".join(t.rjust(24) for t in tasks)]
     cells = lb.set_index(["experiment", "model", "task"])
     for key, label in labels.items():

@@ -198,6 +198,18 @@ def test_cli_writes_csv(tmp_path, capsys):
     assert "mymodel" in capsys.readouterr().out
 
 
+def test_a_recipe_is_set_beside_its_own_paper(published):
+    """S4D trained by its paper's recipe is compared with S4D-LegS's published numbers, not LRA Table 1's (which
+    has no S4D); the same model under LRA's protocol keeps no published cell."""
+    runs = pd.DataFrame([run("listops", "s4d", 0, 60.25, 60.30, experiment="s4d_lra"),
+                         run("listops", "s4d", 0, 37.0, 37.9)]).reindex(columns=RUN_COLUMNS)
+    lb = leaderboard.build_leaderboard(runs, published, experiment="all")
+    recipe = lb[(lb.experiment == "s4d_lra") & (lb.task == "listops")].iloc[0]
+    assert recipe.published == pytest.approx(60.47) and recipe["diff"] == pytest.approx(-0.17)
+    assert pd.isna(lb[(lb.experiment == "lra") & (lb.task == "listops")].iloc[0].published)
+    assert leaderboard.RECIPE_PAPERS.keys() <= {p.stem for p in (ROOT / "lra" / "conf" / "experiment").glob("*.yaml")}
+
+
 def test_published_numbers(published):
     t1 = published[published.source == "lra_table1"]
     models = {"transformer", "local", "sparse", "longformer", "linformer", "reformer", "sinkhorn", "synthesizer",
