@@ -425,12 +425,12 @@ def test_without_padding_a_pattern_lists_its_tiles_once_per_length(monkeypatch, 
 
 def test_bigbird_drops_its_kept_tiles_when_its_random_plan_is_loaded():
     """BigBird's kept tiles follow from its random plan (a buffer): a state dict with another plan must not leave
-    the old tiles in use. 16 blocks: the random blocks matter (8 would be full attention). Compiled: eager
+    the old tiles in use. 16 blocks of 64: the random blocks matter (8 would be full attention). Compiled: eager
     FlexAttention evaluates the mask_mod everywhere, and only a compiled kernel follows the tile lists alone."""
     torch.manual_seed(0)
-    model = make("bigbird", max_len=2048)
+    model = make("bigbird", block=64)
     state = {**model.state_dict(), "plan": torch.rand_like(model.plan)}
-    x = torch.randn(2, 2048, D)
+    x = torch.randn(2, 1024, D)
     torch._dynamo.reset()
     with torch.no_grad():
         model.backend = "flex"
