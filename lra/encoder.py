@@ -284,10 +284,9 @@ class Classifier(nn.Module):
         # Mixers with host-side bookkeeping per training call (the performer's feature redraws): the model advances
         # them once per call, first, where the graph break it costs a compiled model splits nothing; in each layer
         # it would split the model's graph in three there.
-        self.schedules = False
-        for block in encoder.blocks:
-            if hasattr(block.mixer, "advance_schedule"):
-                block.mixer.schedule_outside, self.schedules = True, True
+        self.scheduled = [block.mixer for block in encoder.blocks if hasattr(block.mixer, "advance_schedule")]
+        for mixer in self.scheduled:
+            mixer.schedule_outside = True
         if head == "linear":
             self.head = nn.Linear(d_model, n_classes)
         elif pair:
@@ -310,9 +309,8 @@ class Classifier(nn.Module):
 
     @torch.compiler.disable  # host-side: its graph break falls at the start of the model's call
     def advance_schedules(self) -> None:
-        for block in self.encoder.blocks:
-            if hasattr(block.mixer, "advance_schedule"):
-                block.mixer.advance_schedule()
+        for mixer in self.scheduled:
+            mixer.advance_schedule()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h, mask = self.encoder(tokens, tokens != 0 if self.padded else None)
@@ -322,7 +320,7 @@ class Classifier(nn.Module):
                 positions: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
         """(B, N) ids, or (B, 2, N) pairs -> (B, C) logits; or a packed batch's four tensors (``lra.packing``;
         for a pair task its documents are the 2B examples, pair b being documents 2b and 2b + 1)."""
-        if self.training and self.schedules:
+        if self.training and self.scheduled:
             self.advance_schedules()
         if segments is not None:
             h, _ = self.encoder(tokens, None, segments, positions)  # (R, M, D)

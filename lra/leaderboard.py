@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lra.provenance import PARTIAL_PRESETS, STOPPED, departures
+from lra.provenance import PARTIAL_PRESETS, departures, is_stopped
 
 TASKS4 = ["listops", "text", "image", "pathfinder"]
 TASKS5 = ["listops", "text", "retrieval", "image", "pathfinder"]
@@ -142,7 +142,7 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     best = g[g["best"]]
     n = len(best)
     # a failed run counts while its seed has no ok run (a seed rerun to ok after an oom or a fixed error is a result)
-    open_seed, ended_early = ~g["seed"].isin(best["seed"]), g["status"].str.startswith(STOPPED)  # no ok run yet
+    open_seed, ended_early = ~g["seed"].isin(best["seed"]), g["status"].map(is_stopped)  # no ok run yet
     stopped = ended_early & open_seed  # schedule.stop_at
     unresolved = (g["status"] != "ok") & ~ended_early & open_seed
     failed = int(unresolved.sum())
@@ -158,7 +158,7 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
         if final:
             notes.append("final weights: the validation split is the test set")
     for _, run in g[stopped].drop_duplicates("seed", keep="last").iterrows():  # the furthest-trained is the latest
-        where = run["status"].removeprefix(f"{STOPPED}: ").replace("at step", f"{STOPPED} at step")
+        where = run["status"].replace(": ", " ", 1)  # stopped at step N of M
         notes.append(f"seed {run['seed']} {where}, test {run['test_acc']:.2f} so far (not averaged)")
     if failed:
         kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()

@@ -17,6 +17,11 @@ STOPPED = "stopped"  # the status of a run ended by schedule.stop_at, ``stopped_
 def stopped_status(step: int, steps: int) -> str:
     """The status of a run that ``schedule.stop_at`` ended at ``step`` of its ``steps``."""
     return f"{STOPPED}: at step {step:,} of {steps:,}"
+
+
+def is_stopped(status) -> bool:
+    """Whether a row's ``status`` (any value, a missing one included) is that of a run ``schedule.stop_at`` ended."""
+    return str(status).startswith(STOPPED)
 # Backbone keys added after runs were recorded, with the values that computed what those runs computed: at these
 # values they are left out of the hash, so a run recorded or checkpointed before they existed keeps its hash (it
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.

@@ -35,7 +35,7 @@ from lra.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.packing import model_inputs, packed_share, real_ends, trim
-from lra.provenance import PARTIAL_PRESETS, STOPPED, config_hash, departures, stopped_status
+from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
 from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
 from models import list_models
 from models.registry import get_model_class
@@ -258,11 +258,9 @@ class Trainer:
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             raise
-        if status.startswith(STOPPED):  # schedule.stop_at: a result of the steps done, never an ok run's
-            return self.record(status, metrics=self.test())
-        if status != "ok":
+        if status != "ok" and not is_stopped(status):  # diverged: no accuracies
             return self.record(status)
-        return self.record("ok", metrics=self.test())
+        return self.record(status, metrics=self.test())  # ok, or schedule.stop_at's result of the steps done
 
     def resume_or_start(self):
         """None (fresh), a checkpoint dict, or {"row": ...} for a finished run."""
@@ -274,7 +272,7 @@ class Trainer:
             return None
         done = files.finished()
         end = self.cfg.schedule.stop_at
-        if done is not None and str(done.get("status")).startswith(STOPPED) and end is not None \
+        if done is not None and is_stopped(done.get("status")) and end is not None \
                 and done.get("steps", 0) >= end and done.get("config_hash") == self.chash:
             log.info("%s stopped at step %d already (schedule.stop_at=%d): no new row; raise or drop stop_at to "
                      "train on", files.dir, done["steps"], end)
@@ -575,7 +573,7 @@ class Trainer:
         """The result row, appended once (rank 0); accuracies and timings only for an ``ok`` run and one stopped by
         ``schedule.stop_at``."""
         cfg, state, data = self.cfg, self.state, self.data
-        stopped = status.startswith(STOPPED)  # schedule.stop_at: trained normally, for fewer steps
+        stopped = is_stopped(status)  # schedule.stop_at: trained normally, for fewer steps
         if status != "ok" and not stopped:
             log.error("%s/%s: %s%s", cfg.task.name, cfg.model.name, status, f" ({detail})" if detail else "")
         ok = status == "ok" or stopped  # accuracies, speed and memory are measured

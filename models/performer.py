@@ -176,9 +176,9 @@ class Performer(MultiHeadMixer):
                                 q.is_cuda and member is None and favor_attention_triton is not None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        # first, and read by the compiler: at most one graph break a call, at its start; none in eval or without
-        # redraws, nor where the model holding this mixer advances the schedule itself (``schedule_outside``)
-        if self.training and self.redraw_every and not self.schedule_outside:
+        # first: at most one graph break a call, at its start; none in eval or without redraws (the schedule returns
+        # at once), nor where the model holding this mixer advances the schedule itself (``schedule_outside``)
+        if not self.schedule_outside:
             self.advance_schedule()
         return super().forward(x, mask, segments)
 

@@ -49,7 +49,7 @@ def job_state(run_dir: Path) -> str:
     is training it now, and this launch of the job stops at once; retry: it ended in ``oom`` or ``error`` and runs
     again; resume: it has a checkpoint to go on from, a run stopped by ``schedule.stop_at`` included)."""
     from lra.checkpoint import RunFiles
-    from lra.provenance import STOPPED
+    from lra.provenance import is_stopped
 
     files = RunFiles(run_dir)
     if files.settled() is not None:
@@ -57,7 +57,7 @@ def job_state(run_dir: Path) -> str:
     if files.in_use():
         return "running"
     done = files.finished()
-    if done is not None and not str(done.get("status")).startswith(STOPPED):
+    if done is not None and not is_stopped(done.get("status")):
         return "retry"
     return "resume" if files.has_checkpoint() else "new"
 
