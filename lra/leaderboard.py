@@ -220,7 +220,7 @@ def published_cells(published: pd.DataFrame | None, experiment: str = "lra") -> 
         return {}
     source, names = RECIPE_PAPERS.get(experiment, (PUBLISHED_SOURCE, {}))
     p = published[published["source"] == source]
-    p = p.assign(model=p["model"].map({theirs: ours for ours, theirs in names.items()}).fillna(p["model"]))
+    p = p.assign(model=p["model"].replace({theirs: ours for ours, theirs in names.items()}))
     out = {}
     for r in p[p["metric"].isin(["test_acc", "avg5", "avg6"])].itertuples(index=False):
         value = pd.to_numeric(r.value, errors="coerce")
