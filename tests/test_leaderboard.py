@@ -2,6 +2,7 @@
 published numbers file, and the comparison of two result sets."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -213,8 +214,6 @@ def test_a_recipe_is_set_beside_its_own_paper(published):
 def test_published_cells_name_models_without_warnings(published):
     """LRA's own rows need no renaming; mapping names through an empty table once filled an all-NaN float column
     with strings, which pandas warns will become an error."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lra_cells = leaderboard.published_cells(published)
