@@ -22,7 +22,6 @@ import copy
 import gc
 import logging
 import re
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -178,11 +177,8 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
         torch._dynamo.reset()  # one graph per case; otherwise the cache limit silently drops to eager
     fn = torch.compile(model, dynamic=False) if compile_ else model
     m = measure(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters())
-    times = sorted(m["times"])
-    ms = statistics.median(times) * 1e3
+    ms, row.ms_p10, row.ms_p90 = engine.median_and_spread([t * 1e3 for t in m["times"]])
     row.status, row.ms_per_step, row.steps_per_s, row.examples_per_s = "ok", ms, 1e3 / ms, row.batch_size * 1e3 / ms
-    row.ms_p10, row.ms_p90 = (statistics.quantiles(times, n=10)[i] * 1e3 for i in (0, 8)) if len(times) > 1 \
-        else (ms, ms)
     row.peak_mem_mb, row.mem_kind, row.sdpa_backend = m["peak_mem_mb"], m["mem_kind"], m["sdpa_backend"]
 
 

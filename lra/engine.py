@@ -9,6 +9,7 @@ import math
 import os
 import re
 import resource
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -149,6 +150,16 @@ def build_model(name: str, options: dict, backbone, shape: TaskShape) -> Classif
     """The classifier a run trains and the bench times."""
     return build_classifier(name, options, backbone, shape.vocab_size, shape.seq_len, shape.n_classes,
                             pair=shape.pair, padded=shape.padded, grid=shape.grid)
+
+
+def median_and_spread(times: list[float]) -> tuple[float, float, float]:
+    """(median, 10th percentile, 90th percentile) of timed calls, in their unit: the spread says whether two
+    medians differ by more than the noise of the machine. A single call is its own spread."""
+    median = statistics.median(times)
+    if len(times) < 2:
+        return median, median, median
+    deciles = statistics.quantiles(times, n=10)
+    return median, deciles[0], deciles[8]
 
 
 def synchronize(device: torch.device) -> None:

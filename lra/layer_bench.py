@@ -8,7 +8,8 @@
 Protocol (the one the public packages were measured with): d 256, 4 heads of 64, projections included, no
 dropout, inputs without padding (mask=None where the mixer takes it, else an all-true mask), bf16 autocast on
 CUDA (fp32 on CPU); N 1024 and 4096 at batch 32, N 16384 at batch 8; ms per forward + backward (median of
-``--steps`` synchronised calls after ``--warmup``) and peak MB (``cuda_max_allocated``, CUDA only).
+``--steps`` synchronised calls after ``--warmup``, and their 10th and 90th percentiles: two layers whose spreads
+overlap are not told apart by one run) and peak MB (``cuda_max_allocated``, CUDA only).
 
 ``--peers`` times the public packages' layers (lra/peers.py; ``pip install 'lra[peers]'``) of the chosen models,
 and the bare SDPA layer as the baseline, in the same process on the same card with the same timing loop, and
@@ -23,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 import torch
@@ -44,10 +45,19 @@ SHAPES = [(1024, 32), (4096, 32), (16384, 8)]  # (N, batch)
 COLUMNS = LAYER_BENCH_COLUMNS
 
 
+class Timing(NamedTuple):
+    """One row's measurement, named as its columns: ms of one forward + backward (the median of the timed calls and
+    their 10th and 90th percentiles) and the peak MB (None off CUDA)."""
+    ms_fwd_bwd: float
+    peak_mb: float | None
+    ms_p10: float
+    ms_p90: float
+
+
 def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,
-                 warmup: int = 3, steps: int = 10, compile_layer: bool = False,
-                 profile_dir: Path | None = None) -> tuple[float, float | None]:
-    """(median ms of one forward + backward, peak MB or None off CUDA) of ``layer`` on a (batch, n, D) input,
+                 warmup: int = 3, steps: int = 20, compile_layer: bool = False,
+                 profile_dir: Path | None = None) -> Timing:
+    """The ``Timing`` of ``layer``'s forward + backward on a (batch, n, D) input,
     through ``torch.compile`` with ``compile_layer`` (compiled during the warm-up). The one timing loop of this
     module: our mixers and the public packages are timed by the same code. ``profile_dir``: after the timed calls,
     as many more under torch.profiler, whose tables (``profile.txt``: kernels by device time on a GPU, operators
@@ -80,12 +90,13 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
             profiler.before_step(done)
             step()
             profiler.after_step(done + 1)
-    return statistics.median(times), peak
+    median, p10, p90 = engine.median_and_spread(times)
+    return Timing(median, peak, p10, p90)
 
 
-def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 10,
+def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 20,
                options: dict | None = None, compile_layer: bool = False,
-               profile_dir: Path | None = None) -> tuple[float, float | None]:
+               profile_dir: Path | None = None) -> Timing:
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n)."""
     torch.manual_seed(0)
     options = dict(options or {})
@@ -108,8 +119,8 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
 
 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
-              steps: int = 10, compile_layer: bool = False,
-              profile_dir: Path | None = None) -> tuple[float, float | None]:
+              steps: int = 20, compile_layer: bool = False,
+              profile_dir: Path | None = None) -> Timing:
     """``time_forward`` of a public package's layer (lra/peers.py), built for length n, at (batch, n)."""
     torch.manual_seed(0)
     return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps, compile_layer,
@@ -123,13 +134,13 @@ def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -
     return root / f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', implementation).strip('_')}_{n}x{batch}"
 
 
-def measure(row: dict, timer: Callable[[], tuple[float, float | None]], device: torch.device,
+def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
             out: Path | None) -> dict:
     """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on. The row
     is appended to ``out`` at once, so a sweep killed midway (a device call's time limit) keeps what it measured."""
     row["timestamp"] = now_iso()
     try:
-        row["ms_fwd_bwd"], row["peak_mb"] = timer()
+        row.update(timer()._asdict())
         row["status"] = "ok"
     except torch.cuda.OutOfMemoryError:
         row["status"] = "oom"
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--models", default=",".join(list_models()), help="comma-separated registry names")
     parser.add_argument("--shapes", default=",".join(f"{n}x{b}" for n, b in SHAPES), help="NxB,...")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
     parser.add_argument("--variants", default="", help="more rows of our mixers with options changed, e.g. "

@@ -103,9 +103,10 @@ RUN_COLUMNS = [f.name for f in fields(RunRow)]
 BENCH_COLUMNS = [f.name for f in fields(BenchRow)]
 # ``python -m lra.layer_bench``'s rows (layer_bench.csv). implementation: "lra <model>" for ours (blank in rows
 # written before it existed), the package's name for theirs; package / pin: the distribution installed and the one
-# the protocol pins (blank for ours and for SDPA)
+# the protocol pins (blank for ours and for SDPA); ms_p10, ms_p90: the spread of the timed calls
 LAYER_BENCH_COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device",
-                       "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled"]
+                       "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled", "ms_p10",
+                       "ms_p90"]
 SCHEMAS = {"runs.csv": RUN_COLUMNS, "bench.csv": BENCH_COLUMNS, "layer_bench.csv": LAYER_BENCH_COLUMNS}
 
 

@@ -260,3 +260,11 @@ def test_attention_dropout_is_the_same_for_every_mixer_and_stated(tmp_path):
     df = bench.run_bench(cfg)
     assert df.backbone.iloc[0].endswith("drop0.1/0.1")
     assert "attention dropout only where a mixer has an attention matrix" in bench.format_table(df)
+
+
+def test_median_and_spread_of_timed_calls():
+    """The bench and the layer bench summarise their timed calls alike: median, 10th and 90th percentile."""
+    assert engine.median_and_spread([float(t) for t in range(1, 11)]) == pytest.approx((5.5, 1.1, 9.9))
+    median, _, p90 = engine.median_and_spread([4.0, 4.0, 4.0, 4.0, 40.0])
+    assert median == 4.0 and p90 > 20  # one slow call moves the spread, not the median
+    assert engine.median_and_spread([3.0]) == (3.0, 3.0, 3.0)  # a single call is its own spread

@@ -16,8 +16,9 @@ from tests.conftest import ROOT
 
 
 def test_time_layer_on_cpu():
-    ms, peak = layer_bench.time_layer("linear", 64, 2, torch.device("cpu"), warmup=1, steps=2)
-    assert ms > 0 and peak is None  # peak memory is measured on CUDA only
+    timing = layer_bench.time_layer("linear", 64, 2, torch.device("cpu"), warmup=1, steps=3)
+    assert timing.peak_mb is None  # peak memory is measured on CUDA only
+    assert 0 < timing.ms_p10 <= timing.ms_fwd_bwd <= timing.ms_p90  # the median inside the spread of the calls
     with pytest.raises(TypeError, match="no option"):
         layer_bench.time_layer("linear", 64, 2, torch.device("cpu"), warmup=0, steps=1, options={"blok": 1})
 
@@ -44,6 +45,7 @@ def test_main_writes_rows(tmp_path, capsys):
     rows = pd.read_csv(out)
     assert list(rows.columns) == layer_bench.COLUMNS and list(rows.model) == ["linear", "transformer"]
     assert (rows.status == "ok").all() and (rows.ms_fwd_bwd > 0).all() and (rows.precision == "fp32").all()
+    assert (rows.ms_p10 <= rows.ms_fwd_bwd).all() and (rows.ms_fwd_bwd <= rows.ms_p90).all()
     assert "linear" in capsys.readouterr().out
 
 
@@ -55,7 +57,7 @@ def test_rows_measured_before_a_kill_are_kept(tmp_path, monkeypatch):
         calls.append(args[0])
         if len(calls) == 2:
             raise KeyboardInterrupt  # what a SIGINT raises; a BaseException, so measure() does not record it
-        return 1.0, None
+        return layer_bench.Timing(1.0, None, 1.0, 1.0)
 
     monkeypatch.setattr(layer_bench, "time_layer", timer)
     out = tmp_path / "layers.csv"
@@ -120,7 +122,8 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     monkeypatch.setattr(layer_bench, "time_forward", lambda layer, *a: timed.append(layer) or real(layer, *a))
     table = layer_bench.main(["--models", "performer,transformer", "--out", str(out), *PEER_ARGS])
     rows = pd.read_csv(out)
-    assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin", "compiled"]  # at the end
+    assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin", "compiled", "ms_p10",
+                                                          "ms_p90"]  # at the end
     assert rows.implementation.isna().tolist() == [True, False, False, False, False]  # the old row is kept
     new = rows.iloc[1:].set_index("implementation")
     assert list(new.index) == ["lra performer", "lra transformer", "SDPA exact (cuDNN flash)",
@@ -251,7 +254,7 @@ def test_a_variant_may_choose_a_mixers_execution(monkeypatch):
         ("performer(backend=torch)", "performer", {"backend": "torch"})]
     built, create = [], layer_bench.create_model
     monkeypatch.setattr(layer_bench, "create_model", lambda *a, **k: built.append(create(*a, **k)) or built[-1])
-    monkeypatch.setattr(layer_bench, "time_forward", lambda *args: (1.0, None))
+    monkeypatch.setattr(layer_bench, "time_forward", lambda *args: layer_bench.Timing(1.0, None, 1.0, 1.0))
     layer_bench.time_layer("performer", 64, 2, torch.device("cpu"), options={"backend": "torch"})
     assert built[0].backend == "torch"
     with pytest.raises(ValueError, match="linear has one execution"):
