@@ -252,15 +252,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
                   torch=torch.__version__, git_sha=git_sha(), compiled=args.compile)
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
-    ours = [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
-                    lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile,
-                                       profile_folder(args.profile, f"lra {label}", n, batch)),
-                    device, args.out)
-            for label, name, options in cases for n, batch in shapes]
-    theirs = [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
-                      lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile,
-                                        profile_folder(args.profile, peer.name(), n, batch)), device, args.out)
-              for peer in (for_models(models) if args.peers else []) for n, batch in shapes]
+    ours, theirs = [], []
+    for n, batch in shapes:  # shape by shape, so ours and the packages at one shape are timed minutes apart at most
+        ours += [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
+                         lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile,
+                                            profile_folder(args.profile, f"lra {label}", n, batch)),
+                         device, args.out)
+                 for label, name, options in cases]
+        theirs += [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
+                           lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile,
+                                             profile_folder(args.profile, peer.name(), n, batch)), device, args.out)
+                   for peer in (for_models(models) if args.peers else [])]
     ours, theirs = frame(ours), frame(theirs)
     if not args.peers:
         table = compare(ours[ours["status"] == "ok"], peers())

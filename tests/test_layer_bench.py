@@ -142,6 +142,19 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     assert "measured in this call" in capsys.readouterr().out
 
 
+def test_ours_and_the_packages_are_timed_shape_by_shape(tmp_path, monkeypatch):
+    """Each shape's rows, ours and the packages', are timed together, so a change in the machine's load between
+    shapes cannot land on one side of a comparison only."""
+    monkeypatch.setattr(layer_bench, "time_forward", lambda *args: layer_bench.Timing(1.0, None, 1.0, 1.0))
+    out = tmp_path / "layers.csv"
+    layer_bench.main(["--models", "transformer", "--shapes", "32x2,64x2", "--device", "cpu", "--peers",
+                      "--out", str(out)])
+    rows = pd.read_csv(out)
+    assert list(zip(rows.seq_len, rows.implementation)) == [
+        (32, "lra transformer"), (32, "SDPA exact (cuDNN flash)"), (64, "lra transformer"),
+        (64, "SDPA exact (cuDNN flash)")]
+
+
 def test_profile_writes_a_table_for_every_row_after_its_timing(tmp_path, monkeypatch):
     """``--profile DIR``: ours, the package's and the SDPA layer each get DIR/<implementation>_<N>x<B>/profile.txt,
     profiled after the timed calls (the timing loop is untouched: one median of as many calls as without it)."""
