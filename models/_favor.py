@@ -30,14 +30,21 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .base import compiled, own_segment, pick, spread
+from .base import (
+    compiled,
+    kernel_attention,
+    key_summaries,
+    mm,
+    own_segment,
+    pick,
+    product_dtype,
+    read_out,
+    spread,
+    upcast,
+)
 
 EPS = 1e-6  # normaliser floor (LRA's numerical_stabilizer)
 RELU_EPS = 1e-3  # LRA's kernel_epsilon for the deterministic relu features
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
 
 
 # ------------------------------------------------------------------------------------------------ packing
@@ -134,33 +141,6 @@ def chunked_stabiliser(k: torch.Tensor, keep: torch.Tensor, w: torch.Tensor, mem
 # ------------------------------------------------------------------------------------------------ forward
 
 
-def product_dtype(v: torch.Tensor) -> torch.dtype:
-    """The operand dtype of the products with values and gradients: bf16 when the values come in bf16 (as SDPA
-    multiplies its probabilities by V in bf16), else fp32 or wider. fp16 gets fp32: sum_n fk_n v_n can pass
-    fp16's 65504 at long N."""
-    return torch.bfloat16 if v.dtype == torch.bfloat16 else upcast(v).dtype
-
-
-def mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """a @ b with both operands in ``dtype`` (accumulated in fp32 by the matmul), returned in fp32 or wider."""
-    return upcast(torch.matmul(a.to(dtype), b.to(dtype)))
-
-
-def key_summaries(fk: torch.Tensor, v: torch.Tensor, member: torch.Tensor | None, dtype: torch.dtype):
-    """fk (B, H, n, m), v (B, H, n, Dh) -> the summaries sum_n fk_n v_n^T (B, H, m, S Dh) and key sums
-    sum_n fk_n (B, H, S, m) of these keys, per example."""
-    kv = mm(fk.transpose(-1, -2), spread(v, member), dtype)  # (B, H, m, S Dh)
-    ksum = fk.sum(-2, keepdim=True) if member is None else member.transpose(-1, -2).to(fk.dtype) @ fk  # (B, H, S, m)
-    return kv, ksum
-
-
-def read_out(fq: torch.Tensor, kv: torch.Tensor, ksum: torch.Tensor, index: torch.Tensor | None, d: int,
-             dtype: torch.dtype):
-    """fq (B, H, n, m) of some queries -> their output (B, H, n, Dh) and normaliser (B, H, n, 1)."""
-    den = pick(torch.matmul(fq, ksum.transpose(-1, -2)), index, 1) + EPS  # (B, H, n, 1), >= 1 + EPS
-    return pick(mm(fq, kv, dtype), index, d) / den, den
-
-
 def favor_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor,
                   member: torch.Tensor | None = None, chunk_size: int | None = None):
     """Normalised FAVOR+ attention, (B, H, N, Dh) x 3 -> out (B, H, N, Dh) fp32 (or fp64), plus what the
@@ -174,7 +154,7 @@ def favor_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch
     if len(spans) == 1:
         fq, fk, c = favor_features(q, k, keep, w, member)  # (B, H, N, m) x 2, (B, H, S, m)
         kv, ksum = key_summaries(fk, v, member, dtype)
-        out, den = read_out(fq, kv, ksum, index, D, dtype)
+        out, den = read_out(fq, kv, ksum, index, D, dtype, EPS)
         return out, kv, ksum, den, c
     c = chunked_stabiliser(k, keep, w, member, index, spans)  # pass 1: (B, H, S, m)
     kv = ksum = 0
@@ -185,7 +165,7 @@ def favor_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch
     parts = []
     for s in spans:  # pass 3: one chunk of queries at a time
         fq = query_features(q[:, :, s], w, rows(c, at(index, s)))  # (B, H, n, m)
-        parts.append(read_out(fq, kv, ksum, at(index, s), D, dtype))
+        parts.append(read_out(fq, kv, ksum, at(index, s), D, dtype, EPS))
     out, den = (torch.cat(p, 2) for p in zip(*parts))  # (B, H, N, Dh), (B, H, N, 1)
     return out, kv, ksum, den, c
 
@@ -282,11 +262,8 @@ class FavorAttention(torch.autograd.Function):
 def relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                    member: torch.Tensor | None = None) -> torch.Tensor:
     """LRA's "generalized" attention: phi(x) = relu(x) + 1e-3 on the raw q, k; (B, H, N, Dh) -> (B, H, N, Dh).
-    Packed rows (``member``): one [summary | key sum] per example, each query reading its own. Its transients are
+    Packed rows (``member``): one summary and key sum per example, each query reading its own. Its transients are
     (N x Dh): it takes no chunks."""
     fq = F.relu(upcast(q)) + RELU_EPS  # (B, H, N, Dh)
     fk = (F.relu(upcast(k)) + RELU_EPS) * keep  # (B, H, N, Dh): padded keys give nothing
-    v1 = F.pad(upcast(v), (0, 1), value=1.0)  # (B, H, N, Dh + 1)
-    summary = torch.matmul(fk.transpose(-1, -2), spread(v1, member))  # (B, H, Dh, S (Dh + 1))
-    o1 = pick(torch.matmul(fq, summary), own_segment(member), v1.shape[-1])  # (B, H, N, Dh + 1): [num | den]
-    return o1[..., :-1] / (o1[..., -1:] + EPS)  # (B, H, N, Dh)
+    return kernel_attention(fq, fk, v, member, EPS)  # (B, H, N, Dh)

@@ -55,7 +55,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .base import pad_head_dim
+from .base import pad_head_dim, upcast
 
 Scan = Literal["auto", "chunked", "recurrent"]
 # Per-key decays inside a chunk are factorised, exp(G_i - G_j) = exp(G_i) * exp(-G_j), while a chunk's total log
@@ -64,10 +64,6 @@ FACTOR_LIMIT = 40.0
 # The log decay of a reset (an example's first step in a packed row): exp(-1e4) is exactly 0 in fp32 and fp64,
 # and the value only ever enters sums (never differences), which stay finite.
 RESET = -1e4
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def orient(t: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,22 @@ def pad_head_dim(size: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(F.pad(t, (0, pad)) for t in tensors) if pad > 0 else tensors  # each (B, H, N, max(Dh, size))
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
+
+
+def product_dtype(v: torch.Tensor) -> torch.dtype:
+    """The operand dtype of a kernel mixer's products with values and gradients: bf16 when the values come in
+    bf16 (as SDPA multiplies its probabilities by V in bf16), else fp32 or wider. fp16 gets fp32: sum_n fk_n v_n
+    can pass fp16's 65504 at long N."""
+    return torch.bfloat16 if v.dtype == torch.bfloat16 else upcast(v).dtype
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with both operands in ``dtype`` (accumulated in fp32 by the matmul), returned in fp32 or wider."""
+    return upcast(torch.matmul(a.to(dtype), b.to(dtype)))
+
+
 def same_segment(segments: torch.Tensor) -> torch.Tensor:
     """(B, N) segment ids -> (B, 1, N, N) bool: query i may see key j when both belong to one example (padding
     positions, id 0, see each other only, which keeps their softmax rows finite; their outputs are ignored)."""
@@ -106,6 +122,34 @@ def pick(y: torch.Tensor, index: torch.Tensor | None, d: int) -> torch.Tensor:
         return y
     blocks = y.unflatten(-1, (-1, d))  # (B, H, N, S, d)
     return blocks.gather(3, index[..., None].expand(-1, y.shape[1], -1, 1, d)).squeeze(3)  # (B, H, N, d)
+
+
+def key_summaries(fk: torch.Tensor, v: torch.Tensor, member: torch.Tensor | None, dtype: torch.dtype):
+    """Kernel attention's key side: features fk (B, H, n, m), v (B, H, n, Dh) -> the summaries sum_n fk_n v_n^T
+    (B, H, m, S Dh) and key sums sum_n fk_n (B, H, S, m) of these keys, per example."""
+    kv = mm(fk.transpose(-1, -2), spread(v, member), dtype)  # (B, H, m, S Dh)
+    ksum = fk.sum(-2, keepdim=True) if member is None else member.transpose(-1, -2).to(fk.dtype) @ fk  # (B, H, S, m)
+    return kv, ksum
+
+
+def read_out(fq: torch.Tensor, kv: torch.Tensor, ksum: torch.Tensor, index: torch.Tensor | None, d: int,
+             dtype: torch.dtype, eps: float):
+    """Kernel attention's query side: features fq (B, H, n, m) of some queries -> their output (B, H, n, Dh) and
+    normaliser (B, H, n, 1), fp32 (the normaliser's matmul takes fp32 operands whatever ``dtype`` is)."""
+    den = pick(torch.matmul(fq, ksum.transpose(-1, -2)), index, 1) + eps  # (B, H, n, 1)
+    return pick(mm(fq, kv, dtype), index, d) / den, den
+
+
+def kernel_attention(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, member: torch.Tensor | None,
+                     eps: float) -> torch.Tensor:
+    """Non-causal normalised kernel attention, out_i = fq_i . sum_j fk_j v_j^T / (fq_i . sum_j fk_j + eps), from
+    positive fp32 (or fp64) features fq, fk (B, H, N, m) (padded keys' rows zero) and values v (B, H, N, Dh);
+    returns (B, H, N, Dh) fp32. The two products with values take v's precision (``product_dtype``: bf16 under
+    autocast, fp32 accumulation); the key sums and the normaliser stay fp32. Packed rows (``member``): one
+    summary and key sum per example, each query reading its own."""
+    dtype, index = product_dtype(v), own_segment(member)
+    kv, ksum = key_summaries(fk, v, member, dtype)  # (B, H, m, S Dh), (B, H, S, m)
+    return read_out(fq, kv, ksum, index, v.shape[-1], dtype, eps)[0]
 
 
 class MultiHeadMixer(nn.Module):

@@ -41,14 +41,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, upcast
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # lower clamp of the normaliser, as the official code
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
 
 
 def reweighting_angles(mask: torch.Tensor, length: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:

@@ -35,14 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, compiled, own_segment, pick, segment_members, spread
+from .base import MultiHeadMixer, compiled, kernel_attention, segment_members, upcast
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -85,18 +81,17 @@ def linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, causal: bool, chunk: int,
     member: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k, v (B, H, N, Dh), mask (B, N) -> (B, H, N, Dh) in q's dtype; all arithmetic in fp32 (or fp64).
+    """q, k, v (B, H, N, Dh), mask (B, N) -> (B, H, N, Dh) in q's dtype; feature maps, key sums and normaliser in
+    fp32 (or fp64); the non-causal form's products with values in v's precision (``kernel_attention``).
     ``member`` (B, 1, N, S): the examples of packed rows (``segment_members``; non-causal form only)."""
     with torch.autocast(device_type=q.device.type, enabled=False):
         fq = feature_map(q)  # (B, H, N, Dh)
         fk = feature_map(k) * mask[:, None, :, None]  # (B, H, N, Dh): padded keys contribute nothing
-        v1 = with_ones(v)  # (B, H, N, Dh + 1)
         if causal:
-            o1 = causal_prefix_attention(fq, fk, v1, chunk)  # (B, H, N, Dh + 1)
-        else:  # packed rows: one summary per example (spread), each query reading its own (pick); else S = 1
-            summary = torch.matmul(fk.transpose(-1, -2), spread(v1, member))  # (B, H, Dh, S (Dh + 1)): [fk v^T | fk]
-            o1 = pick(torch.matmul(fq, summary), own_segment(member), v1.shape[-1])  # (B, H, N, Dh + 1)
-        return normalise(o1).to(q.dtype)  # (B, H, N, Dh)
+            o1 = causal_prefix_attention(fq, fk, with_ones(v), chunk)  # (B, H, N, Dh + 1): [num | den]
+            return normalise(o1).to(q.dtype)  # (B, H, N, Dh)
+        # packed rows: one summary per example, each query reading its own; else S = 1
+        return kernel_attention(fq, fk, v, member, EPS).to(q.dtype)  # (B, H, N, Dh)
 
 
 @register_model

@@ -48,12 +48,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, upcast
 from .registry import Taxonomy, register_model
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
 
 
 def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

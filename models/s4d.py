@@ -48,11 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import upcast
 from .registry import Taxonomy, register_model
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least (fp64 stays, for tests)
 
 
 def legs_normal_part(N: int) -> torch.Tensor:
