@@ -49,19 +49,20 @@ start of its call, or, with ``schedule_outside``, the model holding it does at t
 
 ``kernel: relu`` is LRA's default Performer ("generalized" attention with deterministic features):
 phi(x) = relu(x) + 1e-3 on the raw q, k, no random features, no stabiliser; ``n_features``/``redraw_every``
-are then unused (LRA ignored ``nb_features`` as well).
+are then unused (LRA ignored ``nb_features`` as well). It is the Linear Transformer's computation with another
+feature map (``models.base.kernel_attention``), with the precision described above for FAVOR+.
 
 Complexity: softmax kernel O(N m Dh) time; memory O(N Dh) with the Triton kernels, else O(N m) transient per head
 (O(chunk m) with ``chunk_size``) and O(N Dh) kept for the backward;
 relu kernel O(N Dh^2) time, O(N Dh) memory. Nothing N x N is ever formed.
 Packed rows (``segments``): each example has its own key stabiliser (the maximum over its own keys, so its
-normaliser is >= 1 as when alone, however far its exponents lie below another example's) and its own
-summaries, which its queries read. One matmul per product serves the S examples of a row (S = the most in any
-row): values and gradients are spread into S blocks of Dh columns, zero outside their example's (``spread``),
-and each position picks its example's block of the result (``pick``); the relu kernel does the same with its
-[summary | key sum]. So the products with values or gradients (2 forward, 4 backward) and the normaliser cost
-S-fold FLOPs per row, with (B, H, N, S Dh) transients and S summaries kept; the (N x m) feature maps are
-computed once. Unpacked rows skip all of it (the helpers return their input).
+normaliser is >= 1 as when alone, however far its exponents lie below another example's) and its own summaries,
+which its queries read. One matmul per product serves the S examples of a row (S = the most in any row): values and
+gradients are spread into S blocks of Dh columns, zero outside their example's (``spread``), and each position picks
+its example's block of the result (``pick``); the relu kernel does the same. So the products with values or
+gradients (2 forward, 4 backward) and the normaliser cost S-fold FLOPs per row, with (B, H, N, S Dh) transients and
+S summaries kept; the (N x m) feature maps are computed once. Unpacked rows skip all of it (the helpers return their
+input).
 Padding: padded keys get features exactly 0 (their exponent is -inf) and are excluded from the key
 stabiliser, so padding never contributes; padded queries get an output the encoder ignores.
 Deviations from LRA: LRA's Performer used no padding mask; its ListOps run used FAVOR+ with 2 features

@@ -95,7 +95,7 @@ def test_linear_recurrent_step_needs_causal():
         model.recurrent_step(None, q, q, q)
 
 
-def test_linear_bf16_autocast_keeps_fp32_math():
+def test_linear_bf16_autocast_runs_bf16_products_and_an_fp32_normaliser():
     model = create_model("linear", **BACKBONE)
     q, k, v = qkv(N=64, scale=3.0)
     mask = torch.ones(2, 64, dtype=torch.bool)
@@ -103,7 +103,41 @@ def test_linear_bf16_autocast_keeps_fp32_math():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
     assert out.dtype == torch.bfloat16
-    assert (out.float() - ref).norm() / ref.norm() < 2e-2  # only the bf16 inputs / output are rounded
+    assert (out.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_bf16_products_stay_close_to_the_fp64_formula(packed):
+    """bf16 inputs: the two products with values (and their backward) take bf16 operands, the feature maps, key
+    sums and normaliser stay fp32, so output and gradients are within 1% of fp64, and padded keys still add
+    exactly nothing (a row of one example equals that row with padding appended)."""
+    from models.linear import linear_attention
+    q, k, v = qkv(B=2, H=2, N=300, D=16, seed=3, dtype=torch.float64)
+    mask = ragged_mask(2, 300, [300, 200])
+    segments = (torch.arange(300)[None] // 120 + 1) * mask if packed else None  # (B, N): examples of 120
+    member = segment_members(segments) if packed else None
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = linear_attention(*ref, mask, False, 64, member)
+    grad = torch.randn_like(ref_out)
+    ref_grads = torch.autograd.grad(ref_out, ref, grad)
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = linear_attention(*low, mask, False, 64, member)
+    assert out.dtype == torch.bfloat16 and rel(out, ref_out) < 1e-2
+    grads = torch.autograd.grad(out, low, grad.bfloat16())
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    assert all(rel(g, r) < 1e-2 for g, r in zip(grads, ref_grads)), [rel(g, r) for g, r in zip(grads, ref_grads)]
+    # the products really are bf16: fp32 products of the same rounded inputs differ from them
+    out32 = linear_attention(*(t.detach().float() for t in low), mask, False, 64, member)
+    assert not torch.equal(out.float(), out32.bfloat16().float())
+    # the padded keys' values never reach an output in bf16 either
+    wild = low[2].detach().clone()
+    wild[1, :, 200:] = 1e4
+    again = linear_attention(low[0].detach(), low[1].detach(), wild, mask, False, 64, member)
+    assert torch.equal(again[:, :, :200], out.detach()[:, :, :200])
 
 
 # ------------------------------------------------------------------------------------------ performer
