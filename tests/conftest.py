@@ -1,8 +1,9 @@
-"""Shared fixtures: Hydra composition from conf/, and isolated cache/result folders per test."""
+"""Shared fixtures: Hydra composition from conf/, result folders per test and a data cache per session."""
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 # Triton kernels (models/_favor_triton.py) run on the CPU through Triton's interpreter where there is no GPU. Triton
@@ -27,14 +28,45 @@ def compose_cfg(overrides: list[str], config_name: str = "config"):
         return compose(config_name, overrides=overrides)
 
 
+def started(args: list[str], **kwargs) -> subprocess.Popen:
+    """A command started with its output captured as text, for ``finish_all``."""
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def finish_all(*procs: subprocess.Popen, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Wait for commands started side by side; each one's outcome as ``subprocess.run`` returns it. A command that
+    starts Python and imports torch spends seconds on one core, so on CI's two cores two independent ones side by
+    side take about the time of one. Any still running when one times out is killed."""
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory) -> Path:
+    """One data cache for the whole session, for tests that need data but test neither generation nor the cache:
+    each ListOps slice and Pathfinder image set is generated once, not once per test (160 Pathfinder images take
+    seconds). Tests of generation or of the cache itself give a cold ``data.cache_dir`` of their own."""
+    return tmp_path_factory.mktemp("shared_cache")
+
+
 @pytest.fixture
-def smoke_cfg(tmp_path):
-    """Compose a smoke config writing only under tmp_path; pass extra overrides."""
+def smoke_cfg(tmp_path, shared_cache):
+    """Compose a smoke config writing runs and rows only under tmp_path, its data in the session's shared cache;
+    pass extra overrides (a later ``data.cache_dir=...`` gives a test a cold cache of its own)."""
 
     def make(*overrides: str):
         return compose_cfg([
             "experiment=smoke", f"run_dir={tmp_path / 'run'}", f"results.dir={tmp_path / 'results'}",
-            f"data.cache_dir={tmp_path / 'cache'}", *overrides,
+            f"data.cache_dir={shared_cache}", *overrides,
         ])
 
     return make

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from lra.config import ConfigError, eval_batch_size, validate
 from lra.data import list_tasks
 from models import list_models, model_options
-from tests.conftest import CONF, ROOT, compose_cfg
+from tests.conftest import CONF, ROOT, compose_cfg, finish_all, started
 
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -111,19 +111,23 @@ def test_choices_are_normalised():
     assert (cfg.trainer.compile, cfg.resume) == ("true", "false")
 
 
+def start_cli(*args: str, cwd=ROOT, env=None) -> subprocess.Popen:
+    return started([sys.executable, "-m", "lra", *args], cwd=cwd, env=env)
+
+
 def cli(*args: str, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lra", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env=env)
+    return finish_all(start_cli(*args, cwd=cwd, env=env))[0]
 
 
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path):
-    proc = cli("trainer.precision=fp16", f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc, missing = finish_all(  # two independent commands, side by side
+        start_cli("trainer.precision=fp16", f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"),
+        start_cli("task=text", "experiment=smoke", f"data.path={tmp_path / 'no_such_imdb'}",
+                  f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run2'}"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("error: trainer.precision='fp16' is not valid: choose one of "
                                                    "auto, bf16, fp32")
     assert "Traceback" not in proc.stderr
-    missing = cli("task=text", "experiment=smoke", f"data.path={tmp_path / 'no_such_imdb'}",
-                  f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run2'}")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "no_such_imdb" in missing.stderr.strip().splitlines()[-1]
 

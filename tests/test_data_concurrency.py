@@ -33,7 +33,11 @@ def _load_and_train(cfg, train: bool, queue) -> None:
 
 
 def start_together(cfgs, train: bool) -> list:
-    ctx = mp.get_context("spawn")  # fork after torch's thread pools started can deadlock the children
+    # Processes of their own, as concurrent runs are, but forked from a server that imported the runner once (it never
+    # ran torch, so no thread pool is forked mid-use, as forking this process could deadlock): a spawned child spent
+    # its first seconds importing torch, eight of them about half of this module's time on two cores.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["lra.run"])
     queue = ctx.Queue()
     procs = [ctx.Process(target=_load_and_train, args=(cfg, train, queue)) for cfg in cfgs]
     for p in procs:

@@ -61,13 +61,18 @@ def imdb_dataset(split: str):
     return datasets.Dataset.from_dict({"text": list(texts), "label": list(labels)}, features=features)
 
 
-@pytest.fixture
-def imdb_parquet(tmp_path):
-    folder = tmp_path / "imdb"
+def write_imdb_parquet(root: Path) -> Path:
+    """The documents as an HF parquet folder, root/imdb."""
+    folder = root / "imdb"
     for split in DOCS:
         (folder / "plain_text").mkdir(parents=True, exist_ok=True)
         imdb_dataset(split).to_parquet(str(folder / "plain_text" / f"{split}-00000-of-00001.parquet"))
     return folder
+
+
+@pytest.fixture
+def imdb_parquet(tmp_path):
+    return write_imdb_parquet(tmp_path)
 
 
 @pytest.fixture
@@ -172,14 +177,19 @@ def aan_line(label: str, t1: str, t2: str, i: int) -> str:
     return f"{label}\tid{i}a\tid{i}b\t{t1}\t{t2}\n"
 
 
-@pytest.fixture
-def aan_root(tmp_path):
-    folder = tmp_path / "lra_release" / "lra_release" / "tsv_data"  # the archive's doubly nested layout
+def write_aan_release(root: Path) -> Path:
+    """AAN pairs as the LRA release unpacks them, root/lra_release."""
+    folder = root / "lra_release" / "lra_release" / "tsv_data"  # the archive's doubly nested layout
     folder.mkdir(parents=True)
     for split, n in (("train", 12), ("eval", 5), ("test", 4)):
         lines = [aan_line("1.0" if i % 2 else "0.0", f"doc {split} {i} " + "x" * 40, f"other {i}", i) for i in range(n)]
         (folder / f"new_aan_pairs.{split}.tsv").write_text("".join(lines))
-    return tmp_path / "lra_release"
+    return root / "lra_release"
+
+
+@pytest.fixture
+def aan_root(tmp_path):
+    return write_aan_release(tmp_path)
 
 
 def test_retrieval_pairs_shapes_labels_truncation(tmp_path, aan_root):
@@ -255,13 +265,18 @@ def cifar_dataset(n: int):
     return datasets.Dataset.from_dict({"img": cells, "label": labels}, features=features)
 
 
-@pytest.fixture
-def cifar_parquet(tmp_path):
-    folder = tmp_path / "cifar10" / "plain_text"
+def write_cifar_parquet(root: Path) -> Path:
+    """50 images (40 train, 10 test) as an HF parquet folder, root/cifar10."""
+    folder = root / "cifar10" / "plain_text"
     folder.mkdir(parents=True)
     cifar_dataset(40).to_parquet(str(folder / "train-00000-of-00001.parquet"))
     cifar_dataset(10).to_parquet(str(folder / "test-00000-of-00001.parquet"))
-    return tmp_path / "cifar10"
+    return root / "cifar10"
+
+
+@pytest.fixture
+def cifar_parquet(tmp_path):
+    return write_cifar_parquet(tmp_path)
 
 
 def test_image_split_pixels_and_cache(tmp_path, cifar_parquet):

@@ -143,7 +143,8 @@ def test_loader_caches_and_invalidates(smoke_cfg, tmp_path):
     from lra.data import load_task
 
     folder = generate(tmp_path / "release", seed=1, train=20, val=4, test=4, workers=1, progress=False)
-    cfg = smoke_cfg(f"data.root={tmp_path / 'release'}")
+    cold = f"data.cache_dir={tmp_path / 'cache'}"
+    cfg = smoke_cfg(f"data.root={tmp_path / 'release'}", cold)
     first = load_task(cfg)
     assert first.info["cache"] == "miss" and len(first.train) == 20
     second = load_task(cfg)
@@ -151,13 +152,13 @@ def test_loader_caches_and_invalidates(smoke_cfg, tmp_path):
     path = folder / "basic_test.tsv"
     path.write_text(path.read_text().replace("\t", "\t", 1))  # same content, new mtime: still a new source
     assert load_task(cfg).info["cache"] == "miss"
-    assert load_task(smoke_cfg(f"data.root={tmp_path / 'release'}", "task.seq_len=1000")).info["cache"] == "miss"
+    assert load_task(smoke_cfg(f"data.root={tmp_path / 'release'}", cold, "task.seq_len=1000")).info["cache"] == "miss"
 
 
 def test_smoke_generates_only_its_slice(smoke_cfg, tmp_path):
     from lra.data import load_task
 
-    data = load_task(smoke_cfg())
+    data = load_task(smoke_cfg(f"data.cache_dir={tmp_path / 'cache'}"))
     assert (len(data.train), len(data.val), len(data.test)) == (160, 32, 32)
     assert data.info["cache"] == "miss"
     generated = list((tmp_path / "cache" / "listops").glob("*/listops-1000/basic_train.tsv"))

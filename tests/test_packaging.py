@@ -12,7 +12,7 @@ import textwrap
 import pandas as pd
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, finish_all, started
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,8 @@ def installed(tmp_path_factory):
 
 
 def test_the_console_script_runs_the_smoke_command_from_another_folder(installed, tmp_path):
+    """... writing its outputs under ./outputs of the folder it runs in, never into the project's results/."""
+    before = (ROOT / "results" / "runs.csv").read_bytes()
     env = {**os.environ, "PYTHONPATH": str(installed), "LRA_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("LRA_GIT_SHA", None)
     env.pop("LRA_RESULTS_DIR", None)
@@ -40,7 +42,9 @@ def test_the_console_script_runs_the_smoke_command_from_another_folder(installed
     import_check = subprocess.run([sys.executable, "-c", "import lra; print(lra.__file__)"], cwd=tmp_path, env=env,
                                   capture_output=True, text=True)
     assert import_check.stdout.startswith(str(installed))  # the installed copy ran, not this checkout
-    row = pd.read_csv(tmp_path / "outputs" / "results" / "runs.csv").iloc[0]
+    rows = pd.read_csv(tmp_path / "outputs" / "results" / "runs.csv")
+    assert len(rows) == 1 and (ROOT / "results" / "runs.csv").read_bytes() == before
+    row = rows.iloc[0]
     assert row.status == "ok" and row.git_sha.startswith("unknown (lra ") and "no git checkout" in row.git_sha
 
 
@@ -81,15 +85,14 @@ def plugin(tmp_path):
 def test_a_plugin_model_trains_and_passes_the_registry_wide_tests(plugin, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]),
            "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results")}
-    run = subprocess.run([sys.executable, "-m", "lra", "model=plugin_mean", "model.scale=0.5", "experiment=smoke",
-                          "schedule.steps=2", "schedule.eval_every=2", "task.seq_len=256",
-                          f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run, tests = finish_all(  # independent: side by side
+        started([sys.executable, "-m", "lra", "model=plugin_mean", "model.scale=0.5", "experiment=smoke",
+                 "schedule.steps=2", "schedule.eval_every=2", "task.seq_len=256", f"hydra.run.dir={tmp_path / 'run'}"],
+                cwd=ROOT, env=env),
+        started([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_models.py", "-k",
+                 "plugin_mean"], cwd=ROOT, env=env))
     assert run.returncode == 0, run.stderr[-3000:]
     assert pd.read_csv(tmp_path / "results" / "runs.csv").model.tolist() == ["plugin_mean"]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_models.py",
-                            "-k", "plugin_mean"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=600)
     assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
     assert "failed" not in tests.stdout
 
@@ -98,9 +101,9 @@ def test_a_plugin_named_in_the_environment_registers(plugin):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]),
            "LRA_MODEL_MODULES": "lra_plugin_demo"}
     (plugin / "lra_plugin_demo-0.1.dist-info" / "entry_points.txt").unlink()
-    proc = subprocess.run([sys.executable, "-c", "import models; print(models.list_models())"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc, broken = finish_all(  # side by side
+        started([sys.executable, "-c", "import models; print(models.list_models())"], env=env),
+        started([sys.executable, "-c", "import models; models.list_models()"],
+                env={**env, "LRA_MODEL_MODULES": "no_such_plugin_module"}), timeout=300)
     assert "plugin_mean" in proc.stdout, proc.stderr[-2000:]
-    broken = subprocess.run([sys.executable, "-c", "import models; models.list_models()"],
-                            env={**env, "LRA_MODEL_MODULES": "no_such_plugin_module"}, capture_output=True, text=True)
     assert broken.returncode != 0 and "model plugin 'no_such_plugin_module'" in broken.stderr

@@ -2,28 +2,29 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import lra.run as runner
 from lra.prepare import prepare
-from tests.conftest import ROOT
+from tests.conftest import ROOT, finish_all, started
 
 
 def test_prepared_data_is_what_the_run_loads(smoke_cfg, tmp_path, caplog):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
-    first, second = prepare(["-m", "task=listops,pathfinder", "experiment=smoke", cache])  # -m by habit: fine
+    short = ("schedule.steps=2", "schedule.eval_every=2")  # the run's length is not the data's: 2 steps, not 20
+    first, second = prepare(["-m", "task=listops,pathfinder", "experiment=smoke", cache, *short])  # -m by habit: fine
     assert first.info["task"] == "listops" and second.info["task"] == "pathfinder"
     assert "cache miss" in first.summary() and "cache miss" in second.summary()
     caplog.set_level("INFO", logger="lra")
-    runner.run(smoke_cfg("task=pathfinder"))  # the same overrides (run and result folders aside)
+    runner.run(smoke_cfg("task=pathfinder", cache, *short))  # the same overrides (run and result folders aside)
     assert "pathfinder: train" in caplog.text and "cache hit" in caplog.text and "cache miss" not in caplog.text
 
 
 def test_a_bad_option_is_one_line_and_exit_code_2(tmp_path):
-    for args, says in ((["task=nope"], "Could not find 'task/nope'"),
-                       (["task=listops", "data.limit.train=0"], "data.limit.train=0 is not valid")):
-        p = subprocess.run([sys.executable, "-m", "lra.prepare", *args], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    cases = ((["task=nope"], "Could not find 'task/nope'"),
+             (["task=listops", "data.limit.train=0"], "data.limit.train=0 is not valid"))
+    procs = finish_all(*(started([sys.executable, "-m", "lra.prepare", *args], cwd=tmp_path,  # side by side
+                                 env=dict(os.environ, PYTHONPATH=str(ROOT))) for args, _ in cases), timeout=120)
+    for p, (_, says) in zip(procs, cases, strict=True):
         assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and says in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "outputs").exists()  # no Hydra output folder: nothing ran

@@ -33,7 +33,9 @@ def rows(tmp_path) -> pd.DataFrame:
 
 
 def test_smoke_run_writes_a_valid_row(smoke_cfg, tmp_path):
-    row = runner.run(smoke_cfg("schedule.steps=4", "schedule.eval_every=2"))  # the preset, at a fifth of its steps
+    # the preset at a fifth of its steps, and 8 examples per evaluation split, not 32 (their four passes at 2,000
+    # tokens were most of its time)
+    row = runner.run(smoke_cfg("schedule.steps=4", "schedule.eval_every=2", "data.limit.val=8", "data.limit.test=8"))
     df = rows(tmp_path)
     assert list(df.columns) == RUN_COLUMNS and len(df) == 1
     got = df.iloc[0]
@@ -295,8 +297,8 @@ def test_an_empty_split_fails_at_start(smoke_cfg, tmp_path, monkeypatch):
         return split.head(0) if "val" in path.name else split
 
     monkeypatch.setattr(listops, "read_tsv", empty_val)
-    with pytest.raises(DataError, match="the val split is empty"):
-        runner.run(smoke_cfg(*TINY))
+    with pytest.raises(DataError, match="the val split is empty"):  # a cold cache: the files are read, not a hit
+        runner.run(smoke_cfg(*TINY, f"data.cache_dir={tmp_path / 'cache'}"))
     assert not (tmp_path / "results" / "runs.csv").exists()
 
 
@@ -304,7 +306,7 @@ def test_an_unwritable_results_folder_fails_at_start(smoke_cfg, tmp_path):
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where a folder should be")
     with pytest.raises(ConfigError, match="not writable"):
-        runner.run(smoke_cfg(f"results.dir={blocked / 'results'}"))
+        runner.run(smoke_cfg(f"results.dir={blocked / 'results'}", f"data.cache_dir={tmp_path / 'cache'}"))
     assert not (tmp_path / "cache").exists()  # nothing was generated before the check
 
 

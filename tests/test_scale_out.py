@@ -76,10 +76,14 @@ def test_data_parallel_jobs_under_the_gpu_launcher_hold_their_gpus_for_the_whole
 
 
 def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
+    """`-m model=a,b` runs both jobs, one after the other, each in <sweep>/<task>/<model>/, and both rows land in
+    one runs.csv."""
     proc = lra_cli(["-m", *FAST, "model=transformer,linear", "sweep=my_grid"], tmp_path)
     assert "2 jobs: 0 already finished" in proc.stdout
-    done = (tmp_path / "outputs" / "multirun" / "my_grid").rglob("result.json")
+    done = list((tmp_path / "outputs" / "multirun" / "my_grid").glob("listops/*/*/result.json"))
     assert sorted(p.parent.parent.name for p in done) == ["linear", "transformer"]
+    rows = pd.read_csv(tmp_path / "results" / "runs.csv")
+    assert sorted(rows.model) == ["linear", "transformer"] and (rows.status == "ok").all()
 
 
 def test_a_run_continued_with_other_execution_settings_finds_its_folder(tmp_path):
