@@ -95,7 +95,7 @@ def test_linear_recurrent_step_needs_causal():
         model.recurrent_step(None, q, q, q)
 
 
-def test_linear_bf16_autocast_runs_bf16_products_and_an_fp32_normaliser():
+def test_linear_under_bf16_autocast_stays_close_to_fp32():
     model = create_model("linear", **BACKBONE)
     q, k, v = qkv(N=64, scale=3.0)
     mask = torch.ones(2, 64, dtype=torch.bool)
