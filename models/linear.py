@@ -8,7 +8,8 @@ softmax(q . k) is replaced by the positive kernel phi(q) . phi(k), so the sum ov
 
 Non-causal: one matmul forms the (Dh x Dh) key-value summary, one more applies it to every query; the Dh-vector
 key sum and each query's normaliser are two reductions beside them (``models.base.kernel_attention``, shared
-with Performer).
+with Performer). Unpacked rows take ``LinearAttentionFn``, the same computation with a hand-written backward that
+keeps only q, k, v and the small summaries (autograd would keep fp32 N x Dh maps).
 Causal (``causal: true``, paper Sec. 3.2): out_i uses only the prefix j <= i. ``attend`` computes it in
 parallel (chunked prefix sums: exact C x C causal products inside each chunk of ``chunk_size`` tokens plus an
 exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x Dh) prefix tensor is stored;
@@ -40,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, compiled, kernel_attention, segment_members, upcast
+from .base import MultiHeadMixer, compiled, kernel_attention, mm, product_dtype, segment_members, upcast
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
@@ -82,6 +83,41 @@ def causal_prefix_attention(fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor
     return out.view(B, H, n * chunk, E)[:, :, :N]  # (B, H, N, E)
 
 
+def elu1_grad(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, 1.0, phi)  # d(elu(x) + 1)/dx: 1 above 0, exp(x) = phi(x) at or below
+
+
+class LinearAttentionFn(torch.autograd.Function):
+    """The unpacked non-causal form, ``kernel_attention``'s computation with a hand-written backward (as FAVOR+'s
+    ``FavorAttention``): it keeps q, k, v, the (Dh x Dh) summary, the key sum and the (N x 1) normaliser, and
+    recomputes the feature maps and the output, where autograd keeps fp32 (N x Dh) maps for the normaliser's and
+    the division's backward (4x the bytes of q, k, v in bf16). Same precision as ``kernel_attention``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep):  # (B, H, N, Dh) x 3, keep (B, 1, N, 1) float
+        dtype = product_dtype(v)
+        fq, fk = feature_map(q), feature_map(k) * keep  # (B, H, N, Dh) fp32
+        kv = mm(fk.transpose(-1, -2), v, dtype)  # (B, H, Dh, Dh): sum_n fk_n v_n^T
+        ksum = fk.sum(-2, keepdim=True)  # (B, H, 1, Dh)
+        den = (fq * ksum).sum(-1, keepdim=True) + EPS  # (B, H, N, 1)
+        ctx.save_for_backward(q, k, v, keep, kv, ksum, den)
+        return (mm(fq, kv, dtype) / den).to(q.dtype)  # (B, H, N, Dh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, keep, kv, ksum, den = ctx.saved_tensors
+        dtype = product_dtype(v)
+        phi_q, phi_k = feature_map(q), feature_map(k)  # (B, H, N, Dh), recomputed
+        g_num = upcast(grad) / den  # (B, H, N, Dh)
+        g_den = -(g_num * (mm(phi_q, kv, dtype) / den)).sum(-1, keepdim=True)  # (B, H, N, 1): output recomputed
+        d_kv = mm(phi_q.transpose(-1, -2), g_num, dtype)  # (B, H, Dh, Dh)
+        d_fq = mm(g_num, kv.transpose(-1, -2), dtype) + g_den * ksum  # (B, H, N, Dh)
+        d_fk = (mm(v, d_kv.transpose(-1, -2), dtype) + (g_den * phi_q).sum(-2, keepdim=True)) * keep  # (B, H, N, Dh)
+        d_v = mm(phi_k * keep, d_kv, dtype)  # (B, H, N, Dh)
+        dq, dk = d_fq * elu1_grad(q, phi_q), d_fk * elu1_grad(k, phi_k)
+        return dq.to(q.dtype), dk.to(k.dtype), d_v.to(v.dtype), None
+
+
 def linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, causal: bool, chunk: int,
     member: torch.Tensor | None = None,
@@ -90,12 +126,14 @@ def linear_attention(
     fp32 (or fp64); the non-causal form's products with values in v's precision (``kernel_attention``).
     ``member`` (B, 1, N, S): the examples of packed rows (``segment_members``; non-causal form only)."""
     with torch.autocast(device_type=q.device.type, enabled=False):
+        if not causal and member is None:
+            return LinearAttentionFn.apply(q, k, v, mask[:, None, :, None].to(upcast(q).dtype))  # (B, H, N, Dh)
         fq = feature_map(q)  # (B, H, N, Dh)
         fk = feature_map(k) * mask[:, None, :, None]  # (B, H, N, Dh): padded keys contribute nothing
         if causal:
             o1 = causal_prefix_attention(fq, fk, with_ones(v), chunk)  # (B, H, N, Dh + 1): [num | den]
             return normalise(o1).to(q.dtype)  # (B, H, N, Dh)
-        # packed rows: one summary per example, each query reading its own; else S = 1
+        # packed rows: one summary per example, each query reading its own
         return kernel_attention(fq, fk, v, member, EPS).to(q.dtype)  # (B, H, N, Dh)
 
 

@@ -140,6 +140,28 @@ def test_linear_bf16_products_stay_close_to_the_fp64_formula(packed):
     assert torch.equal(again[:, :, :200], out.detach()[:, :, :200])
 
 
+def test_linear_hand_written_backward_equals_autograd():
+    """Unpacked non-causal rows take LinearAttentionFn: in fp64 its output and gradients are autograd's through
+    kernel_attention (the packed and causal forms' path) to rounding, padded keys included; gradcheck passes."""
+    from models.base import kernel_attention
+    from models.linear import EPS, LinearAttentionFn, feature_map, linear_attention
+
+    q, k, v = qkv(B=2, H=2, N=90, D=8, seed=5, dtype=torch.float64)
+    mask = ragged_mask(2, 90, [90, 55])
+    keep = mask[:, None, :, None].double()
+    grad = torch.randn(2, 2, 90, 8, dtype=torch.float64)
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = linear_attention(*ours, mask, False, 64)
+    assert out.grad_fn.name().startswith("LinearAttentionFn")
+    expected = kernel_attention(feature_map(ref[0]), feature_map(ref[1]) * keep, ref[2], None, EPS)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out, ours, grad), torch.autograd.grad(expected, ref, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    small = [t[:1, :1, :20].clone().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *x: LinearAttentionFn.apply(*x, keep[:1, :, :20]), tuple(small))
+
+
 # ------------------------------------------------------------------------------------------ performer
 
 
