@@ -91,9 +91,10 @@ def elu1_grad(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
 
 class LinearAttentionFn(torch.autograd.Function):
     """The unpacked non-causal form, ``kernel_attention``'s computation with a hand-written backward (as FAVOR+'s
-    ``FavorAttention``): it keeps q, k, v, the (Dh x Dh) summary, the key sum and the (N x 1) normaliser, and
-    recomputes the feature maps and the output, where autograd keeps fp32 (N x Dh) maps for the normaliser's and
-    the division's backward (4x the bytes of q, k, v in bf16). Same precision as ``kernel_attention``."""
+    ``FavorAttention``): it keeps q, k, v, the (Dh x Dh) summary, the key sum and the (N x 1) normaliser and
+    recomputes the feature maps, where autograd keeps fp32 (N x Dh) maps for the normaliser's and the division's
+    backward (4x the bytes of q, k, v in bf16). Its backward takes four products, as autograd's does. Same
+    precision as ``kernel_attention``."""
 
     @staticmethod
     def forward(ctx, q, k, v, keep):  # (B, H, N, Dh) x 3, keep (B, 1, N, 1) float
@@ -110,10 +111,13 @@ class LinearAttentionFn(torch.autograd.Function):
         q, k, v, keep, kv, ksum, den = ctx.saved_tensors
         dtype = product_dtype(v)
         phi_q, phi_k = feature_map(q), feature_map(k)  # (B, H, N, Dh), recomputed
-        g_num = upcast(grad) / den  # (B, H, N, Dh)
-        g_den = -(g_num * (mm(phi_q, kv, dtype) / den)).sum(-1, keepdim=True)  # (B, H, N, 1): output recomputed
+        g_num = upcast(grad) / den  # (B, H, N, Dh): the numerator's gradient
+        g_fq = mm(g_num, kv.transpose(-1, -2), dtype)  # (B, H, N, Dh): through the numerator
+        # the normaliser's gradient, -g_num . (phi_q kv) / den, read off the same product as phi_q . (g_num kv^T):
+        # the output is never recomputed
+        g_den = -(phi_q * g_fq).sum(-1, keepdim=True) / den  # (B, H, N, 1)
         d_kv = mm(phi_q.transpose(-1, -2), g_num, dtype)  # (B, H, Dh, Dh)
-        d_fq = mm(g_num, kv.transpose(-1, -2), dtype) + g_den * ksum  # (B, H, N, Dh)
+        d_fq = g_fq + g_den * ksum  # (B, H, N, Dh)
         d_fk = (mm(v, d_kv.transpose(-1, -2), dtype) + (g_den * phi_q).sum(-2, keepdim=True)) * keep  # (B, H, N, Dh)
         d_v = mm(phi_k * keep, d_kv, dtype)  # (B, H, N, Dh)
         dq, dk = d_fq * elu1_grad(q, phi_q), d_fk * elu1_grad(k, phi_k)
