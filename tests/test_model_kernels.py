@@ -162,6 +162,34 @@ def test_linear_hand_written_backward_equals_autograd():
     assert torch.autograd.gradcheck(lambda *x: LinearAttentionFn.apply(*x, keep[:1, :, :20]), tuple(small))
 
 
+def test_linear_backward_keeps_only_bf16_inputs_and_small_summaries():
+    """What the hand-written backward buys: under bf16 the tensors kept for it are q, k, v in bf16 plus O(N) and
+    O(Dh^2) summaries, under a third of the bytes autograd keeps through kernel_attention (its fp32 N x Dh maps)."""
+    from models.base import kernel_attention
+    from models.linear import EPS, feature_map, linear_attention
+
+    def saved_bytes(fn):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(sizes)
+
+    B, H, N, D = 2, 4, 512, 32
+    q, k, v = (t.bfloat16().requires_grad_() for t in qkv(B=B, H=H, N=N, D=D, seed=3))
+    mask = torch.ones(B, N, dtype=torch.bool)
+    ours = saved_bytes(lambda: linear_attention(q, k, v, mask, False, 64))
+    inputs = 3 * B * H * N * D * 2  # q, k, v in bf16
+    assert inputs <= ours < 1.1 * inputs  # the rest: the (Dh x Dh) summary, key sum, normaliser, mask
+    keep = mask[:, None, :, None].float()
+    autograd = saved_bytes(lambda: kernel_attention(feature_map(q), feature_map(k) * keep, v, None, EPS))
+    assert ours < autograd / 3
+
+
 # ------------------------------------------------------------------------------------------ performer
 
 
