@@ -204,6 +204,23 @@ def _why_missing(model: str, speed: pd.DataFrame, scores: pd.Series, failed: dic
     return None
 
 
+def bubble_card(bench: pd.DataFrame, scores: pd.Series, length: int) -> str:
+    """The card whose bench rows at ``length``, under one protocol (``chart_protocol``), give the most models of
+    ``scores`` a bubble; on a tie, ``pick_device``'s card, then the one with the latest row. A card that timed more
+    models over all lengths and protocols (``pick_device``) can still draw fewer: its rows at this length may
+    predate the newer models, or be split between an eager and a compiled sweep."""
+    bench = _numeric(bench)
+    default = pick_device(bench)
+    ok = bench[bench["status"].astype(str) == "ok"]
+    latest = ok.groupby(ok["device"].astype(str))["timestamp"].max().astype(str) if "timestamp" in ok else {}
+
+    def drawn(card: str) -> tuple[int, bool, str]:
+        speed = bench_at(bench, length, card, chart_protocol(bench, length, card, scores.index))
+        return len(set(speed.index) & set(scores.index)), card == default, latest.get(card, "")
+
+    return max(sorted(ok["device"].astype(str).unique()), key=drawn, default=default)
+
+
 def bubble_points(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4096, device: str | None = None,
                   tasks: list[str] | None = None) -> tuple[pd.DataFrame, dict[str, list[str]]]:
     """Our bubbles: (``model, x, y, mem_gb`` per model with a speed and a score, sorted by model; reason -> models
@@ -211,9 +228,10 @@ def bubble_points(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 
 
     x = training examples/s of the model's latest ok bench row at ``length`` on one device, under one protocol
     for all (``chart_protocol``), y = its score (``our_scores``), mem_gb = that bench row's peak memory. A model
-    is missing when it has no score, or no ok row there (its latest row failed, or there is none)."""
-    device = pick_device(_numeric(bench), device)
+    is missing when it has no score, or no ok row there (its latest row failed, or there is none). Without a
+    ``device``, the card that draws the most of them (``bubble_card``)."""
     scores = our_scores(leaderboard, tasks)
+    device = bubble_card(bench, scores, length) if device is None else device
     protocol = chart_protocol(bench, length, device, scores.index)
     speed = bench_at(bench, length, device, protocol)
     failed = _bench_failures(bench, length, device, protocol)
@@ -495,7 +513,7 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
     ``tasks`` = None: y is the LRA score (the ``avg5`` rows; the paper's 5-task average). A list of tasks: y is
     the mean over those tasks, for ours and for the paper's Table 1 alike (say, the four tasks without
     Retrieval when its AAN files are missing), and the axis and title name them."""
-    device = pick_device(_numeric(bench), device)
+    device = bubble_card(bench, our_scores(leaderboard, tasks), length) if device is None else device
     ours, missing = bubble_points(bench, leaderboard, length, device, tasks)
     paper = paper_points(published, length, tasks) if published is not None else None
     return draw_bubbles(ours, paper, missing, length=length, device=device, tasks=tasks, max_area=max_area,
@@ -722,7 +740,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bench", default=None, help="bench file (default: RESULTS/bench.csv)")
     ap.add_argument("--leaderboard", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
     ap.add_argument("--length", type=int, default=4096, help="bench length for the bubble chart's speed and memory")
-    ap.add_argument("--device", default=None, help="bench device (default: the card whose rows cover the most models)")
+    ap.add_argument("--device", default=None, help="bench device (default: the card whose rows cover the most "
+                    "models; for the bubble chart, the card that draws the most bubbles)")
     ap.add_argument("--out", default=None, help="chart folder (default: RESULTS/charts)")
     ap.add_argument("--published", nargs="?", const=str(PUBLISHED), default=None,
                     help="also draw the LRA paper's points (default file results/published.csv)")

@@ -137,6 +137,25 @@ def test_the_chart_keeps_the_card_that_timed_the_most_models_when_another_card_h
     assert plot.pick_device(pd.concat([bench, more], ignore_index=True)) == h200  # now it covers more models
 
 
+def test_the_bubble_chart_takes_the_card_that_draws_the_most_bubbles_at_its_length():
+    """The H100 timed five models (over three lengths), the H200 four, all at 4K; the H100's 4K rows draw three
+    bubbles (performer has no LRA score, reformer's 4K row ran out of memory), the H200's four (sinkhorn too): the
+    bubble chart draws the H200's, the other charts stay on the H100. Level, the H100 (pick_device's card) keeps it."""
+    h200 = "NVIDIA H200"
+    rows = [dict(model=m, task="text", seq_len=4096, batch_size=32, status="ok", precision="bf16", steps_per_s=50.0,
+                 examples_per_s=1600.0, peak_mem_mb=4000.0, device=h200, timestamp="2025-09-01T00:00:00Z")
+            for m in ("transformer", "linear", "local", "sinkhorn")]
+    bench = pd.concat([bench_rows(), pd.DataFrame(rows)], ignore_index=True)
+    assert plot.pick_device(bench) == GPU
+    ours, missing = plot.bubble_points(bench, leaderboard_rows())
+    assert list(ours["model"]) == ["linear", "local", "sinkhorn", "transformer"]
+    assert plot.bubble_card(bench, plot.our_scores(leaderboard_rows()), 4096) == h200
+    fig = plot.bubble_chart(bench, leaderboard_rows())
+    assert h200 in fig.axes[0].get_title()
+    level = pd.concat([bench_rows(), pd.DataFrame(rows[:3])], ignore_index=True)  # three bubbles each
+    assert plot.bubble_card(level, plot.our_scores(leaderboard_rows()), 4096) == GPU
+
+
 def test_bubble_points_over_a_task_subset_count_lra_rows_only():
     """Without Retrieval (no AAN files), y is the mean over the tasks named, from experiment=lra rows; a
     leaderboard without the experiment column counts as all lra."""
