@@ -70,6 +70,12 @@ def mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return upcast(torch.matmul(a.to(dtype), b.to(dtype)))
 
 
+def with_ones(v: torch.Tensor) -> torch.Tensor:
+    """[v, 1] (..., Dh + 1), fp32 at least: one matmul against kernel features phi(K) then yields both
+    sum phi(k) v^T and the normaliser sum phi(k) (linear's causal and recurrent forms, cosFormer)."""
+    return F.pad(upcast(v), (0, 1), value=1.0)
+
+
 def same_segment(segments: torch.Tensor) -> torch.Tensor:
     """(B, N) segment ids -> (B, 1, N, N) bool: query i may see key j when both belong to one example (padding
     positions, id 0, see each other only, which keeps their softmax rows finite; their outputs are ignored)."""

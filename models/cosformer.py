@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, upcast
+from .base import MultiHeadMixer, upcast, with_ones
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # lower clamp of the normaliser, as the official code
@@ -64,7 +64,7 @@ def cos_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     fq, fk = F.relu(upcast(q)) * keep, F.relu(upcast(k)) * keep  # (B, H, N, Dh)
     fq = torch.cat([fq * cos, fq * sin], dim=-1)  # (B, H, N, 2 Dh)
     fk = torch.cat([fk * cos, fk * sin], dim=-1)  # (B, H, N, 2 Dh)
-    v1 = F.pad(upcast(v), (0, 1), value=1.0)  # (B, H, N, Dh + 1): [v, 1] gives the normaliser too
+    v1 = with_ones(v)  # (B, H, N, Dh + 1): [v, 1] gives the normaliser too
     summary = fk.transpose(-1, -2) @ v1  # (B, H, 2 Dh, Dh + 1): [sum k~ v^T | sum k~]
     o1 = fq @ summary  # (B, H, N, Dh + 1): [numerator | normaliser]
     return o1[..., :-1] / o1[..., -1:].clamp_min(EPS)  # (B, H, N, Dh)

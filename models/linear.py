@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, compiled, kernel_attention, mm, product_dtype, segment_members, upcast
+from .base import MultiHeadMixer, compiled, kernel_attention, mm, product_dtype, segment_members, upcast, with_ones
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
@@ -51,11 +51,6 @@ EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(upcast(x)) + 1.0  # positive, and ~x for large x, so no exponent to overflow
-
-
-def with_ones(v: torch.Tensor) -> torch.Tensor:
-    # [v, 1]: one matmul against phi(K) then yields both sum phi(k) v^T and the normaliser sum phi(k)
-    return F.pad(upcast(v), (0, 1), value=1.0)  # (..., Dh + 1)
 
 
 def normalise(o1: torch.Tensor) -> torch.Tensor:
