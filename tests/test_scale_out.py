@@ -395,3 +395,25 @@ def test_a_slurm_job_signalled_before_its_end_checkpoints_is_requeued_and_resume
     assert "SIGUSR2: finishing this step and saving a checkpoint" in text and "resuming" in text
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert len(rows) == 1 and rows.status[0] == "ok" and rows.steps[0] == 3000
+
+
+def test_a_run_stopped_on_one_process_resumes_on_two_and_ends_as_one_process_would(smoke_cfg, tmp_path):
+    """A device lease may offer more GPUs than the one a run started on: its checkpoint resumes under
+    trainer.devices=2 (the same global batch split over two gloo ranks), and the run ends as the uninterrupted
+    one-process run does, up to the order of the gradient sums."""
+    same = ("task.seq_len=200", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
+            "schedule.steps=8", "schedule.eval_every=4", "data.limit.train=64", "data.limit.val=16",
+            "data.limit.test=13", "trainer.eval_batch_size=3", "trainer.ckpt_every=100")
+    one = runner.run(smoke_cfg(*same, f"run_dir={tmp_path / 'one'}"))
+    stopped = runner.run(smoke_cfg(*same, "schedule.stop_at=4", f"run_dir={tmp_path / 'moved'}"))
+    assert stopped["status"] == "stopped: at step 4 of 8" and stopped["devices"] == 1
+    # resume=true: from the checkpoint or not at all (a fresh start would raise)
+    moved = runner.run(smoke_cfg(*same, "trainer.devices=2", "resume=true", f"run_dir={tmp_path / 'moved'}"))
+    assert moved["status"] == "ok" and moved["steps"] == 8 and moved["devices"] == 2
+    assert moved["config_hash"] == one["config_hash"]
+    for key in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step"):
+        assert moved[key] == pytest.approx(one[key], abs=1e-6), key
+    history = [json.loads((tmp_path / d / "history.json").read_text()) for d in ("one", "moved")]
+    assert [h["step"] for h in history[1]] == [h["step"] for h in history[0]]
+    for a, b in zip(*history, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
