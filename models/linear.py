@@ -43,7 +43,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, compiled, kernel_attention, mm, product_dtype, segment_members, upcast, with_ones
+from .base import (
+    MultiHeadMixer,
+    compiled,
+    kernel_attention,
+    key_summaries,
+    mm,
+    product_dtype,
+    read_out,
+    segment_members,
+    upcast,
+    with_ones,
+)
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # added to the normaliser, as in the paper's code and LRA
@@ -95,11 +106,10 @@ class LinearAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, keep):  # (B, H, N, Dh) x 3, keep (B, 1, N, 1) float
         dtype = product_dtype(v)
         fq, fk = feature_map(q), feature_map(k) * keep  # (B, H, N, Dh) fp32
-        kv = mm(fk.transpose(-1, -2), v, dtype)  # (B, H, Dh, Dh): sum_n fk_n v_n^T
-        ksum = fk.sum(-2, keepdim=True)  # (B, H, 1, Dh)
-        den = (fq * ksum).sum(-1, keepdim=True) + EPS  # (B, H, N, 1)
+        kv, ksum = key_summaries(fk, v, None, dtype)  # (B, H, Dh, Dh), (B, H, 1, Dh)
+        out, den = read_out(fq, kv, ksum, None, v.shape[-1], dtype, EPS)  # (B, H, N, Dh), (B, H, N, 1)
         ctx.save_for_backward(q, k, v, keep, kv, ksum, den)
-        return (mm(fq, kv, dtype) / den).to(q.dtype)  # (B, H, N, Dh)
+        return out.to(q.dtype)  # (B, H, N, Dh)
 
     @staticmethod
     def backward(ctx, grad):
