@@ -229,7 +229,7 @@ def bubble_points(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 
     x = training examples/s of the model's latest ok bench row at ``length`` on one device, under one protocol
     for all (``chart_protocol``), y = its score (``our_scores``), mem_gb = that bench row's peak memory. A model
     is missing when it has no score, or no ok row there (its latest row failed, or there is none). Without a
-    ``device``, the card that draws the most of them (``bubble_card``)."""
+    ``device``, the card that draws the most of them (``bubble_card``); ``ours.attrs`` names card and protocol."""
     scores = our_scores(leaderboard, tasks)
     device = bubble_card(bench, scores, length) if device is None else device
     protocol = chart_protocol(bench, length, device, scores.index)
@@ -245,7 +245,8 @@ def bubble_points(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 
             rows.append(dict(model=m, x=float(speed.at[m, "examples_per_s"]), y=float(scores[m]),
                              mem_gb=float(speed.at[m, "peak_mem_mb"]) / 1024))
     ours = pd.DataFrame(rows, columns=POINT_COLUMNS)
-    ours.attrs["protocol"] = protocol_label(protocol)  # named in the chart's title
+    ours.attrs["protocol"] = protocol_label(protocol)  # named in the chart's title, with the card
+    ours.attrs["device"] = device
     return ours, missing
 
 
@@ -513,8 +514,8 @@ def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4
     ``tasks`` = None: y is the LRA score (the ``avg5`` rows; the paper's 5-task average). A list of tasks: y is
     the mean over those tasks, for ours and for the paper's Table 1 alike (say, the four tasks without
     Retrieval when its AAN files are missing), and the axis and title name them."""
-    device = bubble_card(bench, our_scores(leaderboard, tasks), length) if device is None else device
     ours, missing = bubble_points(bench, leaderboard, length, device, tasks)
+    device = ours.attrs["device"]  # the card bubble_points chose when none was given
     paper = paper_points(published, length, tasks) if published is not None else None
     return draw_bubbles(ours, paper, missing, length=length, device=device, tasks=tasks, max_area=max_area,
                         x_range=speed_range(bench, length, device, published))
