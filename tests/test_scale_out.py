@@ -261,12 +261,16 @@ def test_a_job_is_placed_on_the_gpus_it_holds_with_its_share_of_the_cores(monkey
         assert cpu_threads(None) == threads
 
 
+# a run small enough for two gloo processes, without dropout, so that one process and two compare exactly; evaluation
+# in batches of 3, spread over the ranks
+DDP_SMALL = ("task.seq_len=200", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
+             "data.limit.train=64", "data.limit.val=16", "data.limit.test=13", "trainer.eval_batch_size=3")
+
+
 def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke_cfg, tmp_path):
     """... evaluating too: batches of 3 spread the validation and test splits over both ranks, whose counts add up
     to one process's accuracies."""
-    same = ("task.seq_len=200", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
-            "schedule.steps=6", "schedule.eval_every=3", "data.limit.train=64", "data.limit.val=16",
-            "data.limit.test=13", "trainer.eval_batch_size=3")
+    same = (*DDP_SMALL, "schedule.steps=6", "schedule.eval_every=3")
     one = runner.run(smoke_cfg(*same, f"run_dir={tmp_path / 'one'}"))
     two = runner.run(smoke_cfg(*same, "trainer.devices=2", f"run_dir={tmp_path / 'two'}"))
     assert two["devices"] == 2 and one["devices"] == 1 and two["config_hash"] == one["config_hash"]
@@ -401,9 +405,7 @@ def test_a_run_stopped_on_one_process_resumes_on_two_and_ends_as_one_process_wou
     """A device lease may offer more GPUs than the one a run started on: its checkpoint resumes under
     trainer.devices=2 (the same global batch split over two gloo ranks), and the run ends as the uninterrupted
     one-process run does, up to the order of the gradient sums."""
-    same = ("task.seq_len=200", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
-            "schedule.steps=8", "schedule.eval_every=4", "data.limit.train=64", "data.limit.val=16",
-            "data.limit.test=13", "trainer.eval_batch_size=3", "trainer.ckpt_every=100")
+    same = (*DDP_SMALL, "schedule.steps=8", "schedule.eval_every=4", "trainer.ckpt_every=100")
     one = runner.run(smoke_cfg(*same, f"run_dir={tmp_path / 'one'}"))
     stopped = runner.run(smoke_cfg(*same, "schedule.stop_at=4", f"run_dir={tmp_path / 'moved'}"))
     assert stopped["status"] == "stopped: at step 4 of 8" and stopped["devices"] == 1
