@@ -9,9 +9,9 @@ softmax(q . k) is replaced by the positive kernel phi(q) . phi(k), so the sum ov
 Non-causal: one matmul forms the (Dh x Dh) key-value summary, one more applies it to every query; the Dh-vector
 key sum and each query's normaliser are two reductions beside them (``models.base.kernel_attention``, shared
 with Performer). Unpacked rows take ``LinearAttentionFn``, the same computation with a hand-written backward that
-keeps only q, k, v and the small summaries (autograd would keep fp32 N x Dh maps): on an H200, 0.92x the peak
-memory of one layer (level with linear-attention-transformer's), the same time from 4K up, at most 1.19x slower at 1K
-(results/README.md).
+keeps only q, k, v and the small summaries (autograd would keep fp32 N x Dh maps): on an H200, 0.88x the peak
+memory of one layer that autograd's form takes, 0.96x linear-attention-transformer's, and 0.90x-1.10x that
+package's time from 1K to 16K (results/README.md).
 Causal (``causal: true``, paper Sec. 3.2): out_i uses only the prefix j <= i. ``attend`` computes it in
 parallel (chunked prefix sums: exact C x C causal products inside each chunk of ``chunk_size`` tokens plus an
 exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x Dh) prefix tensor is stored;
