@@ -59,6 +59,7 @@ class BackboneConfig:
     embedding: str = "tokens"  # tokens | pixels (image tasks: gray values through Linear(1, d_model))
     pixel_mean: float = 0.5  # embedding=pixels: the input is ((id - 1) / 255 - pixel_mean) / pixel_std
     pixel_std: float = 0.5
+    tie_dropout: bool = False  # true: the backbone's dropouts draw one mask per example and channel (S4's tie_dropout)
 
 
 def backbone_defaults() -> dict:

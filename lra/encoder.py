@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from models import create_model
+from models.base import make_dropout
 from models.registry import Grid, get_model_class
 
 
@@ -83,10 +84,11 @@ NORMS = {"layernorm": LayerNorm, "batchnorm": MaskedBatchNorm}
 
 class Block(nn.Module):
     """Pre-norm (default): ``x + Drop(Mixer(N x))``, then ``x + MLP(N x)``. Post-norm (``prenorm=False``):
-    ``N(x + Drop(Mixer x))``, then ``N(x + MLP x)``. ``mlp=False``: the mixer sub-block alone."""
+    ``N(x + Drop(Mixer x))``, then ``N(x + MLP x)``. ``mlp=False``: the mixer sub-block alone. ``tie_dropout``:
+    every Drop here draws one mask per example and channel for all positions (``models.base.TiedDropout``)."""
 
     def __init__(self, mixer: nn.Module, d_model: int, d_ff: int, dropout: float, norm: str = "layernorm",
-                 prenorm: bool = True, mlp: bool = True):
+                 prenorm: bool = True, mlp: bool = True, tie_dropout: bool = False):
         super().__init__()
         self.prenorm = prenorm
         self.norm1, self.mixer = NORMS[norm](d_model), mixer
@@ -94,9 +96,10 @@ class Block(nn.Module):
         if mlp:
             self.norm2 = NORMS[norm](d_model)
             self.mlp = nn.Sequential(
-                nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model), nn.Dropout(dropout)
+                nn.Linear(d_model, d_ff), nn.GELU(), make_dropout(dropout, tie_dropout), nn.Linear(d_ff, d_model),
+                make_dropout(dropout, tie_dropout),
             )
-        self.drop = nn.Dropout(dropout)
+        self.drop = make_dropout(dropout, tie_dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, **mixer_inputs) -> torch.Tensor:
         if self.prenorm:
@@ -135,6 +138,7 @@ class Encoder(nn.Module):
         embedding: str = "tokens",
         pixel_mean: float = 0.5,
         pixel_std: float = 0.5,
+        tie_dropout: bool = False,
     ):
         super().__init__()
         if positions not in ("learned", "sinusoidal", "none"):
@@ -173,10 +177,13 @@ class Encoder(nn.Module):
             self.pos = None
         if cls_token:
             self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
-        self.drop = nn.Dropout(dropout)
+        # a tied mask is one per row: in a packed row it would be shared by several examples (supports_segments)
+        self.tied_dropout = bool(tie_dropout) and dropout > 0
+        self.drop = make_dropout(dropout, tie_dropout)
         backbone = dict(d_model=d_model, n_heads=n_heads, d_qkv=d_qkv, dropout=attn_dropout, max_len=max_len)
         self.blocks = nn.ModuleList(
-            Block(create_model(model, **backbone, **model_options), d_model, d_ff, dropout, norm, prenorm, mlp)
+            Block(create_model(model, **backbone, **model_options), d_model, d_ff, dropout, norm, prenorm, mlp,
+                  tie_dropout)
             for _ in range(n_layers)
         )
         # post-norm blocks end normalised already; S4's backbone has a final norm only with pre-norm blocks
@@ -187,8 +194,9 @@ class Encoder(nn.Module):
     @property
     def supports_segments(self) -> bool:
         """Whether packed rows (:mod:`lra.packing`) give every example exactly its own outputs: every mixer keeps
-        segments apart, and no 2-D grid is needed (a grid is one image to a row)."""
-        return not self.mixer_inputs and all(getattr(b.mixer, "supports_segments", False) for b in self.blocks)
+        segments apart, no 2-D grid is needed (a grid is one image to a row), and no tied dropout mask (one a row)
+        would be shared by the examples of a row."""
+        return not self.mixer_inputs and not self.tied_dropout and all(getattr(b.mixer, "supports_segments", False) for b in self.blocks)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None, segments: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -351,7 +359,7 @@ def build_classifier(model: str, model_options: dict, backbone, vocab_size: int,
         model, model_options, vocab_size=vocab_size, seq_len=seq_len, n_layers=b.n_layers, d_model=b.d_model,
         n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
         positions=b.positions, cls_token=cls_token, grid=grid, norm=b.norm, prenorm=bool(b.prenorm), mlp=bool(b.mlp),
-        embedding=b.embedding, pixel_mean=b.pixel_mean, pixel_std=b.pixel_std,
+        embedding=b.embedding, pixel_mean=b.pixel_mean, pixel_std=b.pixel_std, tie_dropout=bool(b.tie_dropout),
     )
     return Classifier(encoder, b.d_model, b.d_classifier, n_classes, b.pooling, pair=pair, padded=padded,
                       head=b.head)

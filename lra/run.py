@@ -356,6 +356,8 @@ class Trainer:
         why = None
         if not self.model.padded:
             why = f"task {cfg.task.name} has no padding to pack away"
+        elif self.model.encoder.tied_dropout:
+            why = "backbone.tie_dropout draws one dropout mask per row, which a packed row's examples would share"
         elif not self.model.supports_packing:
             able = ", ".join(n for n in list_models() if getattr(get_model_class(n), "supports_segments", False))
             why = f"model {cfg.model.name} cannot keep packed examples apart (models that can: {able})"

@@ -76,6 +76,23 @@ def with_ones(v: torch.Tensor) -> torch.Tensor:
     return F.pad(upcast(v), (0, 1), value=1.0)
 
 
+class TiedDropout(nn.Dropout):
+    """Dropout with one mask per example and channel, shared by every position of a (B, ..., D) input (S4's
+    ``tie_dropout``; ``nn.Dropout1d`` on channels-first inputs): a dropped channel is gone along the whole
+    sequence, so the next layer cannot read it back from a neighbouring position, which element dropout allows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keep = x.new_empty(x.shape[0], *[1] * (x.dim() - 2), x.shape[-1]).bernoulli_(1 - self.p)  # (B, 1.., D)
+        return x * keep / (1 - self.p)
+
+
+def make_dropout(p: float, tied: bool = False) -> nn.Dropout:
+    """Element dropout, or with ``tied`` one mask per example and channel (:class:`TiedDropout`)."""
+    return TiedDropout(p) if tied else nn.Dropout(p)
+
+
 def same_segment(segments: torch.Tensor) -> torch.Tensor:
     """(B, N) segment ids -> (B, 1, N, N) bool: query i may see key j when both belong to one example (padding
     positions, id 0, see each other only, which keeps their softmax rows finite; their outputs are ignored)."""

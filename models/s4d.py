@@ -19,7 +19,9 @@ Initialisation of A (``init``), C ~ complex N(0, 1), D ~ N(0, 1):
 * ``lin`` (S4D-Lin): A_n = -1/2 + i pi n; B = 1.        * ``inv`` (S4D-Inv): A_n = -1/2 + i (N/pi)(N/(2n+1) - 1); B = 1.
 
 The layer, as S4's: SSM (with the D skip) -> GELU -> dropout -> output projection, ``glu: true`` = Linear(H, 2H)
-+ GLU (S4's default), else Linear(H, H). The backbone's ``dropout`` (the attention-dropout slot) is this dropout.
++ GLU (S4's default), else Linear(H, H). The backbone's ``dropout`` (the attention-dropout slot) is this dropout;
+``tie_dropout: true`` draws its mask once per example and channel for all positions (S4's ``tie_dropout``, which
+its v3 Image recipe sets), else per element.
 ``n_heads``, ``d_qkv`` and ``max_len`` have no meaning here and are unused (the kernel is built at each length).
 Bidirectional (``bidirectional: true``, S4's ``bidirectional=True``): a second C gives a second kernel K' that
 convolves the future, y_t = sum_{s<=t} K_{t-s} u_s + sum_{s>t} K'_{s-t-1} u_s + D u_t, both in one FFT (K' is
@@ -36,8 +38,7 @@ Padding: padded inputs are zeroed before the convolution, so they reach no outpu
 nothing wraps around, and each K_k depends on k only, so appending padding leaves real outputs unchanged.
 Deviations from the S4D code: no kernel caching and no CUDA/keops Vandermonde kernel (the factored matmul
 instead); A, B are per channel (S4's LRA configs tie them across channels, ``n_ssm: 1``); dt is parameterised
-by exp (S4D's default, the S4 repo now defaults to softplus); plain element dropout (S4Block's default, not the
-tied DropoutNd of the minimal s4d.py); Linear instead of the equivalent Conv1d(kernel_size=1).
+by exp (S4D's default, the S4 repo now defaults to softplus); Linear instead of the equivalent Conv1d(kernel_size=1).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import upcast
+from .base import make_dropout, upcast
 from .registry import Taxonomy, register_model
 
 
@@ -126,6 +127,7 @@ class S4D(nn.Module):
         dt_min: float = 0.001,
         dt_max: float = 0.1,
         ssm_lr: float | None = 0.001,
+        tie_dropout: bool = False,
     ):
         super().__init__()
         if d_state < 2 or d_state % 2:
@@ -147,7 +149,7 @@ class S4D(nn.Module):
         if ssm_lr is not None:
             for p in (self.log_dt, self.log_A_real, self.A_imag, self.B):
                 p._optim = {"lr": float(ssm_lr), "weight_decay": 0.0}
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = make_dropout(dropout, tie_dropout)  # tied: one mask per example and channel
         self.out = nn.Linear(H, 2 * H if self.glu else H)
 
     def discretize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import models.base as base
 from models import create_model
 from models.s4d import fft_conv, vandermonde
 
@@ -215,6 +216,37 @@ def test_options_are_checked_and_glu_off_is_a_plain_projection():
         make(d_state=7)
     model = make(d_model=4, glu=False)
     assert model.out.out_features == 4 and model(torch.randn(1, 10, 4)).shape == (1, 10, 4)
+
+
+def test_tie_dropout_drops_whole_channels_of_each_example_in_training_only():
+    """S4's tie_dropout: the mask is one per (example, channel), the same at every position; the kept channels are
+    scaled by 1 / (1 - p); evaluation and p = 0 leave the input as it is."""
+    torch.manual_seed(0)
+    tied = base.TiedDropout(0.5).train()
+    x = torch.rand(4, 50, 32) + 0.5  # no zeros of its own
+    ratio = tied(x) / x  # (B, N, D): the mask at each position
+    torch.testing.assert_close(ratio, ratio[:, :1].expand_as(ratio))  # constant along the sequence
+    assert set(ratio.unique().tolist()) == {0.0, 2.0}
+    assert 0 < (ratio[:, 0] == 0).sum() < 4 * 32  # some channels dropped, not all
+    assert not torch.equal(ratio[0, 0], ratio[1, 0])  # examples draw their own masks
+    element = torch.nn.Dropout(0.5).train()(x) / x  # what it replaces varies along the sequence
+    assert not torch.equal(element, element[:, :1].expand_as(element))
+    assert torch.equal(tied.eval()(x), x) and torch.equal(base.TiedDropout(0.0).train()(x), x)
+    assert isinstance(base.make_dropout(0.1, tied=False), torch.nn.Dropout)
+    assert not isinstance(base.make_dropout(0.1, tied=False), base.TiedDropout)
+
+
+def test_tie_dropout_ties_the_layers_dropout():
+    torch.manual_seed(0)
+    model = create_model("s4d", **{**BACKBONE, "d_model": 8, "dropout": 0.5}, tie_dropout=True).train()
+    assert isinstance(model.dropout, base.TiedDropout) and not isinstance(make(d_model=8).dropout, base.TiedDropout)
+    seen = {}
+    model.dropout.register_forward_hook(lambda m, i, o: seen.update(inp=i[0], out=o))
+    model(torch.randn(2, 30, 8))
+    inp, out = seen["inp"], seen["out"]  # (2, 30, 8)
+    dropped = ((out == 0) & (inp != 0)).any(1, keepdim=True)  # (2, 1, 8): the channels dropped somewhere
+    assert dropped.any() and not dropped.all()
+    torch.testing.assert_close(out, inp * (~dropped) * 2.0)  # ... are dropped everywhere, the rest kept everywhere
 
 
 @pytest.mark.gpu

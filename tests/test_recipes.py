@@ -22,6 +22,7 @@ from lra.config import ConfigError, model_options, validate
 from lra.encoder import Block, Classifier, Encoder, LayerNorm, MaskedBatchNorm
 from lra.provenance import config_hash
 from models import create_model
+from models.base import TiedDropout
 from tests.conftest import compose_cfg
 
 D = 16
@@ -227,11 +228,32 @@ def test_the_options_at_their_defaults_leave_the_config_hash_as_it_was():
     cfg = OmegaConf.to_container(compose_cfg(["run_dir=x"]), resolve=True)
     before = {**cfg, "backbone": {k: v for k, v in cfg["backbone"].items()
                                   if k not in ("norm", "prenorm", "mlp", "head", "embedding", "pixel_mean",
-                                               "pixel_std")}}
+                                               "pixel_std", "tie_dropout")}}
     assert config_hash(cfg) == config_hash(before)
     for key, value in (("norm", "batchnorm"), ("prenorm", False), ("mlp", False), ("head", "linear"),
-                       ("pixel_std", 0.25)):
+                       ("pixel_std", 0.25), ("tie_dropout", True)):
         assert config_hash({**cfg, "backbone": {**cfg["backbone"], key: value}}) != config_hash(cfg)
+    s4d = OmegaConf.to_container(compose_cfg(["model=s4d", "run_dir=x"]), resolve=True)  # a mixer's option too
+    assert s4d["model"]["tie_dropout"] is False
+    assert config_hash(s4d) == config_hash({**s4d, "model": {k: v for k, v in s4d["model"].items()
+                                                             if k != "tie_dropout"}})
+    assert config_hash({**s4d, "model": {**s4d["model"], "tie_dropout": True}}) != config_hash(s4d)
+
+
+def test_tie_dropout_ties_every_backbone_dropout_and_keeps_rows_unpacked():
+    enc = encoder(dropout=0.1, tie_dropout=True)
+    drops = [m for n, m in enc.named_modules() if isinstance(m, torch.nn.Dropout) and ".mixer" not in n]
+    assert len(drops) == 1 + 2 * 3 and all(isinstance(m, TiedDropout) for m in drops)  # embeddings; per block 3
+    assert not isinstance(enc.blocks[0].mixer.dropout, TiedDropout)  # the mixer's is its own option (model.*)
+    assert not any(isinstance(m, TiedDropout) for m in encoder(dropout=0.1).modules())
+    assert not enc.supports_segments  # one mask a row: a packed row's examples would share it
+    assert encoder(tie_dropout=True).tied_dropout is False  # no dropout, nothing tied
+
+
+def test_pack_true_refuses_tied_dropout(smoke_cfg):
+    with pytest.raises(ConfigError, match="backbone.tie_dropout draws one dropout mask per row"):
+        runner.run(smoke_cfg("task.seq_len=1000", "backbone.n_layers=1", "backbone.dropout=0.1",
+                             "backbone.tie_dropout=true", "trainer.pack=true"))
 
 
 # -- the S4D presets -----------------------------------------------------------------------------------------------
@@ -278,6 +300,7 @@ def test_s4d_preset_sets_the_published_recipe(task):
     m = cfg.model
     assert (m.d_state, m.init, m.discretization, m.bidirectional, m.glu) == (64, "legs", "zoh", True, True)
     assert (m.ssm_lr, m.dt_min, m.dt_max) == (ssm_lr, dt_min, 0.1)
+    assert b.tie_dropout is m.tie_dropout is (task == "image")  # the one recipe with dropout ties it, as S4's
 
 
 @pytest.mark.parametrize("task", sorted(RECIPES))
