@@ -60,6 +60,7 @@ class BackboneConfig:
     pixel_mean: float = 0.5  # embedding=pixels: the input is ((id - 1) / 255 - pixel_mean) / pixel_std
     pixel_std: float = 0.5
     tie_dropout: bool = False  # true: the backbone's dropouts draw one mask per example and channel (S4's tie_dropout)
+    embedding_dropout: Optional[float] = None  # dropout on the embeddings; null: backbone.dropout (LRA's)
 
 
 def backbone_defaults() -> dict:
@@ -335,8 +336,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         value = _get(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} is not valid: a split needs at least one example (null = all)")
-    for key in ("backbone.dropout", "backbone.attn_dropout"):
-        if not 0.0 <= _get(cfg, key) < 1.0:
+    for key in ("backbone.dropout", "backbone.attn_dropout", "backbone.embedding_dropout"):
+        if _get(cfg, key) is not None and not 0.0 <= _get(cfg, key) < 1.0:
             raise ConfigError(f"{key}={_get(cfg, key)} is not valid: a dropout rate is in [0, 1)")
     if not cfg.optim.lr > 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} is not valid: the learning rate must be positive")

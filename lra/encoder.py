@@ -139,6 +139,7 @@ class Encoder(nn.Module):
         pixel_mean: float = 0.5,
         pixel_std: float = 0.5,
         tie_dropout: bool = False,
+        embedding_dropout: float | None = None,
     ):
         super().__init__()
         if positions not in ("learned", "sinusoidal", "none"):
@@ -178,8 +179,9 @@ class Encoder(nn.Module):
         if cls_token:
             self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
         # a tied mask is one per row: in a packed row it would be shared by several examples (supports_segments)
-        self.tied_dropout = bool(tie_dropout) and dropout > 0
-        self.drop = make_dropout(dropout, tie_dropout)
+        embedding_dropout = dropout if embedding_dropout is None else embedding_dropout  # null: LRA's, the same
+        self.tied_dropout = bool(tie_dropout) and max(dropout, embedding_dropout) > 0
+        self.drop = make_dropout(embedding_dropout, tie_dropout)
         backbone = dict(d_model=d_model, n_heads=n_heads, d_qkv=d_qkv, dropout=attn_dropout, max_len=max_len)
         self.blocks = nn.ModuleList(
             Block(create_model(model, **backbone, **model_options), d_model, d_ff, dropout, norm, prenorm, mlp,
@@ -196,7 +198,8 @@ class Encoder(nn.Module):
         """Whether packed rows (:mod:`lra.packing`) give every example exactly its own outputs: every mixer keeps
         segments apart, no 2-D grid is needed (a grid is one image to a row), and no tied dropout mask (one a row)
         would be shared by the examples of a row."""
-        return not self.mixer_inputs and not self.tied_dropout and all(getattr(b.mixer, "supports_segments", False) for b in self.blocks)
+        return not self.mixer_inputs and not self.tied_dropout and all(
+            getattr(b.mixer, "supports_segments", False) for b in self.blocks)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None, segments: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -360,6 +363,7 @@ def build_classifier(model: str, model_options: dict, backbone, vocab_size: int,
         n_heads=b.n_heads, d_qkv=b.d_qkv, d_ff=b.d_ff, dropout=b.dropout, attn_dropout=b.attn_dropout,
         positions=b.positions, cls_token=cls_token, grid=grid, norm=b.norm, prenorm=bool(b.prenorm), mlp=bool(b.mlp),
         embedding=b.embedding, pixel_mean=b.pixel_mean, pixel_std=b.pixel_std, tie_dropout=bool(b.tie_dropout),
+        embedding_dropout=b.embedding_dropout,
     )
     return Classifier(encoder, b.d_model, b.d_classifier, n_classes, b.pooling, pair=pair, padded=padded,
                       head=b.head)

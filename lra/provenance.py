@@ -27,8 +27,8 @@ def is_stopped(status) -> bool:
 # resumes, and a finished one is still recognised). Fixed values, not the schema's defaults.
 HASHED_ONLY_IF_NOT = {
     "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "head": "mlp", "embedding": "tokens",
-                 "pixel_mean": 0.5, "pixel_std": 0.5, "tie_dropout": False},
-    "model": {"tie_dropout": False},
+                 "pixel_mean": 0.5, "pixel_std": 0.5, "tie_dropout": False, "embedding_dropout": None},
+    "model": {"tie_dropout": False, "dt_lr": "ssm", "n_ssm": None},
     "schedule": {"batching": "random"},
 }
 

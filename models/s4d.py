@@ -27,7 +27,9 @@ Bidirectional (``bidirectional: true``, S4's ``bidirectional=True``): a second C
 convolves the future, y_t = sum_{s<=t} K_{t-s} u_s + sum_{s>t} K'_{s-t-1} u_s + D u_t, both in one FFT (K' is
 reversed into the second half of the length-2L kernel). ``step`` decodes token by token with the recurrence
 (``bidirectional: false``). SSM parameters (log_dt, log_A_real, A_imag, B; not C, not D) carry ``_optim = {"lr":
-ssm_lr, "weight_decay": 0}`` (S4's convention); ``ssm_lr: null`` sets no ``_optim``.
+ssm_lr, "weight_decay": 0}`` (S4's convention); ``ssm_lr: null`` sets no ``_optim``. ``dt_lr: base`` trains log_dt
+at the optimiser's own lr instead, still without weight decay (S4's configs with ``lr.dt: null``). ``n_ssm``:
+copies of A and B, channel h using copy h mod n_ssm (S4's ``n_ssm``; null = one per channel, S4D's default).
 
 Complexity: O(H L log L) time for the FFT convolution plus O(H N L) for the kernel, O(H L) memory for the
 convolution; the Vandermonde product is factored (k = q R + r, R ~ sqrt L: Ab^k = Ab^(qR) Ab^r) into one batched
@@ -37,7 +39,7 @@ Ab^k over thousands of steps and FFT sums lose everything in bf16); the GELU and
 Padding: padded inputs are zeroed before the convolution, so they reach no output; the FFT has length 2L, so
 nothing wraps around, and each K_k depends on k only, so appending padding leaves real outputs unchanged.
 Deviations from the S4D code: no kernel caching and no CUDA/keops Vandermonde kernel (the factored matmul
-instead); A, B are per channel (S4's LRA configs tie them across channels, ``n_ssm: 1``); dt is parameterised
+instead); dt is parameterised
 by exp (S4D's default, the S4 repo now defaults to softplus); Linear instead of the equivalent Conv1d(kernel_size=1).
 """
 from __future__ import annotations
@@ -127,6 +129,8 @@ class S4D(nn.Module):
         dt_min: float = 0.001,
         dt_max: float = 0.1,
         ssm_lr: float | None = 0.001,
+        dt_lr: Literal["ssm", "base"] = "ssm",
+        n_ssm: int | None = None,
         tie_dropout: bool = False,
     ):
         super().__init__()
@@ -136,27 +140,38 @@ class S4D(nn.Module):
             raise ValueError(f"discretization must be zoh or bilinear, got {discretization!r}")
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
+        if dt_lr not in ("ssm", "base"):
+            raise ValueError(f"dt_lr must be ssm (ssm_lr, as A and B) or base (the optimiser's lr), got {dt_lr!r}")
+        n_ssm = d_model if n_ssm is None else int(n_ssm)
+        if n_ssm < 1 or d_model % n_ssm:
+            raise ValueError(f"n_ssm must divide d_model={d_model} (copies of A and B shared over channels), "
+                             f"got {n_ssm}")
         H, n = d_model, d_state // 2
         self.discretization, self.bidirectional, self.glu = discretization, bool(bidirectional), bool(glu)
         A, B = init_diagonal(init, d_state)  # (n,), (n,)
         self.log_dt = nn.Parameter(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        self.log_A_real = nn.Parameter(torch.log(-A.real).float().repeat(H, 1))  # (H, n)
-        self.A_imag = nn.Parameter(A.imag.float().repeat(H, 1))  # (H, n)
-        self.B = nn.Parameter(torch.view_as_real(B.to(torch.complex64)).repeat(H, 1, 1))  # (H, n, 2): re, im
+        # n_ssm copies of A and B (H: one per channel); channel h uses copy h mod n_ssm, as S4's repeat
+        self.log_A_real = nn.Parameter(torch.log(-A.real).float().repeat(n_ssm, 1))  # (n_ssm, n)
+        self.A_imag = nn.Parameter(A.imag.float().repeat(n_ssm, 1))  # (n_ssm, n)
+        self.B = nn.Parameter(torch.view_as_real(B.to(torch.complex64)).repeat(n_ssm, 1, 1))  # (n_ssm, n, 2): re, im
         channels = 2 if self.bidirectional else 1  # past (and future) kernels share A, B, dt; each has its C
         self.C = nn.Parameter(torch.view_as_real(torch.randn(channels, H, n, dtype=torch.complex64)))  # (c, H, n, 2)
         self.D = nn.Parameter(torch.randn(H))
         if ssm_lr is not None:
-            for p in (self.log_dt, self.log_A_real, self.A_imag, self.B):
+            for p in (self.log_A_real, self.A_imag, self.B) + ((self.log_dt,) if dt_lr == "ssm" else ()):
                 p._optim = {"lr": float(ssm_lr), "weight_decay": 0.0}
+        if dt_lr == "base":  # S4's `lr.dt: null`: the optimiser's own lr and schedule, still no weight decay
+            self.log_dt._optim = {"weight_decay": 0.0}
         self.dropout = make_dropout(dropout, tie_dropout)  # tied: one mask per example and channel
         self.out = nn.Linear(H, 2 * H if self.glu else H)
 
     def discretize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log Ab, Bb, C): (H, n), (H, n), (c, H, n) complex (complex64 at least)."""
         dt = torch.exp(upcast(self.log_dt))[:, None]  # (H, 1)
-        A = torch.complex(-torch.exp(upcast(self.log_A_real)), upcast(self.A_imag))  # (H, n)
-        B, C = torch.view_as_complex(upcast(self.B)), torch.view_as_complex(upcast(self.C))  # (H, n), (c, H, n)
+        copies = dt.shape[0] // self.B.shape[0]  # H / n_ssm
+        A = torch.complex(-torch.exp(upcast(self.log_A_real)), upcast(self.A_imag)).repeat(copies, 1)  # (H, n)
+        B = torch.view_as_complex(upcast(self.B)).repeat(copies, 1)  # (n_ssm, n) -> (H, n)
+        C = torch.view_as_complex(upcast(self.C))  # (c, H, n)
         dtA = dt * A  # (H, n)
         if self.discretization == "zoh":
             return dtA, B * torch.expm1(dtA) / A, C

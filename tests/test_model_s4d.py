@@ -178,6 +178,46 @@ def test_ssm_lr_puts_optim_exactly_on_the_ssm_parameters():
     assert not any(hasattr(p, "_optim") for p in make(ssm_lr=None).parameters())
 
 
+def test_dt_lr_base_trains_dt_at_the_optimisers_lr_without_weight_decay():
+    """S4's ``lr: {dt: null, A: 0.001, B: 0.001}``: dt in a group of its own at the base lr, undecayed."""
+    model = make(ssm_lr=0.002, dt_lr="base")
+    tagged = {name: p._optim for name, p in model.named_parameters() if hasattr(p, "_optim")}
+    assert tagged.pop("log_dt") == {"weight_decay": 0.0}
+    assert set(tagged) == SSM_PARAMS - {"log_dt"} and all(o == {"lr": 0.002, "weight_decay": 0.0}
+                                                          for o in tagged.values())
+    groups = torch.optim.AdamW(
+        [{"params": [p], **getattr(p, "_optim", {})} for p in model.parameters()], lr=0.01, weight_decay=0.05
+    ).param_groups
+    by_name = dict(zip((n for n, _ in model.named_parameters()), groups))
+    assert (by_name["log_dt"]["lr"], by_name["log_dt"]["weight_decay"]) == (0.01, 0.0)
+    assert (by_name["B"]["lr"], by_name["C"]["weight_decay"]) == (0.002, 0.05)
+    with pytest.raises(ValueError, match="dt_lr must be ssm .* or base"):
+        make(dt_lr="global")
+
+
+def test_n_ssm_shares_a_and_b_over_channels_as_s4s_repeat():
+    """n_ssm copies of (A, B), channel h on copy h mod n_ssm: the layer equals a per-channel one whose A and B are
+    those copies repeated, and a shared copy's gradient is the sum over the channels that use it."""
+    shared = make(d_model=6, n_ssm=2)
+    assert shared.log_A_real.shape == shared.A_imag.shape == (2, 32) and shared.B.shape == (2, 32, 2)
+    with torch.no_grad():  # copies that differ, so a wrong channel-to-copy map shows
+        shared.log_A_real.add_(torch.randn_like(shared.log_A_real) * 0.3)
+        shared.A_imag.mul_(1 + torch.rand_like(shared.A_imag))
+        shared.B.normal_()
+    full = make(d_model=6)
+    full.load_state_dict({**shared.state_dict(), **{k: shared.state_dict()[k].repeat(3, *[1] * (v.dim() - 1))
+                                                   for k, v in shared.state_dict().items()
+                                                   if k in ("log_A_real", "A_imag", "B")}})
+    x = torch.randn(2, 40, 6)
+    torch.testing.assert_close(shared(x), full(x), rtol=1e-5, atol=1e-6)
+    shared(x).square().sum().backward()
+    full(x).square().sum().backward()
+    want = full.B.grad.view(3, 2, 32, 2).sum(0)  # channels 0, 2, 4 on copy 0; 1, 3, 5 on copy 1
+    torch.testing.assert_close(shared.B.grad, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="n_ssm must divide d_model=6"):
+        make(d_model=6, n_ssm=4)
+
+
 @pytest.mark.parametrize("discretization", ["zoh", "bilinear"])
 def test_step_decodes_like_the_causal_forward(discretization):
     model = make(d_model=4, d_state=8, bidirectional=False, discretization=discretization)

@@ -200,6 +200,7 @@ BAD_VALUES = [
      r"backbone.embedding=pixels is not valid with data.pixel_zero_is_pad=true"),
     (["task=image", "backbone.embedding=pixels", "backbone.pixel_std=0"], r"backbone.pixel_std=0.0 is not valid"),
     (["backbone.head=conv"], r"backbone.head='conv' is not valid: choose one of mlp, linear"),
+    (["backbone.embedding_dropout=1.0"], r"backbone.embedding_dropout=1.0 is not valid: a dropout rate is in \[0, 1\)"),
     (["task=retrieval", "backbone.head=linear"], r"backbone.head=linear is not valid for task retrieval"),
 ]
 
@@ -228,16 +229,18 @@ def test_the_options_at_their_defaults_leave_the_config_hash_as_it_was():
     cfg = OmegaConf.to_container(compose_cfg(["run_dir=x"]), resolve=True)
     before = {**cfg, "backbone": {k: v for k, v in cfg["backbone"].items()
                                   if k not in ("norm", "prenorm", "mlp", "head", "embedding", "pixel_mean",
-                                               "pixel_std", "tie_dropout")}}
+                                               "pixel_std", "tie_dropout", "embedding_dropout")}}
     assert config_hash(cfg) == config_hash(before)
     for key, value in (("norm", "batchnorm"), ("prenorm", False), ("mlp", False), ("head", "linear"),
-                       ("pixel_std", 0.25), ("tie_dropout", True)):
+                       ("pixel_std", 0.25), ("tie_dropout", True), ("embedding_dropout", 0.0)):
         assert config_hash({**cfg, "backbone": {**cfg["backbone"], key: value}}) != config_hash(cfg)
     s4d = OmegaConf.to_container(compose_cfg(["model=s4d", "run_dir=x"]), resolve=True)  # a mixer's option too
-    assert s4d["model"]["tie_dropout"] is False
+    added = {"tie_dropout": False, "dt_lr": "ssm", "n_ssm": None}
+    assert {k: s4d["model"][k] for k in added} == added
     assert config_hash(s4d) == config_hash({**s4d, "model": {k: v for k, v in s4d["model"].items()
-                                                             if k != "tie_dropout"}})
-    assert config_hash({**s4d, "model": {**s4d["model"], "tie_dropout": True}}) != config_hash(s4d)
+                                                             if k not in added}})
+    for key, value in (("tie_dropout", True), ("dt_lr", "base"), ("n_ssm", 2)):
+        assert config_hash({**s4d, "model": {**s4d["model"], key: value}}) != config_hash(s4d)
 
 
 def test_tie_dropout_ties_every_backbone_dropout_and_keeps_rows_unpacked():
@@ -248,6 +251,13 @@ def test_tie_dropout_ties_every_backbone_dropout_and_keeps_rows_unpacked():
     assert not any(isinstance(m, TiedDropout) for m in encoder(dropout=0.1).modules())
     assert not enc.supports_segments  # one mask a row: a packed row's examples would share it
     assert encoder(tie_dropout=True).tied_dropout is False  # no dropout, nothing tied
+
+
+def test_embedding_dropout_is_the_backbones_unless_set():
+    assert encoder(dropout=0.1).drop.p == 0.1  # LRA's: one rate for all
+    enc = encoder(dropout=0.1, embedding_dropout=0.0)
+    assert enc.drop.p == 0.0 and enc.blocks[0].drop.p == 0.1
+    assert encoder(embedding_dropout=0.2, tie_dropout=True).tied_dropout  # a tied mask on the embeddings alone
 
 
 def test_pack_true_refuses_tied_dropout(smoke_cfg):
@@ -301,6 +311,8 @@ def test_s4d_preset_sets_the_published_recipe(task):
     assert (m.d_state, m.init, m.discretization, m.bidirectional, m.glu) == (64, "legs", "zoh", True, True)
     assert (m.ssm_lr, m.dt_min, m.dt_max) == (ssm_lr, dt_min, 0.1)
     assert b.tie_dropout is m.tie_dropout is (task == "image")  # the one recipe with dropout ties it, as S4's
+    assert b.embedding_dropout == 0.0  # S4 drops nothing before the first layer
+    assert (m.n_ssm, m.dt_lr) == ((2, "base") if task == "image" else (None, "ssm"))  # S4's v3-s4-cifar layer
 
 
 @pytest.mark.parametrize("task", sorted(RECIPES))
@@ -313,14 +325,21 @@ def test_s4d_preset_builds_with_the_ssm_optimiser_group(task):
         assert isinstance(model.head, torch.nn.Linear) and model.head.in_features == cfg.backbone.d_model
     assert isinstance(model.encoder.blocks[0].norm1, MaskedBatchNorm if norm == "batchnorm" else LayerNorm)
     groups = engine.parameter_groups(model, cfg.optim.weight_decay)
-    assert len(groups) == 2
-    default, ssm = groups
+    dt_apart = cfg.model.dt_lr == "base"  # Image: dt at the base lr, undecayed, in a group of its own
+    assert len(groups) == 2 + dt_apart
+    default = groups[0]
+    ssm, = [g for g in groups if "lr" in g]
+    dt = [g for g in groups[1:] if "lr" not in g]
     assert default["weight_decay"] == cfg.optim.weight_decay and "lr" not in default  # the base lr, decayed
     assert (ssm["lr"], ssm["weight_decay"]) == (cfg.model.ssm_lr, 0.0)
     ssm_names = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if any(p is q for q in ssm["params"])}
-    assert ssm_names == SSM_PARAMS and len(ssm["params"]) == len(SSM_PARAMS) * layers
+    want = SSM_PARAMS - ({"log_dt"} if dt_apart else set())
+    assert ssm_names == want and len(ssm["params"]) == len(want) * layers
     optimizer = engine.build_optimizer(model, cfg.optim, torch.device("cpu"))
-    assert [g["lr"] for g in optimizer.param_groups] == [cfg.optim.lr, cfg.model.ssm_lr]
+    assert sorted(g["lr"] for g in optimizer.param_groups) == sorted([cfg.optim.lr, cfg.model.ssm_lr]
+                                                                      + [cfg.optim.lr] * dt_apart)
+    if dt_apart:
+        assert dt[0]["weight_decay"] == 0.0 and len(dt[0]["params"]) == layers
 
 
 def test_the_recipe_takes_another_mixer_without_the_s4d_settings():
