@@ -49,7 +49,7 @@ class BackboneConfig:
     dropout: float = MISSING
     attn_dropout: float = MISSING
     positions: str = "learned"  # learned | sinusoidal | none
-    pooling: str = "cls"
+    pooling: str = "cls"  # cls | mean (over real tokens) | last (each example's last real position)
     cls_token: Optional[bool] = None  # null: a CLS slot exactly when pooling is cls
     # Options of published recipes (experiment= presets); the defaults are LRA's backbone.
     norm: str = "layernorm"  # layernorm | batchnorm (statistics over real tokens only)
@@ -279,7 +279,7 @@ CHOICES = {
     "schedule.batching": ("random", "length_grouped"),
     "resume": ("auto", "true", "false"),
     "backbone.positions": ("learned", "sinusoidal", "none"),
-    "backbone.pooling": ("cls", "mean"),
+    "backbone.pooling": ("cls", "mean", "last"),
     "backbone.norm": ("layernorm", "batchnorm"),
     "backbone.head": ("mlp", "linear"),
     "backbone.embedding": ("tokens", "pixels"),

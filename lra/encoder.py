@@ -2,7 +2,7 @@
 
 Token embedding + position embedding (learned or sinusoidal) -> optional CLS slot -> ``n_layers``
 pre-LayerNorm blocks ``x + Drop(Mixer(LN x))``, ``x + MLP(LN x)`` with a GELU MLP -> final LayerNorm ->
-pooling (CLS or masked mean) -> Dense-ReLU-Dense head (LRA's ``classifier_head``).
+pooling (CLS, masked mean or last) -> Dense-ReLU-Dense head (LRA's ``classifier_head``).
 
 A pair task (retrieval) encodes both documents with the same encoder and classifies
 ``[u, v, u*v, u-v]`` (LRA paper App. A.1.3): the mixer never knows it is looking at a pair.
@@ -17,7 +17,8 @@ LRA's protocol keeps the defaults above, so there models still differ only in th
 * ``mlp: false``: blocks of the mixer alone (the S4 family's blocks; ``d_ff`` is then unused);
 * ``positions: none``: no position embedding (SSMs and convolutions know the order already);
 * ``embedding: pixels``: an image task's pixel values ``((id - 1) / 255 - pixel_mean) / pixel_std`` through
-  ``Linear(1, d_model)`` instead of a table of 257 token vectors (S4's continuous input); id 0 stays padding.
+  ``Linear(1, d_model)`` instead of a table of 257 token vectors (S4's continuous input); id 0 stays padding;
+* ``pooling: last``: each example's last real position (S4's decoder ``mode: last``).
 """
 from __future__ import annotations
 
@@ -246,28 +247,39 @@ class Encoder(nn.Module):
             return self.embed(self.pixel_values(tokens).unsqueeze(-1))  # (B, N, 1) -> (B, N, D)
 
 
+POOLINGS = ("cls", "mean", "last")
+
+
 def pool(h: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
     """(B, N, D) -> (B, D). ``mean`` averages real tokens only (LRA averaged the padding in too, which
-    makes the prediction depend on how much padding a batch carries)."""
+    makes the prediction depend on how much padding a batch carries); ``last`` takes each example's last real
+    position."""
     if mode == "cls":
         return h[:, 0]
-    if mode == "mean" and mask is None:
-        return h.mean(1)
+    if mode in ("mean", "last") and mask is None:
+        return h.mean(1) if mode == "mean" else h[:, -1]
     if mode == "mean":
         m = mask.unsqueeze(-1).to(h.dtype)  # (B, N, 1)
         return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
-    raise ValueError(f"pooling must be 'cls' or 'mean', got {mode!r}")
+    if mode == "last":
+        last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(1)  # (B,): the last True
+        return h[torch.arange(h.shape[0], device=h.device), last]  # (B, D)
+    raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {mode!r}")
 
 
 def pool_packed(h: torch.Tensor, segments: torch.Tensor, starts: torch.Tensor, mode: str) -> torch.Tensor:
-    """Packed rows (R, M, D) -> (B, D) in batch order, B = len(starts): each example's CLS slot, or the mean of
-    its own positions (CLS slot included, as ``pool`` over an unpacked row's mask)."""
+    """Packed rows (R, M, D) -> (B, D) in batch order, B = len(starts): each example's CLS slot, its last
+    position, or the mean of its own positions (CLS slot included, as ``pool`` over an unpacked row's mask)."""
     flat = h.reshape(-1, h.shape[-1])  # (R M, D)
     if mode == "cls":
         return flat[starts]  # (B, D)
-    if mode != "mean":
-        raise ValueError(f"pooling must be 'cls' or 'mean', got {mode!r}")
+    if mode not in ("mean", "last"):
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {mode!r}")
     owner = segments.reshape(-1)  # (R M,): 1..B, 0 = padding
+    if mode == "last":  # each example's positions are contiguous: its last is the largest flat index it owns
+        where = torch.arange(owner.shape[0], device=owner.device)  # (R M,)
+        last = where.new_zeros(starts.shape[0] + 1).scatter_reduce_(0, owner, where, "amax")  # (B + 1,)
+        return flat[last[1:]]  # (B, D)
     n, acc = starts.shape[0] + 1, torch.promote_types(h.dtype, torch.float32)  # sums in fp32 at least
     sums = flat.new_zeros(n, flat.shape[-1], dtype=acc).index_add_(0, owner, flat.to(acc))  # (B + 1, D)
     counts = flat.new_zeros(n, dtype=acc).index_add_(0, owner, torch.ones_like(owner, dtype=acc))  # (B + 1,)

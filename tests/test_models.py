@@ -143,7 +143,7 @@ def test_encoder_logits_ignore_appended_padding(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.parametrize("pooling", ["cls", "mean", "last"])
 def test_mask_free_classifier_equals_the_masked_one_without_padding(name, pooling):
     """padded=False (pixel tasks) drops the mask; with no pad token the logits must not change."""
     torch.manual_seed(0)

@@ -118,7 +118,7 @@ def classifier(name: str, pooling: str, pair: bool = False, n_layers: int = 2):
 
 
 @pytest.mark.parametrize("name", SEGMENT_MODELS + ["transformer:jagged"])  # CUDA's path for the transformer, on CPU
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.parametrize("pooling", ["cls", "mean", "last"])
 @pytest.mark.parametrize("pair", [False, True])
 def test_packed_outputs_and_gradients_equal_unpacked(name, pooling, pair):
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 import lra.run as runner
 from lra import engine
 from lra.config import ConfigError, model_options, validate
-from lra.encoder import Block, Classifier, Encoder, LayerNorm, MaskedBatchNorm
+from lra.encoder import Block, Classifier, Encoder, LayerNorm, MaskedBatchNorm, pool
 from lra.provenance import config_hash
 from models import create_model
 from models.base import TiedDropout
@@ -84,6 +84,15 @@ def test_post_norm_encoder_has_no_final_norm_and_batchnorm_everywhere_else():
     pre = encoder(norm="batchnorm")
     assert isinstance(pre.norm, MaskedBatchNorm) and isinstance(pre.blocks[0].norm2, MaskedBatchNorm)
     assert isinstance(encoder().norm, LayerNorm)
+
+
+def test_last_pooling_takes_each_examples_last_real_position():
+    h = torch.randn(3, 7, 4)
+    mask = torch.arange(7) < torch.tensor([7, 3, 1])[:, None]  # (3, 7): 7, 3 and 1 real positions
+    torch.testing.assert_close(pool(h, mask, "last"), torch.stack([h[0, 6], h[1, 2], h[2, 0]]))
+    torch.testing.assert_close(pool(h, None, "last"), h[:, -1])
+    with pytest.raises(ValueError, match="pooling must be one of cls, mean, last"):
+        pool(h, mask, "max")
 
 
 def test_positions_none_has_no_table():
@@ -302,7 +311,8 @@ def test_s4d_preset_sets_the_published_recipe(task):
     assert (cfg.experiment, cfg.model.name) == ("s4d_lra", "s4d")  # every row says which recipe it ran
     assert (b.n_layers, b.d_model, b.norm, b.prenorm, b.dropout, b.attn_dropout) == (layers, d, norm, prenorm,
                                                                                      dropout, dropout)
-    assert (b.mlp, b.positions, b.pooling, b.embedding) == (False, "none", "mean", embedding)
+    pooling = "last" if task == "pathfinder" else "mean"  # v3-s4-pathfinder's decoder `mode: last`
+    assert (b.mlp, b.positions, b.pooling, b.embedding) == (False, "none", pooling, embedding)
     assert b.head == ("mlp" if task == "retrieval" else "linear")  # S4's decoder; a pair meets in the MLP head
     assert (o.lr, o.weight_decay, o.lr_schedule, o.warmup_steps, o.grad_clip) == (lr, wd, "cosine", warmup, None)
     assert (list(o.betas), o.eps) == ([0.9, 0.999], 1e-8)
