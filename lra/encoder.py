@@ -179,8 +179,8 @@ class Encoder(nn.Module):
             self.pos = None
         if cls_token:
             self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
-        # a tied mask is one per row: in a packed row it would be shared by several examples (supports_segments)
         embedding_dropout = dropout if embedding_dropout is None else embedding_dropout  # null: LRA's, the same
+        # a tied mask is one per row: in a packed row it would be shared by several examples (supports_segments)
         self.tied_dropout = bool(tie_dropout) and max(dropout, embedding_dropout) > 0
         self.drop = make_dropout(embedding_dropout, tie_dropout)
         backbone = dict(d_model=d_model, n_heads=n_heads, d_qkv=d_qkv, dropout=attn_dropout, max_len=max_len)
@@ -256,12 +256,14 @@ def pool(h: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
     position."""
     if mode == "cls":
         return h[:, 0]
-    if mode in ("mean", "last") and mask is None:
-        return h.mean(1) if mode == "mean" else h[:, -1]
     if mode == "mean":
+        if mask is None:
+            return h.mean(1)
         m = mask.unsqueeze(-1).to(h.dtype)  # (B, N, 1)
         return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
     if mode == "last":
+        if mask is None:
+            return h[:, -1]
         last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(1)  # (B,): the last True
         return h[torch.arange(h.shape[0], device=h.device), last]  # (B, D)
     raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {mode!r}")

@@ -39,8 +39,8 @@ Ab^k over thousands of steps and FFT sums lose everything in bf16); the GELU and
 Padding: padded inputs are zeroed before the convolution, so they reach no output; the FFT has length 2L, so
 nothing wraps around, and each K_k depends on k only, so appending padding leaves real outputs unchanged.
 Deviations from the S4D code: no kernel caching and no CUDA/keops Vandermonde kernel (the factored matmul
-instead); dt is parameterised
-by exp (S4D's default, the S4 repo now defaults to softplus); Linear instead of the equivalent Conv1d(kernel_size=1).
+instead); dt is parameterised by exp (S4D's default, the S4 repo now defaults to softplus); Linear instead of the
+equivalent Conv1d(kernel_size=1).
 """
 from __future__ import annotations
 
