@@ -35,6 +35,11 @@ def main(cfg: DictConfig) -> dict:
 
 def cli() -> None:
     """The ``lra`` console script."""
+    try:
+        lra.config.check_launcher(sys.argv[1:])  # a launcher whose extra is missing: say which to install
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     lra.config.register_plugin_model_configs()  # before Hydra composes `model=<plugin>`
     os.environ.setdefault("LRA_SWEEP_NAME", lra.config.sweep_slug(sys.argv[1:]))  # a multirun's stable folder
     os.environ.setdefault("LRA_SWEPT_KEYS", ",".join(lra.config.swept_keys(sys.argv[1:])))  # its jobs' folders

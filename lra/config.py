@@ -259,6 +259,27 @@ def sweep_slug(argv: list[str]) -> str:
     return slug if len(slug) <= 100 else f"{slug[:80]}-{hashlib.sha1(slug.encode()).hexdigest()[:8]}"
 
 
+LAUNCHER_EXTRA = {"gpus": "hydra_plugins.hydra_joblib_launcher", "slurm": "hydra_plugins.hydra_submitit_launcher"}
+
+
+def check_launcher(argv: list[str]) -> None:
+    """A ``hydra/launcher=gpus|slurm`` whose plugin is not installed: a ConfigError naming the extra to install
+    (Hydra would say only that the launcher is unknown, listing ``basic`` and ``local``)."""
+    import importlib.util
+
+    for arg in argv:
+        key, _, name = arg.lstrip("+~").partition("=")
+        if key == "hydra/launcher" and name in LAUNCHER_EXTRA:
+            try:
+                found = importlib.util.find_spec(LAUNCHER_EXTRA[name]) is not None
+            except ModuleNotFoundError:  # hydra_plugins itself missing
+                found = False
+            if not found:
+                dist = LAUNCHER_EXTRA[name].split(".")[-1].replace("_", "-")
+                raise ConfigError(f"hydra/launcher={name} needs {dist}, which is not installed: "
+                                  f"pip install 'lra[sweep]' (or pip install {dist})")
+
+
 def sweep_folder(name: str | None) -> str:
     """``sweep`` if given, else the name the CLI derived from the command (``LRA_SWEEP_NAME``, inherited by the
     launcher's worker processes and Slurm jobs, so every job of a sweep agrees)."""

@@ -132,6 +132,23 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path):
     assert "no_such_imdb" in missing.stderr.strip().splitlines()[-1]
 
 
+def test_a_launcher_without_its_extra_names_the_extra(monkeypatch):
+    """`hydra/launcher=gpus` (or slurm) without the sweep extra: an error that says what to install, where Hydra
+    would only list the launchers it knows."""
+    import importlib.util
+
+    import lra.config
+
+    lra.config.check_launcher(["-m", "hydra/launcher=gpus", "hydra/launcher=slurm", "model=transformer"])  # installed
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("hydra_plugins.hydra_") else real(name, *a))
+    for launcher, dist in (("gpus", "hydra-joblib-launcher"), ("slurm", "hydra-submitit-launcher")):
+        with pytest.raises(lra.config.ConfigError, match=rf"hydra/launcher={launcher} needs {dist}.*lra\[sweep\]"):
+            lra.config.check_launcher(["-m", f"hydra/launcher={launcher}", "model=transformer"])
+    lra.config.check_launcher(["-m", "hydra/launcher=local", "model=transformer"])  # Hydra's own: nothing to check
+
+
 def test_multirun_sweeps_models(tmp_path):
     """`-m model=a,b` runs both through the CLI and both rows land in one runs.csv."""
     proc = cli("-m", "model=transformer,linear", "seed=1", "experiment=smoke", "schedule.steps=3", "task.seq_len=256",
