@@ -25,6 +25,13 @@ without a transpose (scrambling heads and positions); we transpose. Init: R ~ N(
 R2 scaled so R1 R2^T has the same variance (LRA: lecun-normal). Text configs that asked for
 factorized_random were silently run as random in LRA (its config key was never read); both are available here.
 
+Two executions of the dot-product variants (``backend``, an attribute: how it runs, never what it computes):
+``sdpa`` (``auto``) passes the synthesized logits to fused SDPA as a float mask, which leaves SDPA its
+memory-efficient kernel; ``explicit`` forms the (B, H, N, N) logits itself (Q K^T from bf16 operands with fp32
+products and sums, as a fused kernel's), adds S, and applies an fp32 softmax, the dropout and the product with V
+as separate operations that ``torch.compile`` fuses; its memory is O(B H N^2) for the saved weights. A quadratic
+model either way.
+
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
 reaches them.
@@ -41,6 +48,7 @@ from .base import MultiHeadMixer
 from .registry import Taxonomy, register_model
 
 VARIANTS = ("dense", "random", "factorized_random")
+BACKENDS = ("auto", "sdpa", "explicit")
 
 
 @register_model
@@ -59,6 +67,7 @@ class Synthesizer(MultiHeadMixer):
         if variant == "factorized_random" and factor_rank < 1:
             raise ValueError(f"synthesizer: factor_rank must be >= 1, got {factor_rank}")
         self.variant, self.keep_dot_product = variant, keep_dot_product
+        self.backend = "auto"  # "sdpa" | "explicit" (the dot-product variants' attention); how it runs, not what
         if not keep_dot_product:
             self.qkv = nn.Linear(d_model, d_qkv, bias=False)  # values only: Q and K would get no gradient
         H, L = n_heads, max_len
@@ -88,7 +97,20 @@ class Synthesizer(MultiHeadMixer):
         self.check_length(N)
         H, Dh = self.n_heads, self.d_head
         pad_keys = None if mask is None else ~mask[:, None, None, :]  # (B, 1, 1, N); None: no padding
-        if self.keep_dot_product:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"synthesizer: backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.keep_dot_product and self.backend == "explicit":
+            q, k, v = self.project(x)  # each (B, H, N, Dh)
+            synthesized = self.synthesized(x)  # (1 or B, H, N, N)
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                # bf16 operands are exact in fp32 (and in TF32): fp32 products and sums, as a fused kernel's
+                s = q.float() @ k.float().transpose(-1, -2) * Dh**-0.5 + synthesized.float()  # (B, H, N, N)
+                if pad_keys is not None:
+                    s = s.masked_fill(pad_keys, float("-inf"))  # (B, H, N, N)
+                p = torch.softmax(s, dim=-1).to(v.dtype)  # (B, H, N, N)
+            p = F.dropout(p, self.dropout_p, training=self.training)
+            o = torch.matmul(p, v)  # (B, H, N, Dh)
+        elif self.keep_dot_product:
             q, k, v = self.project(x)  # each (B, H, N, Dh)
             bias = self.synthesized(x).to(q.dtype)  # (1 or B, H, N, N)
             if pad_keys is not None:
