@@ -34,6 +34,10 @@ copies of A and B, channel h using copy h mod n_ssm (S4's ``n_ssm``; null = one 
 Complexity: O(H L log L) time for the FFT convolution plus O(H N L) for the kernel, O(H L) memory for the
 convolution; the Vandermonde product is factored (k = q R + r, R ~ sqrt L: Ab^k = Ab^(qR) Ab^r) into one batched
 complex matmul, so the kernel needs O(H N sqrt L) memory, not the (H, N/2, L) powers of the naive form.
+The FFT convolution has a written backward (``CircularConv``: the adjoint convolution for the input, the
+correlation for the kernel, two real FFTs each way) and does its complex products in real arithmetic, so that
+torch.compile fuses them: autograd's backward of rfft/irfft ran a complex FFT over a zero-filled (B, H, 2L) buffer
+and several slice-and-scatter copies of it, and each complex product or conjugate was a kernel of its own.
 Precision: the kernel (complex64 at least) and the FFT convolution run in fp32 even under bf16 autocast (powers
 Ab^k over thousands of steps and FFT sums lose everything in bf16); the GELU and output projection follow autocast.
 Padding: padded inputs are zeroed before the convolution, so they reach no output; the FFT has length 2L, so
@@ -98,14 +102,55 @@ def vandermonde(log_z: torch.Tensor, CB: torch.Tensor, L: int) -> torch.Tensor:
     return torch.matmul(left, inner).flatten(-2)[..., :L]  # (c, H, Q * R) -> (c, H, L)
 
 
+def complex_mul(a: torch.Tensor, b: torch.Tensor, conj_b: bool = False) -> torch.Tensor:
+    """a * b (a * conj(b) with ``conj_b``) for complex tensors, written in real arithmetic on their (re, im) views:
+    torch.compile cannot generate code for complex operations and would run each as its own kernel (a conjugate
+    is a copy of its own), where this fuses into one."""
+    (ar, ai), (br, bi) = torch.view_as_real(a).unbind(-1), torch.view_as_real(b).unbind(-1)
+    if conj_b:
+        bi = -bi
+    return torch.view_as_complex(torch.stack((ar * br - ai * bi, ar * bi + ai * br), dim=-1))
+
+
+class CircularConv(torch.autograd.Function):
+    """y = (kernel circularly convolved with u zero-padded to 2L)[..., :L], by FFT: u (B, H, L), kernel (H, 2L).
+
+    The backward is written out: the adjoint of a circular convolution is the convolution with the conjugate
+    spectrum (the reversed kernel), so the inputs' gradient is this same operation on the output's gradient,
+    and the kernel's gradient is the circular correlation of the padded gradient with the padded input, summed
+    over the batch. Autograd's backward of rfft(n=2L) and irfft instead runs a complex 2L-point FFT over a
+    zero-filled (B, H, 2L) complex buffer and a few slice-and-scatter copies of it. Run eagerly it saves the input,
+    not its spectrum (half the bytes), and transforms it again; compiled, the partitioner may keep the forward's
+    spectrum instead."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        n = kernel.shape[-1]
+        kernel_f = torch.fft.rfft(kernel)  # (H, n/2 + 1)
+        ctx.save_for_backward(u, kernel_f)
+        return torch.fft.irfft(complex_mul(torch.fft.rfft(u, n=n), kernel_f), n=n)[..., : u.shape[-1]]  # (B, H, L)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        u, kernel_f = ctx.saved_tensors
+        n, L = 2 * (kernel_f.shape[-1] - 1), u.shape[-1]
+        grad_f = torch.fft.rfft(grad_y, n=n)  # (B, H, n/2 + 1): the gradient zero-padded as u was
+        grad_u = grad_kernel = None
+        if ctx.needs_input_grad[0]:
+            grad_u = torch.fft.irfft(complex_mul(grad_f, kernel_f, conj_b=True), n=n)[..., :L]  # (B, H, L)
+        if ctx.needs_input_grad[1]:
+            u_f = torch.fft.rfft(u, n=n)  # (B, H, n/2 + 1)
+            grad_kernel = torch.fft.irfft(complex_mul(grad_f, u_f, conj_b=True).sum(0), n=n)  # (H, n)
+        return grad_u, grad_kernel
+
+
 def fft_conv(u: torch.Tensor, k: torch.Tensor, k_future: torch.Tensor | None) -> torch.Tensor:
     """y_t = sum_{s<=t} k_{t-s} u_s (+ sum_{s>t} k_future_{s-t-1} u_s). u (B, H, L), k and k_future (H, L)."""
     L = u.shape[-1]
     kernel = F.pad(k, (0, L))  # (H, 2L): causal taps at lags 0..L-1, zeros after, so nothing wraps around
     if k_future is not None:  # lag -(j+1) sits at index 2L - 1 - j of the circular convolution
         kernel = kernel + F.pad(k_future.flip(-1), (L, 0))  # (H, 2L)
-    y = torch.fft.irfft(torch.fft.rfft(u, n=2 * L) * torch.fft.rfft(kernel, n=2 * L), n=2 * L)  # (B, H, 2L)
-    return y[..., :L]  # (B, H, L)
+    return CircularConv.apply(u, kernel)  # (B, H, L)
 
 
 @register_model

@@ -112,6 +112,26 @@ def test_fft_convolution_equals_direct_sums():
     torch.testing.assert_close(fft_conv(u, k, kf), causal_conv(u, k) + future)
 
 
+@pytest.mark.parametrize("L", [1, 2, 7, 33])
+def test_fft_convolution_backward_equals_autograd_of_its_transforms(L):
+    """The written-out backward (the adjoint convolution, the kernel's correlation) gives what autograd gives through
+    rfft and irfft, for u and for both kernels, and passes gradcheck."""
+    torch.manual_seed(3)
+    u, k, kf = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((2, 3, L), (3, L), (3, L)))
+
+    def through_autograd(u, k, kf):
+        kernel = torch.nn.functional.pad(k, (0, L)) + torch.nn.functional.pad(kf.flip(-1), (L, 0))  # (H, 2L)
+        return torch.fft.irfft(torch.fft.rfft(u, n=2 * L) * torch.fft.rfft(kernel, n=2 * L), n=2 * L)[..., :L]
+
+    y, want = fft_conv(u, k, kf), through_autograd(u, k, kf)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    grad_y = torch.randn_like(y)
+    for got, expected in zip(torch.autograd.grad(y, (u, k, kf), grad_y), torch.autograd.grad(want, (u, k, kf), grad_y)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(fft_conv, (u, k, kf))
+    assert torch.autograd.gradcheck(lambda u, k: fft_conv(u, k, None), (u, k))
+
+
 def test_bidirectional_output_is_forward_plus_reversed_convolution():
     model = make(d_model=4, d_state=8).double()
     L = 40
