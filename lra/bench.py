@@ -79,6 +79,26 @@ def build_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None =
     return engine.build_model(name, {**model_config_options(name), **(options or {})}, cfg.backbone, shape)
 
 
+MIXER_ATTRIBUTES = ("backend",)  # how a mixer runs (models/base.py): set on the built mixers, not constructor options
+
+
+def split_attributes(options: dict | None) -> tuple[dict, dict]:
+    """A variant's options -> (constructor options, ``MIXER_ATTRIBUTES`` to set on the built mixers)."""
+    options = dict(options or {})
+    return options, {k: options.pop(k) for k in MIXER_ATTRIBUTES if k in options}
+
+
+def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) -> None:
+    """Set ``attributes`` on every mixer of registry model ``name`` in ``model`` (a whole model, or the mixer
+    itself); a mixer without such an attribute runs one way only, which is an error."""
+    mixers = [m for m in model.modules() if isinstance(m, get_model_class(name))]
+    for key, value in attributes.items():
+        for mixer in mixers:
+            if not hasattr(mixer, key):
+                raise ValueError(f"{name} has one execution, no {key} to choose")
+            setattr(mixer, key, value)
+
+
 def variant_cases(variants, attributes: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
     changed options as the rows' ``model``: ``bigbird(block=64)``. ``attributes``: keys that are not constructor
@@ -168,7 +188,9 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     """Fill ``row`` with one (model, length) measurement; raises on OOM or failure (``params`` set first)."""
     b = cfg.bench
     torch.manual_seed(cfg.get("seed", 0))
+    options, attributes = split_attributes(options)
     model = build_model(name, cfg, row.seq_len, options)
+    set_mixer_attributes(model, name, attributes)
     row.params = sum(p.numel() for p in model.parameters())
     model = model.to(device).train()
     tokens = torch.randint(1, b.vocab_size, (row.batch_size, row.seq_len), device=device)  # (B, N), no padding
@@ -215,7 +237,7 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
                   device=device_name(device), torch=torch.__version__, git_sha=git_sha(), warmup=b.warmup,
                   timed_steps=b.steps)
     baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device")})
-    models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))
+    models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"), attributes=MIXER_ATTRIBUTES)
     cases, all_lengths = [], [int(L) for L in b.lengths]
     for label, name, options in models:
         lengths = all_lengths

@@ -154,11 +154,13 @@ def build_model(name: str, options: dict, backbone, shape: TaskShape) -> Classif
 
 def median_and_spread(times: list[float]) -> tuple[float, float, float]:
     """(median, 10th percentile, 90th percentile) of timed calls, in their unit: the spread says whether two
-    medians differ by more than the noise of the machine. A single call is its own spread."""
+    medians differ by more than the noise of the machine. A single call is its own spread. Interpolated between the
+    calls (``inclusive``): the default method extrapolates past the fastest and slowest of a few calls, below zero
+    even."""
     median = statistics.median(times)
     if len(times) < 2:
         return median, median, median
-    deciles = statistics.quantiles(times, n=10)
+    deciles = statistics.quantiles(times, n=10, method="inclusive")
     return median, deciles[0], deciles[8]
 
 

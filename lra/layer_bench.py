@@ -34,7 +34,7 @@ import torch
 import yaml
 
 from lra import engine
-from lra.bench import model_config_options, variant_cases
+from lra.bench import MIXER_ATTRIBUTES, model_config_options, set_mixer_attributes, split_attributes, variant_cases
 from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from models import create_model, list_models
@@ -99,14 +99,10 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
                profile_dir: Path | None = None) -> Timing:
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n)."""
     torch.manual_seed(0)
-    options = dict(options or {})
-    backend = options.pop("backend", None)  # how a mixer runs: an attribute (models/base.py), not an option
+    options, attributes = split_attributes(options)  # backend: how a mixer runs, set on it once built
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=0.0, max_len=n,
                          **{**model_config_options(name), **options}).to(device).train()
-    if backend is not None:
-        if not hasattr(mixer, "backend"):
-            raise ValueError(f"{name} has one execution, no backend to choose")
-        mixer.backend = backend
+    set_mixer_attributes(mixer, name, attributes)
     mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
     extra = {}
     if getattr(mixer, "needs_grid", False):
@@ -221,7 +217,7 @@ def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
         options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
         variants.append({"model": name, **options})
     try:
-        return variant_cases(variants, attributes=("backend",))  # backend: how a mixer runs, checked when built
+        return variant_cases(variants, attributes=MIXER_ATTRIBUTES)  # how a mixer runs: checked when built
     except ValueError as error:  # a misspelt option: before the sweep, in one line
         raise SystemExit(f"--variants: {error}") from None
 
