@@ -32,12 +32,13 @@ at the optimiser's own lr instead, still without weight decay (S4's configs with
 copies of A and B, channel h using copy h mod n_ssm (S4's ``n_ssm``; null = one per channel, S4D's default).
 
 Complexity: O(H L log L) time for the FFT convolution plus O(H N L) for the kernel, O(H L) memory for the
-convolution; the Vandermonde product is factored (k = q R + r, R ~ sqrt L: Ab^k = Ab^(qR) Ab^r) into one batched
-complex matmul, so the kernel needs O(H N sqrt L) memory, not the (H, N/2, L) powers of the naive form.
-The FFT convolution has a written backward (``CircularConv``: the adjoint convolution for the input, the
-correlation for the kernel, two real FFTs each way) and does its complex products in real arithmetic, so that
-torch.compile fuses them: autograd's backward of rfft/irfft ran a complex FFT over a zero-filled (B, H, 2L) buffer
-and several slice-and-scatter copies of it, and each complex product or conjugate was a kernel of its own.
+convolution; the Vandermonde product is factored (k = q R + r, R ~ sqrt L: Ab^k = Ab^(qR) Ab^r) into batched
+matmuls, so the kernel needs O(H N sqrt L) memory, not the (H, N/2, L) powers of the naive form.
+Speed: torch.compile generates no code for complex operations (each runs as a kernel of its own, a conjugate as a
+copy), so the Vandermonde product and the convolution's spectral products are written in real arithmetic, which
+it fuses; and the FFT convolution has a written backward (``CircularConv``: the adjoint convolution for the
+input, the correlation for the kernel, two real FFTs each way), where autograd's backward of rfft/irfft ran a
+complex FFT over a zero-filled (B, H, 2L) buffer and several slice-and-scatter copies of it.
 Precision: the kernel (complex64 at least) and the FFT convolution run in fp32 even under bf16 autocast (powers
 Ab^k over thousands of steps and FFT sums lose everything in bf16); the GELU and output projection follow autocast.
 Padding: padded inputs are zeroed before the convolution, so they reach no output; the FFT has length 2L, so
@@ -88,18 +89,26 @@ def init_diagonal(init: str, N: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def vandermonde(log_z: torch.Tensor, CB: torch.Tensor, L: int) -> torch.Tensor:
-    """sum_n CB[c, h, n] z[h, n]^k for k < L, with z = exp(log_z): (c, H, L) complex.
+    """Re(sum_n CB[c, h, n] z[h, n]^k) for k < L, with z = exp(log_z): (c, H, L) real (the kernel needs no more).
 
-    Factored as z^(qR + r) = z^(qR) z^r with R ~ sqrt(L): one (Q x n) @ (n x R) complex matmul per (c, h), and
-    O(H n sqrt L) memory instead of the (H, n, L) table of powers."""
+    Factored as z^(qR + r) = z^(qR) z^r with R ~ sqrt(L): per (c, h) a (Q x n) @ (n x R) complex product, whose
+    real part is two real matmuls, and O(H n sqrt L) memory instead of the (H, n, L) table of powers. Written in
+    real arithmetic (z^t = e^(t a) (cos t b + i sin t b) for log z = a + i b), so torch.compile fuses it; it runs
+    complex operations one kernel each."""
     R = math.isqrt(L - 1) + 1  # ceil(sqrt(L))
     Q = -(-L // R)
-    r = torch.arange(R, device=log_z.device, dtype=log_z.real.dtype)
-    q = torch.arange(Q, device=log_z.device, dtype=log_z.real.dtype) * R
-    inner = torch.exp(log_z[..., None] * r)  # (H, n, R): z^r
-    outer = torch.exp(log_z[..., None] * q)  # (H, n, Q): z^(qR)
-    left = (CB[..., None] * outer).transpose(-1, -2)  # (c, H, Q, n)
-    return torch.matmul(left, inner).flatten(-2)[..., :L]  # (c, H, Q * R) -> (c, H, L)
+    a, b = log_z.real, log_z.imag  # (H, n) each
+
+    def powers(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # z^t for each t: (H, n, T) re, im
+        magnitude, angle = torch.exp(a[..., None] * t), b[..., None] * t
+        return magnitude * torch.cos(angle), magnitude * torch.sin(angle)
+
+    inner_re, inner_im = powers(torch.arange(R, device=a.device, dtype=a.dtype))  # (H, n, R): z^r
+    outer_re, outer_im = powers(torch.arange(Q, device=a.device, dtype=a.dtype) * R)  # (H, n, Q): z^(qR)
+    cb_re, cb_im = CB.real[..., None], CB.imag[..., None]  # (c, H, n, 1)
+    left_re = (cb_re * outer_re - cb_im * outer_im).transpose(-1, -2)  # (c, H, Q, n): Re(CB z^(qR))
+    left_im = (cb_re * outer_im + cb_im * outer_re).transpose(-1, -2)  # (c, H, Q, n): Im(CB z^(qR))
+    return (left_re @ inner_re - left_im @ inner_im).flatten(-2)[..., :L]  # (c, H, Q * R) -> (c, H, L)
 
 
 def complex_mul(a: torch.Tensor, b: torch.Tensor, conj_b: bool = False) -> torch.Tensor:
@@ -226,7 +235,7 @@ class S4D(nn.Module):
         """K (c, H, L), real: K[c, h, k] = 2 Re(sum_n C[c, h, n] Bb[h, n] Ab[h, n]^k); c = 1, or 2 (past, future)."""
         with torch.autocast(device_type=self.D.device.type, enabled=False):
             log_Ab, Bb, C = self.discretize()
-            return 2 * vandermonde(log_Ab, C * Bb, L).real  # (c, H, L)
+            return 2 * vandermonde(log_Ab, complex_mul(C, Bb), L)  # (c, H, L)
 
     def ssm(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The SSM with the D skip, (B, L, H) -> (B, L, H) in fp32 (fp64 stays), autocast off."""
