@@ -2,8 +2,9 @@
 (gloo), or inside ``torchrun --nproc_per_node=N -m lra ...``.
 
 The global batch and the schedule stay the task's: every rank draws the same global batch of indices and trains on
-its share (``indices[rank::world_size]``), DDP averages the gradients, so the update equals the single-process one
-up to floating-point order. The ranks share each evaluation (each its share of the batches, with rank 0's buffers);
+its share (``indices[rank::world_size]``; shares differ by one where the ranks do not divide the batch, and each
+rank's loss is weighted by its share), DDP averages the gradients, so the update equals the single-process one up
+to floating-point order. The ranks share each evaluation (each its share of the batches, with rank 0's buffers);
 rank 0 alone writes checkpoints, rows and logs, while the others wait at a barrier.
 """
 from __future__ import annotations
@@ -35,8 +36,19 @@ class World:
         return self.size > 1
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a global batch of indices."""
+        """This rank's share of a global batch of indices (``share`` of them)."""
         return indices[self.rank :: self.size]
+
+    def share(self, batch_size: int) -> int:
+        """How many of a global batch of ``batch_size`` this rank trains on: shares differ by one at most when the
+        ranks do not divide it."""
+        return len(range(self.rank, batch_size, self.size))
+
+    def loss_weight(self, batch_size: int) -> float:
+        """What this rank's mean loss is multiplied by before its backward, so that DDP's average of the ranks'
+        gradients is the gradient of the global batch's mean loss with unequal shares too: size x share / batch
+        (1 when the ranks divide the batch)."""
+        return self.size * self.share(batch_size) / batch_size
 
     def barrier(self) -> None:
         if self.distributed:
@@ -49,9 +61,10 @@ class World:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
 
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-rank value over the ranks (each rank's training loss covers its share of the batch)."""
-        return self.sum(value) / self.size
+    def mean(self, value: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The global batch's mean of a per-rank mean over the rank's share (its training loss): the ranks' values
+        weighted by their shares."""
+        return self.sum(value * (self.share(batch_size) / batch_size))
 
     def broadcast_buffers(self, module: torch.nn.Module) -> None:
         """Rank 0's buffers to every rank, in place."""

@@ -78,12 +78,13 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 
 def train_step(model, optimizer, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, *, autocast, grad_clip=None,
-               scheduler=None) -> torch.Tensor:
+               scheduler=None, loss_weight: float = 1.0) -> torch.Tensor:
     """One optimisation step: forward, loss, backward, clip, AdamW, schedule. ``inputs``: the model's arguments
-    (the ids, or a packed batch). Returns the loss (not synchronised)."""
+    (the ids, or a packed batch). ``loss_weight``: what the loss is multiplied by for the backward (a data-parallel
+    rank's share, ``World.loss_weight``). Returns the loss, unweighted (not synchronised)."""
     with autocast():
         loss = classification_loss(model(*inputs), labels)
-    loss.backward()
+    (loss * loss_weight if loss_weight != 1.0 else loss).backward()
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()

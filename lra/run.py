@@ -166,11 +166,19 @@ def start_logger(cfg: DictConfig, run_dir: Path):
         name=f"{cfg.task.name}-{cfg.model.name}-s{cfg.seed}", reinit=True)
 
 
+def check_batch_split(batch_size: int, processes: int) -> None:
+    """Every data-parallel process needs at least one example of each global batch."""
+    if batch_size < processes:
+        raise ConfigError(f"schedule.batch_size={batch_size} is smaller than the {processes} processes of "
+                          f"trainer.devices: each needs at least one example of every batch")
+
+
 def run(cfg: DictConfig) -> dict:
     """Train and evaluate ``cfg.model`` on ``cfg.task``; return the result row (also appended to runs.csv)."""
     validate(cfg)
     world = distributed.from_env()
     if int(cfg.trainer.devices) > 1 and not world.distributed:
+        check_batch_split(cfg.schedule.batch_size, int(cfg.trainer.devices))  # before any process starts
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable, Hydra's resolvers done
         check_writable(plain.run_dir, plain.results.dir)
         with RunFiles(plain.run_dir).hold():  # here, so that a folder in use fails before any rank starts
@@ -188,9 +196,7 @@ def run(cfg: DictConfig) -> dict:
 def run_rank(cfg: DictConfig) -> dict:
     """``run`` in one process of a (possibly single-process) world."""
     world = distributed.from_env()
-    if cfg.schedule.batch_size % world.size:
-        raise ConfigError(f"schedule.batch_size={cfg.schedule.batch_size} does not split over {world.size} "
-                          f"processes: choose trainer.devices dividing it")
+    check_batch_split(cfg.schedule.batch_size, world.size)  # torchrun's processes too
     device = engine.resolve_device(cfg.device)
     if device.type == "cuda" and world.distributed:
         device = torch.device("cuda", world.local_rank)
@@ -446,7 +452,7 @@ class Trainer:
                     return "diverged"
                 if step % every == 0 or last:
                     timer.pause()
-                    self.validate_and_log(world.mean(loss_sum / n_loss).item(), bar)
+                    self.validate_and_log(world.mean(loss_sum / n_loss, cfg.schedule.batch_size).item(), bar)
                     loss_sum.zero_()
                     n_loss = 0
                     engine.reset_peak_memory(device)
@@ -475,7 +481,8 @@ class Trainer:
             torch.compiler.cudagraph_mark_step_begin()
         return self.eager_if_compile_fails(lambda: engine.train_step(
             self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
-            grad_clip=self.cfg.optim.grad_clip, scheduler=self.scheduler))
+            grad_clip=self.cfg.optim.grad_clip, scheduler=self.scheduler,
+            loss_weight=self.world.loss_weight(self.cfg.schedule.batch_size)))
 
     def eager_if_compile_fails(self, work, evaluation: bool = False):
         """``work()``; with ``trainer.compile=auto``, what torch.compile cannot compile runs eagerly from then on,

@@ -19,7 +19,7 @@ import lra.run as runner
 from hydra_plugins.lra_launchers.lra_launchers import JobCrashed, claim_gpus, gpu_placement, job_state, run_isolated
 from lra import distributed
 from lra.checkpoint import RunFiles
-from lra.config import sweep_slug
+from lra.config import ConfigError, sweep_slug
 from lra.engine import cpu_threads
 from tests.conftest import ROOT
 
@@ -281,6 +281,24 @@ def test_ddp_over_two_gloo_processes_equals_one_process_and_writes_one_row(smoke
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)  # the same updates, up to sum order
     rows = pd.read_csv(tmp_path / "results" / "runs.csv")
     assert len(rows) == 2 and sorted(rows.devices) == [1, 2]
+
+
+def test_ddp_over_ranks_that_do_not_divide_the_batch_equals_one_process(smoke_cfg, tmp_path):
+    """A batch of 7 over two ranks (shares of 4 and 3): each rank's loss is weighted by its share, so the updates,
+    the logged training loss and the results equal one process's (DDP's plain average of the ranks' gradients
+    would weight the share of 3 as much as the share of 4). A batch smaller than the ranks is refused first."""
+    same = (*DDP_SMALL, "schedule.steps=4", "schedule.eval_every=2", "schedule.batch_size=7")
+    one = runner.run(smoke_cfg(*same, f"run_dir={tmp_path / 'one'}"))
+    two = runner.run(smoke_cfg(*same, "trainer.devices=2", f"run_dir={tmp_path / 'two'}"))
+    for key in ("val_acc", "test_acc", "final_test_acc", "best_step"):
+        assert two[key] == pytest.approx(one[key], abs=1e-6), key
+    history = [json.loads((tmp_path / d / "history.json").read_text()) for d in ("one", "two")]
+    for a, b in zip(*history, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+    world = distributed.World(rank=1, size=2)
+    assert (world.share(7), world.loss_weight(7), distributed.World(0, 2).loss_weight(7)) == (3, 6 / 7, 8 / 7)
+    with pytest.raises(ConfigError, match="smaller than the 2 processes"):
+        runner.run(smoke_cfg(*DDP_SMALL, "schedule.batch_size=1", "trainer.devices=2", f"run_dir={tmp_path / 'x'}"))
 
 
 def _batchnorm_statistics_after_broadcast(out: str) -> None:
