@@ -99,17 +99,18 @@ def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) ->
             setattr(mixer, key, value)
 
 
-def variant_cases(variants, attributes: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
+def variant_cases(variants) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
-    changed options as the rows' ``model``: ``bigbird(block=64)``. ``attributes``: keys that are not constructor
-    options but set on the built mixer (left to the caller to check)."""
+    changed options as the rows' ``model``: ``bigbird(block=64)``. ``MIXER_ATTRIBUTES`` are not constructor
+    options but set on the built mixers (``set_mixer_attributes`` checks them)."""
     cases = []
     for variant in variants or []:
         options = dict(variant)
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        error = unknown_options(name, {k: v for k, v in options.items() if k not in attributes}, backbone=False)
+        constructor = {k: v for k, v in options.items() if k not in MIXER_ATTRIBUTES}
+        error = unknown_options(name, constructor, backbone=False)
         if error:
             raise ValueError(f"bench.variants: {error}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
@@ -237,7 +238,7 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
                   device=device_name(device), torch=torch.__version__, git_sha=git_sha(), warmup=b.warmup,
                   timed_steps=b.steps)
     baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device")})
-    models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"), attributes=MIXER_ATTRIBUTES)
+    models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))
     cases, all_lengths = [], [int(L) for L in b.lengths]
     for label, name, options in models:
         lengths = all_lengths

@@ -34,7 +34,7 @@ import torch
 import yaml
 
 from lra import engine
-from lra.bench import MIXER_ATTRIBUTES, model_config_options, set_mixer_attributes, split_attributes, variant_cases
+from lra.bench import model_config_options, set_mixer_attributes, split_attributes, variant_cases
 from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from models import create_model, list_models
@@ -217,7 +217,7 @@ def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
         options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
         variants.append({"model": name, **options})
     try:
-        return variant_cases(variants, attributes=MIXER_ATTRIBUTES)  # how a mixer runs: checked when built
+        return variant_cases(variants)  # backend, how a mixer runs: checked when built
     except ValueError as error:  # a misspelt option: before the sweep, in one line
         raise SystemExit(f"--variants: {error}") from None
 

@@ -26,11 +26,11 @@ R2 scaled so R1 R2^T has the same variance (LRA: lecun-normal). Text configs tha
 factorized_random were silently run as random in LRA (its config key was never read); both are available here.
 
 Two executions of the dot-product variants (``backend``, an attribute: how it runs, never what it computes):
-``sdpa`` (``auto``) passes the synthesized logits to fused SDPA as a float mask, which leaves SDPA its
-memory-efficient kernel; ``explicit`` forms the (B, H, N, N) logits itself (Q K^T from bf16 operands with fp32
-products and sums, as a fused kernel's), adds S, and applies an fp32 softmax, the dropout and the product with V
-as separate operations that ``torch.compile`` fuses; its memory is O(B H N^2) for the saved weights. A quadratic
-model either way.
+``sdpa`` (``auto``) passes the synthesized logits to fused SDPA as a float mask, which leaves SDPA its memory-
+efficient kernel; ``explicit`` forms the (B, H, N, N) logits itself (Q K^T from bf16 operands with fp32 products
+and sums, as a fused kernel's), adds S, and applies an fp32 softmax, the dropout and the product with V as
+separate operations that ``torch.compile`` fuses, the same steps as the variants without the dot product; its
+memory is O(B H N^2) for the saved weights. A quadratic model either way.
 
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
@@ -92,6 +92,19 @@ class Synthesizer(MultiHeadMixer):
         s = F.linear(h, self.syn_logits.weight[:N], self.syn_logits.bias[:N])  # (B, N, H, N)
         return s.transpose(1, 2)  # (B, H, N, N)
 
+    def attend_explicitly(self, logits: torch.Tensor, v: torch.Tensor, pad_keys: torch.Tensor | None) -> torch.Tensor:
+        """softmax(logits) V with the weights formed: logits (1 or B, H, N, N), v (B, H, N, Dh), padded keys
+        masked; the softmax in fp32, the dropout drawn per example. -> (B, H, N, Dh)."""
+        with torch.autocast(device_type=v.device.type, enabled=False):
+            s = logits.float()  # (1 or B, H, N, N)
+            if pad_keys is not None:
+                # finfo.min, not -inf: an example with no real token gets uniform weights, not NaN
+                s = s.masked_fill(pad_keys, torch.finfo(torch.float32).min)  # (B, H, N, N)
+            p = torch.softmax(s, dim=-1)
+        # expanded first: without padding p may be (1, H, N, N), and each example needs its own dropout mask
+        p = F.dropout(p.expand(v.shape[0], -1, -1, -1), self.dropout_p, training=self.training)  # (B, H, N, N)
+        return torch.matmul(p.to(v.dtype), v)  # (B, H, N, Dh)
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, N, _ = x.shape
         self.check_length(N)
@@ -105,11 +118,7 @@ class Synthesizer(MultiHeadMixer):
             with torch.autocast(device_type=x.device.type, enabled=False):
                 # bf16 operands are exact in fp32 (and in TF32): fp32 products and sums, as a fused kernel's
                 s = q.float() @ k.float().transpose(-1, -2) * Dh**-0.5 + synthesized.float()  # (B, H, N, N)
-                if pad_keys is not None:
-                    s = s.masked_fill(pad_keys, float("-inf"))  # (B, H, N, N)
-                p = torch.softmax(s, dim=-1).to(v.dtype)  # (B, H, N, N)
-            p = F.dropout(p, self.dropout_p, training=self.training)
-            o = torch.matmul(p, v)  # (B, H, N, Dh)
+            o = self.attend_explicitly(s, v, pad_keys)  # (B, H, N, Dh)
         elif self.keep_dot_product:
             q, k, v = self.project(x)  # each (B, H, N, Dh)
             bias = self.synthesized(x).to(q.dtype)  # (1 or B, H, N, N)
@@ -118,14 +127,5 @@ class Synthesizer(MultiHeadMixer):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.dropout_p)  # (B, H, N, Dh)
         else:
             v = self.qkv(x).view(B, N, H, Dh).transpose(1, 2)  # (B, H, N, Dh)
-            s = self.synthesized(x)
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                s = s.float()  # (1 or B, H, N, N)
-                if pad_keys is not None:
-                    # finfo.min, not -inf: an example with no real token gets uniform weights, not NaN
-                    s = s.masked_fill(pad_keys, torch.finfo(torch.float32).min)  # (B, H, N, N)
-                p = torch.softmax(s, dim=-1)
-            # expanded first: without padding p is (1, H, N, N), and each example needs its own dropout mask
-            p = F.dropout(p.expand(B, -1, -1, -1), self.dropout_p, training=self.training)  # (B, H, N, N)
-            o = torch.matmul(p.to(v.dtype), v)  # (B, H, N, Dh)
+            o = self.attend_explicitly(self.synthesized(x), v, pad_keys)  # (B, H, N, Dh)
         return self.out(o.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, D)
