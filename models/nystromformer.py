@@ -17,13 +17,17 @@ The norms are taken per matrix (per example and head): the public code's default
 over the whole batch, which couples examples and converges more slowly (its later "exact" option is
 per-matrix, as here). The skip is a convolution over the sequence with one kernel per head, shared by the
 head's Dh value channels (the public code's Conv2d with groups = heads and a (kernel, 1) window), zero-padded
-at the ends.
+at the ends, and computed as a sum of shifted copies of the values, which torch.compile fuses.
 
 Complexity: O(N m Dh + m^2 Dh + iterations m^3) time and O(N m) memory per head (F and B), plus the
 (N x m) segment-mean matrix shared by the heads; O(N Dh kernel) for the convolution.
-Precision: everything after the projections (landmarks, the three softmaxes, the pinv iteration and the
-products) runs in fp32 even under bf16 autocast: the iteration's Z can have large entries that cancel in
-the products, which bf16 cannot carry. The convolution follows autocast.
+Precision (``backend``, an attribute: how it runs, not what it computes): ``fp32`` (``auto``) runs everything
+after the projections (landmarks, the three softmaxes, the pinv iteration and the products) in fp32 even under
+bf16 autocast. ``mixed`` runs the N-sized products (landmark means, F's and B's logits, B V, F W) with bf16
+operands when the projections come in bf16, as the public package runs all of its products, keeping the
+softmaxes and the m-sized core (A, its pseudo-inverse and W = Z (B V)) in fp32: the iteration's Z can have
+large entries that cancel in W, which bf16 cannot carry. With fp32 inputs the two are one computation. The
+convolution follows autocast.
 Padding (exact, and never NaN): segments are laid over each example's REAL tokens (token i is the r-th real
 one; it belongs to segment floor(r m' / L) of L real tokens, m' = min(m, L)), so appending padding moves no
 segment boundary and padded tokens enter no landmark mean. An example with fewer real tokens than m gets one
@@ -46,10 +50,13 @@ BERT pre-training setting).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer, upcast
+from .base import MultiHeadMixer, product_dtype, upcast
 from .registry import Taxonomy, register_model
+
+BACKENDS = ("auto", "fp32", "mixed")  # auto = fp32: one layer's time on a GPU has not chosen mixed yet
 
 
 def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +68,26 @@ def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch
     member = (segment[:, None, :] == torch.arange(m, device=mask.device)[None, :, None]) & mask[:, None, :]
     count = member.sum(-1, keepdim=True)  # (B, m, 1): tokens per segment, 0 for the empty ones
     return member.to(dtype) / count.clamp_min(1).to(dtype), count.squeeze(-1) > 0  # (B, m, N), (B, m)
+
+
+def landmark_means(means: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """means (B, m, N), x (B, H, N, Dh) -> the segment means (B, H, m, Dh), as one (B, m, N) @ (B, N, H Dh) product
+    for all heads: broadcasting means over the heads instead would copy it H times."""
+    B, H, N, Dh = x.shape
+    per_token = x.transpose(1, 2).reshape(B, N, H * Dh)  # (B, N, H Dh): a view of the projections' layout
+    return (means @ per_token).view(B, -1, H, Dh).transpose(1, 2)  # (B, m, H Dh) -> (B, H, m, Dh)
+
+
+def depthwise_skip(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The paper's skip: v (B, H, N, Dh) convolved over the sequence with each head's kernel, weight (H, 1, K, 1)
+    (a grouped Conv2d's, zero padding), shared by the head's Dh channels; in v's dtype, summed in fp32. Written as
+    K shifted copies of v, which torch.compile fuses into one stencil kernel each way: the grouped convolution
+    with one channel per group took 10x as long, forward and backward, compiled on a CPU."""
+    K, N = weight.shape[2], v.shape[2]
+    padded = F.pad(v, (0, 0, K // 2, K // 2))  # (B, H, N + K - 1, Dh): zeros beyond both ends
+    taps = weight[:, 0, :, 0].to(torch.promote_types(v.dtype, torch.float32))  # (H, K)
+    out = sum(taps[None, :, j, None, None] * padded[:, :, j: j + N] for j in range(K))  # (B, H, N, Dh)
+    return out.to(v.dtype)
 
 
 def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
@@ -75,25 +102,36 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     return z
 
 
+def masked_softmax(products: torch.Tensor, scale: float, masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(products * scale) over the last dim in fp32 at least, ``masked`` entries at the most negative finite
+    value (exp gives exactly 0 beside any real logit, and a row with nothing real no 0/0), returned in ``dtype``."""
+    logits = upcast(products) * scale
+    return logits.masked_fill(masked, torch.finfo(logits.dtype).min).softmax(-1).to(dtype)
+
+
 def nystrom_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_landmarks: int, iterations: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_landmarks: int, iterations: int,
+    mixed: bool = False,
 ) -> torch.Tensor:
-    """q, k, v (B, H, N, Dh), mask (B, N) -> F A^+ (B V), (B, H, N, Dh) in fp32 (fp64 stays fp64)."""
-    q, k, v = upcast(q), upcast(k), upcast(v)
-    dtype, scale = q.dtype, q.shape[-1] ** -0.5
-    never = torch.finfo(dtype).min  # masked logits: exp gives exactly 0 beside any real logit, and no 0/0
-    means, landmark = segment_means(mask, n_landmarks, dtype)  # (B, m, N), (B, m)
-    q_land = means[:, None] @ q  # (B, H, m, Dh): segment means over real tokens only
-    k_land = means[:, None] @ k  # (B, H, m, Dh)
+    """q, k, v (B, H, N, Dh), mask (B, N) -> F A^+ (B V), (B, H, N, Dh) in fp32 (fp64 stays fp64); ``mixed``: the
+    N-sized products in the dtype of ``product_dtype(v)`` (bf16 for bf16 inputs) and the result in it too."""
+    work = upcast(q).dtype  # the softmaxes and the m-sized core
+    low = product_dtype(v) if mixed else work  # the N-sized products' operands
+    q, k, v = q.to(low), k.to(low), v.to(low)
+    scale = q.shape[-1] ** -0.5
+    means, landmark = segment_means(mask, n_landmarks, low)  # (B, m, N), (B, m)
+    q_land = landmark_means(means, q)  # (B, H, m, Dh): segment means over real tokens only
+    k_land = landmark_means(means, k)  # (B, H, m, Dh)
     empty = ~landmark[:, None, None, :]  # (B, 1, 1, m)
-    f = (q @ k_land.transpose(-1, -2) * scale).masked_fill(empty, never).softmax(-1)  # (B, H, N, m)
-    a = (q_land @ k_land.transpose(-1, -2) * scale).masked_fill(empty, never).softmax(-1)  # (B, H, m, m)
-    eye = torch.eye(n_landmarks, dtype=dtype, device=q.device)  # (m, m)
+    f = masked_softmax(q @ k_land.transpose(-1, -2), scale, empty, low)  # (B, H, N, m)
+    q_core, k_core = q_land.to(work), k_land.to(work)  # (B, H, m, Dh)
+    a = masked_softmax(q_core @ k_core.transpose(-1, -2), scale, empty, work)  # (B, H, m, m)
+    eye = torch.eye(n_landmarks, dtype=work, device=q.device)  # (m, m)
     a = torch.where(landmark[:, None, :, None], a, eye)  # (B, H, m, m): an empty landmark's row is e_s
     padded_key = ~mask[:, None, None, :]  # (B, 1, 1, N)
-    b = (q_land @ k.transpose(-1, -2) * scale).masked_fill(padded_key, never).softmax(-1)  # (B, H, m, N)
-    z = iterative_pinv(a, iterations)  # (B, H, m, m)
-    return f @ (z @ (b @ v))  # (B, H, N, Dh): right to left, never N x N
+    b = masked_softmax(q_land @ k.transpose(-1, -2), scale, padded_key, low)  # (B, H, m, N)
+    w = iterative_pinv(a, iterations) @ (b @ v).to(work)  # (B, H, m, Dh): Z (B V), its cancellations in fp32
+    return f @ w.to(low)  # (B, H, N, Dh): right to left, never N x N
 
 
 @register_model
@@ -120,14 +158,19 @@ class Nystromformer(MultiHeadMixer):
         if conv_kernel < 0 or (conv_kernel and conv_kernel % 2 == 0):
             raise ValueError(f"conv_kernel must be 0 (no skip) or odd (centred window), got {conv_kernel}")
         self.n_landmarks, self.pinv_iterations = int(n_landmarks), int(pinv_iterations)
-        # one kernel per head over the sequence, shared by the head's Dh channels (the public code's layout)
+        self.backend = "auto"  # "fp32" | "mixed" (the N-sized products' operands); how it runs, not what
+        # one kernel per head over the sequence, shared by the head's Dh channels (the public code's layout and
+        # initialisation); the module holds the weight, ``depthwise_skip`` applies it
         self.conv = None if conv_kernel == 0 else nn.Conv2d(
             n_heads, n_heads, (conv_kernel, 1), padding=(conv_kernel // 2, 0), groups=n_heads, bias=False
         )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"nystromformer: backend must be one of {BACKENDS}, got {self.backend!r}")
         with torch.autocast(device_type=q.device.type, enabled=False):
-            o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations).to(q.dtype)
-        if self.conv is not None:
-            o = o + self.conv(v * mask[:, None, :, None].to(v.dtype))  # (B, H, N, Dh): padded values are zero
+            o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations,
+                                  mixed=self.backend == "mixed").to(q.dtype)
+        if self.conv is not None:  # padded values are zeroed first
+            o = o + depthwise_skip(v * mask[:, None, :, None].to(v.dtype), self.conv.weight)  # (B, H, N, Dh)
         return o  # (B, H, N, Dh)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import create_model
-from models.nystromformer import iterative_pinv, nystrom_attention, segment_means
+from models.nystromformer import depthwise_skip, iterative_pinv, nystrom_attention, segment_means
 
 BACKBONE = {"d_model": 32, "n_heads": 2, "d_qkv": 32, "dropout": 0.0, "max_len": 512}
 
@@ -78,6 +78,57 @@ def test_bf16_autocast_keeps_the_core_in_fp32():
         out = model(x, mask)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), model(x, mask), atol=0.1, rtol=0.05)
+
+
+def test_mixed_backend_runs_the_long_products_in_bf16_and_stays_close():
+    """backend=mixed: with fp32 inputs the same computation as fp32 (bit for bit); under bf16 autocast its
+    N-sized products take bf16 operands (so it differs from the fp32 backend) yet stays within bf16's error of
+    the fp32 model, padding included, and real outputs ignore appended padding."""
+    torch.manual_seed(0)
+    model = create_model("nystromformer", **BACKBONE, n_landmarks=16)
+    x = torch.randn(2, 100, 32)
+    mask = ragged_mask(100, [100, 37])
+    reference = model(x, mask)  # (B, N, D) fp32
+    model.backend = "mixed"
+    torch.testing.assert_close(model(x, mask), reference, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = model(x, mask).float()
+        model.backend = "fp32"
+        full = model(x, mask).float()
+        model.backend = "mixed"
+        alone = model(x[1:, :37], mask[1:, :37]).float()
+    assert not torch.equal(mixed, full)
+    for got in (mixed, full):
+        torch.testing.assert_close(got[0], reference[0], atol=0.01, rtol=0.01)
+        torch.testing.assert_close(got[1, :37], reference[1, :37], atol=0.01, rtol=0.01)
+    torch.testing.assert_close(mixed[1:, :37], alone, atol=1e-3, rtol=1e-3)
+    assert (mixed - reference).abs().mean() < 4 * (full - reference).abs().mean() + 1e-3
+
+
+@pytest.mark.parametrize("N", [5, 80])  # shorter than the kernel, and longer
+def test_skip_equals_the_grouped_convolution(N):
+    """The skip as shifted copies equals the public code's grouped Conv2d (groups = heads, a (K, 1) window, zero
+    padding), forward and backward, in fp64; under bf16 it returns bf16 within bf16's error of it."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 3, (35, 1), padding=(17, 0), groups=3, bias=False).double()
+    v = torch.randn(2, 3, N, 8, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 3, N, 8, dtype=torch.float64)
+    want = conv(v)
+    want_grads = torch.autograd.grad(want, (v, conv.weight), grad)
+    got = depthwise_skip(v, conv.weight)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got, (v, conv.weight), grad), want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    low = depthwise_skip(v.detach().bfloat16(), conv.weight.detach().float())
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.double(), want.detach(), rtol=0.02, atol=0.02)
+
+
+def test_backend_is_checked():
+    model = create_model("nystromformer", **BACKBONE)
+    model.backend = "bf16"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        model(torch.randn(1, 8, 32), torch.ones(1, 8, dtype=torch.bool))
 
 
 def test_segment_means_follow_the_real_tokens():
