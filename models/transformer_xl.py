@@ -26,6 +26,10 @@ pooling reads every segment.
 Complexity: O(N (M + 1) S d) time and O(N (M + 1) S) memory per layer (scores per segment over its window;
 "N" in S and M fixed). N is padded up to a multiple of S; a sequence no longer than ``segment`` is one segment
 of its own length (no memory), which is exactly full relative attention.
+Execution (``backend``, an attribute: how it runs, not what it computes): ``explicit`` (``auto``) forms each
+window's scores, softmax and dropout as tensors; ``sdpa`` hands (q + u), the keys and the values to fused SDPA with
+the position term (b) + (d) as its float mask, so that of the (B, H, n, S, L) tensors only that bias is stored,
+not the scores, the probabilities and the dropout mask. ``auto`` stays explicit until a GPU measures both.
 Padding: padded keys are masked in every window (memory included) and the window before the first segment is
 masked too, so appending padding leaves real outputs unchanged (segments are counted from the start). Padded
 queries get an output the encoder ignores. Masking fills the finite dtype minimum, not -inf, so a padded query
@@ -54,6 +58,9 @@ from torch import nn
 
 from .base import MultiHeadMixer
 from .registry import Taxonomy, register_model
+
+
+BACKENDS = ("auto", "explicit", "sdpa")  # auto = explicit: one layer's time on a GPU has not chosen sdpa yet
 
 
 def sinusoid(distances: torch.Tensor, d: int) -> torch.Tensor:
@@ -105,6 +112,7 @@ class TransformerXL(MultiHeadMixer):
         if memory < 0:
             raise ValueError(f"memory must be >= 0 segments, got {memory}")
         self.segment, self.memory, self.d_model = int(segment), int(memory), d_model
+        self.backend = "auto"  # "explicit" | "sdpa" (the window attention); how it runs, not what
         self.r_net = nn.Linear(d_model, d_qkv, bias=False)  # W_r: sinusoid -> per-head relative keys
         # u, v: the global content and position biases; N(0, 0.02) as the original code's init_std
         self.u = nn.Parameter(torch.randn(n_heads, self.d_head) * 0.02)
@@ -139,10 +147,16 @@ class TransformerXL(MultiHeadMixer):
         distances = torch.arange(L - 1, -S, -1, device=q.device)  # (P,): L - 1 down to -(S - 1)
         r = self.r_net(sinusoid(distances, self.d_model).to(q.dtype))  # (P, H Dh): W_r R
         r = r.view(-1, H, Dh).permute(1, 2, 0).unsqueeze(1)  # (H, 1, Dh, P)
-        content = (q + self.u[:, None, None, :]) @ keys.transpose(-1, -2)  # (B, H, n, S, L): (a) + (c)
-        position = rel_shift((q + self.v[:, None, None, :]) @ r, L)  # (B, H, n, S, L): (b) + (d)
-        scores = (content + position) * Dh**-0.5  # (B, H, n, S, L)
-        scores = scores.masked_fill(~keep[:, None, :, None, :], torch.finfo(scores.dtype).min)
+        position = rel_shift((q + self.v[:, None, None, :]) @ r, L) * Dh**-0.5  # (B, H, n, S, L): (b) + (d)
+        bias = position.masked_fill(~keep[:, None, :, None, :], torch.finfo(position.dtype).min)  # (B, H, n, S, L)
+        content_q = q + self.u[:, None, None, :]  # (B, H, n, S, Dh): (a) + (c) = (q + u) . k
+        if self.backend not in BACKENDS:
+            raise ValueError(f"{type(self).__name__}: backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "sdpa":  # heads and segments as one batch dimension: (B, H n, ., .)
+            o = F.scaled_dot_product_attention(content_q.flatten(1, 2), keys.flatten(1, 2), values.flatten(1, 2),
+                                               attn_mask=bias.flatten(1, 2), dropout_p=self.dropout_p)
+            return o.unflatten(1, (H, -1))  # (B, H n, S, Dh) -> (B, H, n, S, Dh)
+        scores = content_q @ keys.transpose(-1, -2) * Dh**-0.5 + bias  # (B, H, n, S, L)
         p = F.dropout(scores.softmax(-1), self.dropout_p)  # (B, H, n, S, L)
         return p @ values  # (B, H, n, S, Dh)
 

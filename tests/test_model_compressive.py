@@ -110,10 +110,12 @@ def test_conv_slots_see_zeros_for_padding_and_start_as_mean_pooling():
     assert keep.all()
 
 
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])  # Transformer-XL's two executions of the window
 @pytest.mark.parametrize("compression", ["conv", "mean"])
 @pytest.mark.parametrize("memory,ncm", [(2, 3), (1, 6)])  # n_cm less than a segment's slots, more
-def test_layer_equals_the_per_segment_dense_reference(compression, memory, ncm):
+def test_layer_equals_the_per_segment_dense_reference(compression, memory, ncm, backend):
     model = build(segment=S, memory=memory, compressed_memory=ncm, compression_rate=C, compression=compression)
+    model.backend = backend
     with torch.no_grad():  # a conv that is not the mean pooling it starts as
         if model.conv is not None:
             model.conv.weight.mul_(torch.rand_like(model.conv.weight) + 0.5)

@@ -32,7 +32,7 @@ def relative_reference(model, x, mask, span):
     B, N, _ = x.shape
     q, k, v = model.project(x)  # (B, H, N, Dh)
     i = torch.arange(N)
-    r = model.r_net(paper_sinusoid(i[:, None] - i[None, :], D)).view(N, N, H, -1)  # (N, N, H, Dh): W_r R_{i-j}
+    r = model.r_net(paper_sinusoid(i[:, None] - i[None, :], D).to(x.dtype)).view(N, N, H, -1)  # (N, N, H, Dh): W_r R_{i-j}
     a = torch.einsum("bhid,bhjd->bhij", q, k)
     b = torch.einsum("bhid,ijhd->bhij", q, r)
     c = torch.einsum("hd,bhjd->bhj", model.u, k)[:, :, None, :]
@@ -53,12 +53,35 @@ def test_one_segment_is_full_attention_with_the_papers_relative_terms(segment):
     torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gradients_of_both_backends_equal_the_papers_formula(dtype, backend):
+    """Explicit scores, or SDPA with the position term as its float mask: every parameter's and the input's
+    gradient equals the dense formula's (one segment, so no stop-gradient memory takes part)."""
+    model = build(segment=64, memory=1).to(dtype).train()
+    model.backend = backend
+    x = torch.randn(2, 40, D, dtype=dtype, requires_grad=True)
+    mask = lengths_mask([40, 27], 40)
+    weight = torch.randn(2, 40, D, dtype=dtype) * mask[..., None]  # a loss over real positions only
+    grads = []
+    for fn in (lambda: model(x, mask), lambda: relative_reference(model, x, mask, lambda i, j: (i - j) == (i - j))):
+        model.zero_grad()
+        x.grad = None
+        (fn() * weight).sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    tol = 1e-6 if dtype == torch.float64 else 1e-4  # fp64: both read fp32-rounded sinusoids
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
 @pytest.mark.parametrize("memory", [1, 2])
-def test_segments_with_memory_equal_dense_attention_over_the_memory_span(memory):
+def test_segments_with_memory_equal_dense_attention_over_the_memory_span(memory, backend):
     """Forward values only (the memory's stop-gradient changes no value): query i in segment i // S sees keys
     of segments i // S - memory ... i // S, at their true distance i - j (rel_shift + the windows)."""
     S = 8
     model = build(segment=S, memory=memory).eval()
+    model.backend = backend
     x = torch.randn(2, 37, D)  # 5 segments, the last one partial
     mask = lengths_mask([37, 30], 37)
     mask[0, 5] = False  # a hole inside the memory of a later segment
@@ -113,11 +136,20 @@ def test_appended_padding_changes_nothing_across_segments():
         torch.testing.assert_close(y_long[b, :n], y[b, :n], atol=1e-5, rtol=1e-4)
 
 
-def test_a_window_of_only_padding_stays_finite():
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+def test_a_window_of_only_padding_stays_finite_with_either_backend(backend):
     model = build(segment=8, memory=1).eval()
+    model.backend = backend
     mask = lengths_mask([20, 0], 40)  # the second row is all padding: no query sees a real key
     out = model(torch.randn(2, 40, D), mask)
     assert torch.isfinite(out).all()
+
+
+def test_backend_is_checked():
+    model = build()
+    model.backend = "flex"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        model(torch.randn(1, 8, D), torch.ones(1, 8, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("options", [{"segment": 0}, {"memory": -1}])
