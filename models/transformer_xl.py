@@ -59,7 +59,6 @@ from torch import nn
 from .base import MultiHeadMixer
 from .registry import Taxonomy, register_model
 
-
 BACKENDS = ("auto", "explicit", "sdpa")  # auto = explicit: one layer's time on a GPU has not chosen sdpa yet
 
 

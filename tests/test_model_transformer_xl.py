@@ -32,7 +32,8 @@ def relative_reference(model, x, mask, span):
     B, N, _ = x.shape
     q, k, v = model.project(x)  # (B, H, N, Dh)
     i = torch.arange(N)
-    r = model.r_net(paper_sinusoid(i[:, None] - i[None, :], D).to(x.dtype)).view(N, N, H, -1)  # (N, N, H, Dh): W_r R_{i-j}
+    table = paper_sinusoid(i[:, None] - i[None, :], D).to(x.dtype)  # (N, N, D): R_{i-j}
+    r = model.r_net(table).view(N, N, H, -1)  # (N, N, H, Dh): W_r R_{i-j}
     a = torch.einsum("bhid,bhjd->bhij", q, k)
     b = torch.einsum("bhid,ijhd->bhij", q, r)
     c = torch.einsum("hd,bhjd->bhj", model.u, k)[:, :, None, :]
