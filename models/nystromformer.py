@@ -80,9 +80,9 @@ def landmark_means(means: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def depthwise_skip(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The paper's skip: v (B, H, N, Dh) convolved over the sequence with each head's kernel, weight (H, 1, K, 1)
-    (a grouped Conv2d's, zero padding), shared by the head's Dh channels; in v's dtype, summed in fp32. Written as
-    K shifted copies of v, which torch.compile fuses into one stencil kernel each way: the grouped convolution
-    with one channel per group took 10x as long, forward and backward, compiled on a CPU."""
+    (a grouped Conv2d's, zero padding), shared by the head's Dh channels; summed in fp32 at least, returned in v's
+    dtype. Written as K shifted copies of v, which torch.compile fuses into one stencil kernel each way: the grouped
+    convolution with one channel per group took 10x as long, forward and backward, compiled on a CPU."""
     K, N = weight.shape[2], v.shape[2]
     padded = F.pad(v, (0, 0, K // 2, K // 2))  # (B, H, N + K - 1, Dh): zeros beyond both ends
     taps = weight[:, 0, :, 0].to(torch.promote_types(v.dtype, torch.float32))  # (H, K)
