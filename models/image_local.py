@@ -37,20 +37,70 @@ Padding: masked pixels (LRA's ``pixel_zero_is_pad`` holes) are masked keys in ev
 contribute; the output at a masked pixel is computed anyway (and ignored by the encoder), 0 where its whole memory
 block and the prefix are masked.
 
+Two executions (``backend``, an attribute: how it runs, never what it computes):
+* **dense** (the reference; CPU, and CUDA while attention dropout is active or a key mask is given): the gather + SDPA
+  call above. The gathered keys and values are what holds its memory above exact attention's (2.2x SDPA's at
+  16K, one layer on an H200).
+* **flex** (CUDA's default without attention dropout and without a key mask, i.e. the pixel tasks' evaluation
+  and the bench; ``backend = "flex"`` forces it): FlexAttention over the row-major sequence itself, with a
+  ``mask_mod`` that allows a pair when the key lies in the query's memory block (or either is a prefix token).
+  Nothing is gathered: O(N) memory beside q, k, v. It computes whole 128 x 128 tiles wherever a tile holds an
+  allowed pair: a 128-pixel run of a row meets (qh + 2f) rows of keys, so at width W each query computes about
+  128 (qh + 2f) max(1, W / 128) / max(1, 128 / W) keys instead of its (qh + 2f)(qw + 2f) (about 1,100 at 64 x 64
+  and 2,050 at 128 x 128 for 256), still a fixed number per query. The tiles depend on the grid alone: made once
+  per (length, grid, device) and kept. FlexAttention has no dropout (hence dense in training under LRA's
+  attention dropout), and forcing ``flex`` with dropout active or a key mask is an error.
+
 Deviations from the paper: the memory block extends the query block on all four sides (the paper's decoder
 extends it up, left and right only, to stay causal; we classify). One flange for all sides, where
 tensor2tensor's ``memory_flange`` is (height, width); the query block's height and width are separate options.
-Attention dropout is applied, as in the transformer baseline. No CUDA-specific kernel: the gather + SDPA path
-above runs the same on CUDA (fused SDPA kernels on the batch of blocks), and a ``gpu`` test checks it against
-the CPU result.
+Attention dropout is applied, as in the transformer baseline (on the dense path). ``gpu`` tests check the dense
+path on CUDA against the CPU result and the flex path against the dense one, forward and backward.
 """
 from __future__ import annotations
 
 import torch
 
 from ._grid import check_grid, grid_attend
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, takes_fused_path
+from .patterns import FLEX_BLOCK, block_mask_of, flex_attend, flex_call, kept_tile_lists
 from .registry import Grid, Taxonomy, register_model
+
+
+def memory_rule(P: int, width: int, qh: int, qw: int, f: int):
+    """The pattern as a function of sequence indices (prefix P, then the grid row-major): key j is in query i's
+    memory block (i's query block grown by f on every side), or either is a prefix token."""
+    def allowed(q_idx, kv_idx):
+        p, c = q_idx - P, kv_idx - P  # pixel indices (negative for the prefix)
+        top, left = p // width // qh * qh, p % width // qw * qw  # the query block's first row and column
+        row, col = c // width, c % width
+        local = (row >= top - f) & (row < top + qh + f) & (col >= left - f) & (col < left + qw + f)
+        return local | (q_idx < P) | (kv_idx < P)
+    return allowed
+
+
+def memory_tiles(rule, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, 1, nt, nt) partial and full 128 x 128 tiles of ``rule`` over a length-``n`` sequence: one (n, n)
+    evaluation, made once per length and grid (positions past n are absent: they make no tile partial)."""
+    nt = -(-n // FLEX_BLOCK)
+    idx = torch.arange(nt * FLEX_BLOCK, device=device)  # (Np,)
+    inside = idx < n  # (Np,)
+    pairs = rule(idx[:, None], idx[None, :])  # (Np, Np)
+    some = (pairs & inside[:, None] & inside[None, :]).view(nt, FLEX_BLOCK, nt, FLEX_BLOCK).any(3).any(1)
+    every = (pairs | ~inside[:, None] | ~inside[None, :]).view(nt, FLEX_BLOCK, nt, FLEX_BLOCK).all(3).all(1)
+    full = some & every  # (nt, nt): computed without the mask_mod
+    return (some & ~full)[None, None], full[None, None]
+
+
+def _flex_attend(mixer: ImageLocal, qkv: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """qkv (B, N, 3, H, Dh) -> (B, N, H, Dh) through FlexAttention with the memory-block BlockMask."""
+    N = qkv.shape[1]
+    rule = memory_rule(grid.prefix, grid.width, mixer.query_height, mixer.query_width, mixer.memory_flange)
+    key = (N, grid.height, grid.width, grid.prefix, qkv.device)
+    lists = kept_tile_lists(mixer.kept_tiles, key, lambda: memory_tiles(rule, N, qkv.device))
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, H, N, Dh)
+    o = flex_attend(q, k, v, block_mask_of(lists, N, lambda b, h, q_idx, kv_idx: rule(q_idx, kv_idx)))
+    return o.transpose(1, 2)  # (B, N, H, Dh)
 
 
 @register_model
@@ -66,6 +116,15 @@ class ImageLocal(MultiHeadMixer):
             raise ValueError(f"query block {query_height}x{query_width} must be at least 1x1 and memory_flange="
                              f"{memory_flange} at least 0")
         self.query_height, self.query_width, self.memory_flange = query_height, query_width, memory_flange
+        self.backend = "auto"  # "flex" | "dense"; how it runs, not what
+        self.kept_tiles: dict = {}  # the flex path's tile lists by (length, grid, device)
+
+    def flex_runs(self, on_cuda: bool, padded: bool) -> bool:
+        """Whether FlexAttention runs (``backend``): asked for, or on CUDA without attention dropout and key mask."""
+        if self.backend == "flex" and (self.dropout_p > 0 or padded):
+            raise ValueError(f"image_local: backend='flex' takes no attention dropout (dropout_p={self.dropout_p}) "
+                             f"and no key mask (given: {padded}); use 'auto' or 'dense'")
+        return takes_fused_path(self.backend, "flex", "dense", on_cuda and self.dropout_p == 0 and not padded)
 
     def block_counts(self, grid: Grid) -> tuple[int, int]:
         """Query blocks down and across the grid, the last ones reaching past its edge when it is not divisible."""
@@ -102,6 +161,8 @@ class ImageLocal(MultiHeadMixer):
         B, N, _ = x.shape
         check_grid(self, N, grid)
         qkv = self.qkv(x).view(B, N, 3, self.n_heads, self.d_head)  # (B, N, 3, H, Dh)
+        if self.flex_runs(x.is_cuda, mask is not None):  # a key mask: there may be padding
+            return self.out(flex_call(_flex_attend, x.is_cuda, self, qkv, grid).reshape(B, N, -1))  # (B, N, D)
         # Padding is internal whenever the flange reaches past the grid or the blocks do not divide it.
         pads = (self.memory_flange > 0 or grid.height % self.query_height > 0
                 or grid.width % self.query_width > 0)

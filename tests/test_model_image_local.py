@@ -127,6 +127,64 @@ def test_all_masked_memory_blocks_give_zero_and_finite_gradients():
     assert_fully_masked_rows_are_zero_with_finite_gradients(model, x, mask, 2, grid=grid)
 
 
+# flex (FlexAttention with the memory-block mask_mod): eagerly on the CPU, forward only (torch has no flex backward
+# there); the GPU test below compares gradients. Grids over several 128-token tiles, one wider than a tile.
+FLEX_CASES = CASES + [
+    (Grid(20, 40, prefix=1), {}),
+    (Grid(3, 150, prefix=0), {"query_height": 2, "query_width": 16, "memory_flange": 3}),
+]
+FLEX_IDS = [f"{g.height}x{g.width}+{g.prefix}-" + ("-".join(f"{k}{v}" for k, v in o.items()) or "default")
+            for g, o in FLEX_CASES]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("grid,options", FLEX_CASES, ids=FLEX_IDS)
+def test_flex_path_equals_full_attention_under_the_block_mask(grid, options):
+    model = make(max_len=1000, **options)
+    x, _ = batch(grid)
+    expected = reference(model, x, None, block_mask(grid, *settings(model)))
+    model.backend = "flex"
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, None, grid=grid), expected, atol=1e-5, rtol=1e-5)
+    assert model.kept_tiles  # made once for this length and grid, then kept
+
+
+@pytest.mark.parametrize("grid,options", FLEX_CASES, ids=FLEX_IDS)
+def test_flex_tiles_pool_the_dense_block_mask(grid, options):
+    """A 128 x 128 tile is computed when it holds an allowed pair of the reference mask, and whole (no mask_mod)
+    when every pair of it inside the sequence is allowed (the kernel bounds-checks the last tile)."""
+    from models.image_local import memory_rule, memory_tiles
+
+    model = make(max_len=1000, **options)
+    partial, full = memory_tiles(memory_rule(grid.prefix, grid.width, *settings(model)), grid.length, "cpu")
+    allowed = block_mask(grid, *settings(model))  # (n, n)
+    nt = -(-grid.length // 128)
+    some, every = torch.zeros(nt, nt, dtype=torch.bool), torch.zeros(nt, nt, dtype=torch.bool)
+    for t in range(nt):
+        for u in range(nt):
+            tile = allowed[128 * t: 128 * (t + 1), 128 * u: 128 * (u + 1)]
+            some[t, u], every[t, u] = tile.any(), tile.all()
+    assert torch.equal(full[0, 0], every) and torch.equal(partial[0, 0], some & ~every)
+    if grid.length > 700:  # 7 tiles: some are skipped, the others partial
+        assert partial.any() and (~(partial | full)).any()
+
+
+def test_flex_refuses_what_it_cannot_do_and_auto_keeps_the_cpu_dense():
+    grid = Grid(16, 16, prefix=1)
+    model = make()
+    x, mask = batch(grid)
+    assert not model.flex_runs(on_cuda=False, padded=False)  # auto: dense on the CPU
+    assert not model.flex_runs(on_cuda=True, padded=True)  # ... and with a key mask on CUDA
+    assert model.flex_runs(on_cuda=True, padded=False)
+    model.backend = "flex"
+    with pytest.raises(ValueError, match="no key mask"):
+        model(x, mask, grid=grid)
+    model.attn_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match="no attention dropout"):
+        model(x, None, grid=grid)
+
+
 def test_bad_options_and_grids_are_refused():
     with pytest.raises(ValueError, match="query block"):
         make(query_height=0)
@@ -137,6 +195,26 @@ def test_bad_options_and_grids_are_refused():
         model(torch.randn(1, 250, D), None, grid=Grid(16, 16, prefix=1))
     with pytest.raises(ValueError, match="2-D mixer"):
         model(torch.randn(1, 257, D), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid,options", FLEX_CASES[-3:], ids=FLEX_IDS[-3:])
+def test_cuda_flex_path_equals_the_dense_path_forward_and_backward(grid, options):
+    """On CUDA, the flex path (compiled FlexAttention) against the dense gather + SDPA path: outputs and the
+    gradients of the input and every weight."""
+    model = make(max_len=1000, **options).cuda()
+    x, _ = batch(grid)
+    x = x.cuda()
+    results = []
+    for backend in ("dense", "flex"):
+        model.backend = backend
+        model.zero_grad()
+        xb = x.clone().requires_grad_()
+        out = model(xb, None, grid=grid)
+        out.square().sum().backward()
+        results.append([out.detach(), xb.grad] + [p.grad.clone() for p in model.parameters()])
+    for dense, flex in zip(*results):
+        torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
