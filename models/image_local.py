@@ -38,11 +38,11 @@ contribute; the output at a masked pixel is computed anyway (and ignored by the 
 block and the prefix are masked.
 
 Two executions (``backend``, an attribute: how it runs, never what it computes):
-* **dense** (the reference; CPU, and CUDA while attention dropout is active or a key mask is given): the gather + SDPA
-  call above. The gathered keys and values are what holds its memory above exact attention's (2.2x SDPA's at
-  16K, one layer on an H200).
-* **flex** (CUDA's default without attention dropout and without a key mask, i.e. the pixel tasks' evaluation
-  and the bench; ``backend = "flex"`` forces it): FlexAttention over the row-major sequence itself, with a
+* **dense** (the reference, and ``auto`` until a GPU has measured flex against it): the gather + SDPA call
+  above. The gathered keys and values are what holds its memory above exact attention's (2.2x SDPA's at 16K, one
+  layer on an H200).
+* **flex** (``backend = "flex"``; CUDA only in training, where torch has its backward; no attention dropout, no
+  key mask, as in the bench and the pixel tasks' evaluation): FlexAttention over the row-major sequence itself, with a
   ``mask_mod`` that allows a pair when the key lies in the query's memory block (or either is a prefix token).
   Nothing is gathered: O(N) memory beside q, k, v. It computes whole 128 x 128 tiles wherever a tile holds an
   allowed pair: a 128-pixel run of a row meets (qh + 2f) rows of keys, so at width W each query computes about
@@ -62,9 +62,11 @@ from __future__ import annotations
 import torch
 
 from ._grid import check_grid, grid_attend
-from .base import MultiHeadMixer, takes_fused_path
+from .base import MultiHeadMixer
 from .patterns import FLEX_BLOCK, block_mask_of, flex_attend, flex_call, kept_tile_lists
 from .registry import Grid, Taxonomy, register_model
+
+BACKENDS = ("auto", "dense", "flex")
 
 
 def memory_rule(P: int, width: int, qh: int, qw: int, f: int):
@@ -116,15 +118,17 @@ class ImageLocal(MultiHeadMixer):
             raise ValueError(f"query block {query_height}x{query_width} must be at least 1x1 and memory_flange="
                              f"{memory_flange} at least 0")
         self.query_height, self.query_width, self.memory_flange = query_height, query_width, memory_flange
-        self.backend = "auto"  # "flex" | "dense"; how it runs, not what
+        self.backend = "auto"  # "flex" | "dense" (auto = dense: one layer's time on a GPU has not chosen flex yet)
         self.kept_tiles: dict = {}  # the flex path's tile lists by (length, grid, device)
 
-    def flex_runs(self, on_cuda: bool, padded: bool) -> bool:
-        """Whether FlexAttention runs (``backend``): asked for, or on CUDA without attention dropout and key mask."""
+    def flex_runs(self, padded: bool) -> bool:
+        """Whether FlexAttention runs (``backend``): only when asked for (``auto`` = dense, module docstring)."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"image_local: backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "flex" and (self.dropout_p > 0 or padded):
             raise ValueError(f"image_local: backend='flex' takes no attention dropout (dropout_p={self.dropout_p}) "
                              f"and no key mask (given: {padded}); use 'auto' or 'dense'")
-        return takes_fused_path(self.backend, "flex", "dense", on_cuda and self.dropout_p == 0 and not padded)
+        return self.backend == "flex"
 
     def block_counts(self, grid: Grid) -> tuple[int, int]:
         """Query blocks down and across the grid, the last ones reaching past its edge when it is not divisible."""
@@ -161,7 +165,7 @@ class ImageLocal(MultiHeadMixer):
         B, N, _ = x.shape
         check_grid(self, N, grid)
         qkv = self.qkv(x).view(B, N, 3, self.n_heads, self.d_head)  # (B, N, 3, H, Dh)
-        if self.flex_runs(x.is_cuda, mask is not None):  # a key mask: there may be padding
+        if self.flex_runs(mask is not None):  # a key mask: there may be padding
             return self.out(flex_call(_flex_attend, x.is_cuda, self, qkv, grid).reshape(B, N, -1))  # (B, N, D)
         # Padding is internal whenever the flange reaches past the grid or the blocks do not divide it.
         pads = (self.memory_flange > 0 or grid.height % self.query_height > 0

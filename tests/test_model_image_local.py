@@ -169,14 +169,16 @@ def test_flex_tiles_pool_the_dense_block_mask(grid, options):
         assert partial.any() and (~(partial | full)).any()
 
 
-def test_flex_refuses_what_it_cannot_do_and_auto_keeps_the_cpu_dense():
+def test_flex_runs_when_asked_for_and_refuses_what_it_cannot_do():
     grid = Grid(16, 16, prefix=1)
     model = make()
     x, mask = batch(grid)
-    assert not model.flex_runs(on_cuda=False, padded=False)  # auto: dense on the CPU
-    assert not model.flex_runs(on_cuda=True, padded=True)  # ... and with a key mask on CUDA
-    assert model.flex_runs(on_cuda=True, padded=False)
+    assert not model.flex_runs(padded=False)  # auto: dense, until a GPU has measured flex
+    model.backend = "sparse"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        model(x, None, grid=grid)
     model.backend = "flex"
+    assert model.flex_runs(padded=False)
     with pytest.raises(ValueError, match="no key mask"):
         model(x, mask, grid=grid)
     model.attn_dropout = 0.1
