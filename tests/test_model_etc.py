@@ -54,9 +54,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
-def test_blocked_attention_equals_the_dense_reference(options):
+def test_blocked_attention_equals_the_dense_reference(options, backend):
     model = build(**options)
+    model.backend = backend
     x = torch.randn(2, 71, D)
     mask = lengths_mask([71, 50], 71)
     torch.testing.assert_close(model(x, mask)[mask], dense_reference(model, x, mask)[mask], atol=1e-5, rtol=1e-4)
@@ -98,10 +100,38 @@ def test_padding_with_global_tokens_leaves_real_outputs_unchanged(options):
     assert_appended_padding_changes_nothing(model, [40, 23], 40, 37, D)
 
 
-def test_fully_padded_rows_stay_finite():
+@pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
+def test_the_sdpa_backend_has_the_explicit_gradients(options):
+    """The relative terms and the mask as SDPA's float mask: the gradients of the input and of every weight (the
+    relative embeddings included) equal the explicit path's, a loss on the real positions."""
+    model = build(**options).train()  # dropout 0: deterministic, but the training path
+    x = torch.randn(2, 71, D)
+    mask = lengths_mask([71, 50], 71)
+    weight = torch.randn(2, 71, D) * mask[..., None]
+    grads = []
+    for backend in ("explicit", "sdpa"):
+        model.backend = backend
+        model.zero_grad()
+        xb = x.clone().requires_grad_()
+        (model(xb, mask) * weight).sum().backward()
+        grads.append([xb.grad] + [p.grad.clone() for p in model.parameters()])
+    for explicit, sdpa in zip(*grads):
+        torch.testing.assert_close(sdpa, explicit, atol=1e-5, rtol=1e-4)
+
+
+def test_backend_is_checked():
+    model = build()
+    model.backend = "flex"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        model(torch.randn(1, 8, D), lengths_mask([8], 8))
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+def test_fully_padded_rows_stay_finite(backend):
     """A padded query whose window holds only padding, with no global token, must not make NaN (it would reach the
     next layer's values)."""
     model = build(radius=2, global_tokens=0)
+    model.backend = backend
     x = torch.randn(1, 30, D)
     y = model(x, lengths_mask([5], 30))
     assert torch.isfinite(y).all()
@@ -119,8 +149,10 @@ def test_learned_globals_are_seen_and_dropped_from_the_output():
 
 
 @pytest.mark.gpu
-def test_cuda_matches_cpu():
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+def test_cuda_matches_cpu(backend):
     model = build(max_len=160, radius=9, global_tokens=1, learned_globals=2)
+    model.backend = backend
     x = torch.randn(2, 150, D)
     mask = lengths_mask([150, 90], 150)
     expected = model(x, mask)
