@@ -38,6 +38,13 @@ def compiled(fn, dynamic: bool | None = None):
     return torch.compile(fn, dynamic=dynamic)
 
 
+def chosen_backend(mixer, choices: tuple[str, ...]) -> str:
+    """A mixer's ``backend`` attribute (how it runs, not what), checked against its ``choices``."""
+    if mixer.backend not in choices:
+        raise ValueError(f"{type(mixer).__name__}: backend must be one of {choices}, got {mixer.backend!r}")
+    return mixer.backend
+
+
 def takes_fused_path(backend: str, fused: str, reference: str, on_cuda: bool) -> bool:
     """A mixer's ``backend`` attribute (how it runs, not what): its fused path when asked for by name (``fused``)
     or under "auto" on CUDA; its reference path (``reference``) otherwise. Any other name is an error."""

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, chosen_backend
 from .registry import Taxonomy, register_model
 
 MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
@@ -137,9 +137,7 @@ class ETC(MultiHeadMixer):
         win_rel = q_rel.gather(-1, label.expand(B, H, NB, b, 3 * b))  # (B, H, NB, b, 3b)
         see = torch.cat([g_real[:, None, None, :].expand(B, NB, b, G),
                          band & w_real[:, :, None, :]], dim=-1)  # (B, NB, b, G+3b)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"etc: backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "sdpa":  # the relative terms as SDPA's float mask; heads and blocks as one batch dim
+        if chosen_backend(self, BACKENDS) == "sdpa":  # relative terms as SDPA's float mask; heads, blocks one batch dim
             rel = torch.cat([q_rel[..., self.global_label, None].expand(B, H, NB, b, G), win_rel], dim=-1)
             bias = (rel * Dh**-0.5).masked_fill(~see[:, None], MASKED)  # (B, H, NB, b, G+3b)
             keys = torch.cat([gk[:, :, None].expand(B, H, NB, G, Dh), kw], dim=3)  # (B, H, NB, G+3b, Dh)

@@ -62,7 +62,7 @@ from __future__ import annotations
 import torch
 
 from ._grid import check_grid, grid_attend
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, chosen_backend
 from .patterns import FLEX_BLOCK, block_mask_of, flex_attend, flex_call, kept_tile_lists
 from .registry import Grid, Taxonomy, register_model
 
@@ -123,9 +123,7 @@ class ImageLocal(MultiHeadMixer):
 
     def flex_runs(self, padded: bool) -> bool:
         """Whether FlexAttention runs (``backend``): only when asked for (``auto`` = dense, module docstring)."""
-        if self.backend not in BACKENDS:
-            raise ValueError(f"image_local: backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "flex" and (self.dropout_p > 0 or padded):
+        if chosen_backend(self, BACKENDS) == "flex" and (self.dropout_p > 0 or padded):
             raise ValueError(f"image_local: backend='flex' takes no attention dropout (dropout_p={self.dropout_p}) "
                              f"and no key mask (given: {padded}); use 'auto' or 'dense'")
         return self.backend == "flex"

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer, product_dtype, upcast
+from .base import MultiHeadMixer, chosen_backend, product_dtype, upcast
 from .registry import Taxonomy, register_model
 
 BACKENDS = ("auto", "fp32", "mixed")  # auto = fp32: one layer's time on a GPU has not chosen mixed yet
@@ -166,11 +166,9 @@ class Nystromformer(MultiHeadMixer):
         )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"nystromformer: backend must be one of {BACKENDS}, got {self.backend!r}")
         with torch.autocast(device_type=q.device.type, enabled=False):
             o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations,
-                                  mixed=self.backend == "mixed").to(q.dtype)
+                                  mixed=chosen_backend(self, BACKENDS) == "mixed").to(q.dtype)
         if self.conv is not None:  # padded values are zeroed first
             o = o + depthwise_skip(v * mask[:, None, :, None].to(v.dtype), self.conv.weight)  # (B, H, N, Dh)
         return o  # (B, H, N, Dh)

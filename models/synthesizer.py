@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer
+from .base import MultiHeadMixer, chosen_backend
 from .registry import Taxonomy, register_model
 
 VARIANTS = ("dense", "random", "factorized_random")
@@ -111,9 +111,7 @@ class Synthesizer(MultiHeadMixer):
         self.check_length(N)
         H, Dh = self.n_heads, self.d_head
         pad_keys = None if mask is None else ~mask[:, None, None, :]  # (B, 1, 1, N); None: no padding
-        if self.backend not in BACKENDS:
-            raise ValueError(f"synthesizer: backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.keep_dot_product and self.backend == "explicit":
+        if chosen_backend(self, BACKENDS) == "explicit" and self.keep_dot_product:
             q, k, v = self.project(x)  # each (B, H, N, Dh)
             synthesized = self.synthesized(x)  # (1 or B, H, N, N)
             with torch.autocast(device_type=x.device.type, enabled=False):
