@@ -109,8 +109,7 @@ def variant_cases(variants) -> list[tuple[str, str, dict]]:
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        constructor = {k: v for k, v in options.items() if k not in MIXER_ATTRIBUTES}
-        error = unknown_options(name, constructor, backbone=False)
+        error = unknown_options(name, split_attributes(options)[0], backbone=False)
         if error:
             raise ValueError(f"bench.variants: {error}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"

@@ -121,11 +121,11 @@ class ImageLocal(MultiHeadMixer):
         self.backend = "auto"  # "flex" | "dense" (auto = dense: one layer's time on a GPU has not chosen flex yet)
         self.kept_tiles: dict = {}  # the flex path's tile lists by (length, grid, device)
 
-    def flex_runs(self, padded: bool) -> bool:
+    def flex_runs(self, key_mask: bool) -> bool:
         """Whether FlexAttention runs (``backend``): only when asked for (``auto`` = dense, module docstring)."""
-        if chosen_backend(self, BACKENDS) == "flex" and (self.dropout_p > 0 or padded):
+        if chosen_backend(self, BACKENDS) == "flex" and (self.dropout_p > 0 or key_mask):
             raise ValueError(f"image_local: backend='flex' takes no attention dropout (dropout_p={self.dropout_p}) "
-                             f"and no key mask (given: {padded}); use 'auto' or 'dense'")
+                             f"and no key mask (given: {key_mask}); use 'auto' or 'dense'")
         return self.backend == "flex"
 
     def block_counts(self, grid: Grid) -> tuple[int, int]:
@@ -163,7 +163,7 @@ class ImageLocal(MultiHeadMixer):
         B, N, _ = x.shape
         check_grid(self, N, grid)
         qkv = self.qkv(x).view(B, N, 3, self.n_heads, self.d_head)  # (B, N, 3, H, Dh)
-        if self.flex_runs(mask is not None):  # a key mask: there may be padding
+        if self.flex_runs(key_mask=mask is not None):  # a key mask: there may be padding
             return self.out(flex_call(_flex_attend, x.is_cuda, self, qkv, grid).reshape(B, N, -1))  # (B, N, D)
         # Padding is internal whenever the flange reaches past the grid or the blocks do not divide it.
         pads = (self.memory_flange > 0 or grid.height % self.query_height > 0

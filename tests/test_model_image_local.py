@@ -173,12 +173,12 @@ def test_flex_runs_when_asked_for_and_refuses_what_it_cannot_do():
     grid = Grid(16, 16, prefix=1)
     model = make()
     x, mask = batch(grid)
-    assert not model.flex_runs(padded=False)  # auto: dense, until a GPU has measured flex
+    assert not model.flex_runs(key_mask=False)  # auto: dense, until a GPU has measured flex
     model.backend = "sparse"
     with pytest.raises(ValueError, match="backend must be one of"):
         model(x, None, grid=grid)
     model.backend = "flex"
-    assert model.flex_runs(padded=False)
+    assert model.flex_runs(key_mask=False)
     with pytest.raises(ValueError, match="no key mask"):
         model(x, mask, grid=grid)
     model.attn_dropout = 0.1
