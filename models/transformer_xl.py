@@ -29,7 +29,9 @@ of its own length (no memory), which is exactly full relative attention.
 Execution (``backend``, an attribute: how it runs, not what it computes): ``explicit`` (``auto``) forms each
 window's scores, softmax and dropout as tensors; ``sdpa`` hands (q + u), the keys and the values to fused SDPA with
 the position term (b) + (d) as its float mask, so that of the (B, H, n, S, L) tensors only that bias is stored,
-not the scores, the probabilities and the dropout mask. ``auto`` stays explicit until a GPU measures both.
+not the scores, the probabilities and the dropout mask. ``auto`` = explicit: on an H200 (one layer, compiled) sdpa
+was slower at every length (2.74 against 2.14 ms at 1K, 6.00 against 5.52 at 4K) for 3% less memory; a float
+mask is read from memory for every score.
 Padding: padded keys are masked in every window (memory included) and the window before the first segment is
 masked too, so appending padding leaves real outputs unchanged (segments are counted from the start). Padded
 queries get an output the encoder ignores. Masking fills the finite dtype minimum, not -inf, so a padded query
@@ -59,7 +61,7 @@ from torch import nn
 from .base import MultiHeadMixer, chosen_backend
 from .registry import Taxonomy, register_model
 
-BACKENDS = ("auto", "explicit", "sdpa")  # auto = explicit: one layer's time on a GPU has not chosen sdpa yet
+BACKENDS = ("auto", "explicit", "sdpa")  # auto = explicit (module docstring: measured)
 
 
 def sinusoid(distances: torch.Tensor, d: int) -> torch.Tensor:
