@@ -44,8 +44,13 @@ the outputs it would have alone in its own row (padding between examples is a no
   is computed as alone by construction, in the kernels' own arithmetic. Cost: one device sync to build
   ``cu_seqlens`` (fla syncs for its chunk indices anyway), and each sequence starts a fresh chunk of 64.
 
-Everything except the fla kernels (which take bf16 q, k, v under autocast and keep their states in fp32) runs
-in fp32 at least (fp64 stays, for tests).
+Precision: the fla kernels take bf16 q, k, v under autocast and keep their states in fp32. The chunked form's
+decays (the cumulative log sums and their exps) and elementwise weights are fp32 at least; its products (the
+C x C scores, their product with v, the chunk summaries, their combination across chunks and the entering
+states' product with q) follow autocast as every matmul does: under bf16 autocast (a GPU's training and bench
+steps) bf16 operands accumulated in fp32 with bf16 results, about fla's precision (its dots take bf16 operands
+too; it keeps the running state in fp32, where this rounds each chunk's combined state once); without autocast
+(CPU, the tests) fp32, and fp64 stays fp64. The recurrent form is elementwise, fp32 at least.
 """
 from __future__ import annotations
 

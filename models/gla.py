@@ -28,8 +28,8 @@ et al. 2024, arXiv 2401.09417) makes for its SSM, as ``mamba`` here. With expand
 
 Complexity: O(N Dk Dv) time and O(N (Dk + Dv)) memory per head (chunked: O(N C (Dk + Dv)) more inside the
 chunks, C = chunk_size, and (N/C)^2 Dk Dv over the chunk summaries).
-Precision: projections follow autocast; gates, scan (fp32; fla: bf16 q, k, v with fp32 states and gates) and
-the norm run in fp32.
+Precision: projections follow autocast; gates and the norm run in fp32; the scan as ``_scan`` says (fla: bf16 q,
+k, v with fp32 states and gates; chunked: fp32 decays, products following autocast).
 Padding: padded steps are exact no-ops wherever they sit: their keys and log gates are zeroed, so alpha = 1
 and the write k^T v = 0 leave the state unchanged. Flipping a right-padded row puts the padding first, where
 it is a no-op too, so both passes equal the passes over the real tokens alone. Padded positions get outputs

@@ -36,8 +36,8 @@ a Mamba-2 mixer plus that MLP, not Mamba's attention-free stack).
 Complexity: O(N d_inner d_state) time, O(N) memory in N (chunked: O(N C (d_state + headdim) + (N/C)^2 d_state
 headdim) per head, the second term a small product over chunk summaries).
 Precision: the projections follow autocast; the convolution (K shifted products, ``causal_conv``: CPU's
-depthwise conv1d backward took half of a training step), dt, A dt, the scan (fla: bf16 q, k, v with fp32
-states and decays) and the norm run in fp32.
+depthwise conv1d backward took half of a training step), dt, A dt and the norm run in fp32; the scan as ``_scan``
+says (fla: bf16 q, k, v with fp32 states and decays; chunked: fp32 decays, products following autocast).
 Padding: padded steps are exact no-ops, wherever they sit: their inputs are zeroed before the convolution (so
 no real position's convolution sees their content) and their dt is 0, so exp(A dt) = 1 and B dt x = 0 leave
 the state unchanged. Flipping a right-padded row puts the padding first, where it is a no-op too, so both

@@ -116,6 +116,20 @@ def test_chunked_scan_is_exact_and_finite_however_fast_it_forgets(gate_scale):
     torch.testing.assert_close(S[1], _scan.recurrent(*(t[1:, :, :-10] for t in (q, k, v, g)), 0.5)[1][0])
 
 
+@pytest.mark.parametrize("gate_scale", [0.1, 8.0])  # the factorised branch (exp(+-G) up to e^40) and the exact one
+def test_chunked_scan_under_bf16_autocast_stays_finite_and_close(gate_scale):
+    """On a GPU the chunked form runs inside the model's bf16 autocast, so its products take bf16 operands
+    (``_scan``'s precision note): the factors exp(+-G) stay in range, and the outputs stay within bf16's rounding
+    of the recurrence."""
+    q, k, v, g = scan_inputs(gate_scale=gate_scale)
+    want = _scan.recurrent(q, k, v, g, 0.5)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _scan.chunked(*(t.float() for t in (q, k, v, g)), 15, 0.5)
+    assert got.dtype == torch.bfloat16  # the products followed autocast
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
 def fake_chunk_gla(q, k, v, g, scale, cu_seqlens=None):
     """fla's chunk_gla per its documented semantics ((B, T, H, K) layout, g (B, T, H, K) log decay; with
     ``cu_seqlens``, B = 1 and each sequence from a zero state), from its naive recurrence, so the wrapper's
