@@ -27,7 +27,8 @@ Complexity: O(N (M + 1) S d) time and O(N (M + 1) S) memory per layer (scores pe
 "N" in S and M fixed). N is padded up to a multiple of S; a sequence no longer than ``segment`` is one segment
 of its own length (no memory), which is exactly full relative attention.
 Execution (``backend``, an attribute: how it runs, not what it computes): ``explicit`` (``auto``) forms each
-window's scores, softmax and dropout as tensors; ``sdpa`` hands (q + u), the keys and the values to fused SDPA with
+window's scores, softmax and dropout as tensors, keeping only the scores for the backward, which recomputes the
+weights (``base.softmax_values``); ``sdpa`` hands (q + u), the keys and the values to fused SDPA with
 the position term (b) + (d) as its float mask, so that of the (B, H, n, S, L) tensors only that bias is stored,
 not the scores, the probabilities and the dropout mask. ``auto`` = explicit: on an H200 (one layer, compiled) sdpa
 was slower at every length (2.74 against 2.14 ms at 1K, 6.00 against 5.52 at 4K) for 3% less memory; a float
@@ -58,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer, chosen_backend
+from .base import MultiHeadMixer, chosen_backend, softmax_values
 from .registry import Taxonomy, register_model
 
 BACKENDS = ("auto", "explicit", "sdpa")  # auto = explicit (module docstring: measured)
@@ -147,8 +148,10 @@ class TransformerXL(MultiHeadMixer):
         S, L, H, Dh = q.shape[3], keys.shape[3], self.n_heads, self.d_head
         distances = torch.arange(L - 1, -S, -1, device=q.device)  # (P,): L - 1 down to -(S - 1)
         r = self.r_net(sinusoid(distances, self.d_model).to(q.dtype))  # (P, H Dh): W_r R
-        r = r.view(-1, H, Dh).permute(1, 2, 0).unsqueeze(1)  # (H, 1, Dh, P)
-        position = rel_shift((q + self.v[:, None, None, :]) @ r, L) * Dh**-0.5  # (B, H, n, S, L): (b) + (d)
+        r = r.view(-1, H, Dh).permute(1, 2, 0)  # (H, Dh, P)
+        # an einsum, not a broadcast matmul, which would keep r expanded over batch and segments for its backward
+        table = torch.einsum("bhnsd,hdp->bhnsp", q + self.v[:, None, None, :], r)  # (B, H, n, S, P)
+        position = rel_shift(table, L) * Dh**-0.5  # (B, H, n, S, L): (b) + (d)
         bias = position.masked_fill(~keep[:, None, :, None, :], torch.finfo(position.dtype).min)  # (B, H, n, S, L)
         content_q = q + self.u[:, None, None, :]  # (B, H, n, S, Dh): (a) + (c) = (q + u) . k
         if chosen_backend(self, BACKENDS) == "sdpa":  # heads and segments as one batch dimension: (B, H n, ., .)
@@ -156,8 +159,7 @@ class TransformerXL(MultiHeadMixer):
                                                attn_mask=bias.flatten(1, 2), dropout_p=self.dropout_p)
             return o.unflatten(1, (H, -1))  # (B, H n, S, Dh) -> (B, H, n, S, Dh)
         scores = content_q @ keys.transpose(-1, -2) * Dh**-0.5 + bias  # (B, H, n, S, L)
-        p = F.dropout(scores.softmax(-1), self.dropout_p)  # (B, H, n, S, L)
-        return p @ values  # (B, H, n, S, Dh)
+        return softmax_values(scores, values, self.dropout_p)  # (B, H, n, S, Dh): weights recomputed, not kept
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
