@@ -175,7 +175,9 @@ class Mamba(nn.Module):
         if segments is not None:  # (B, N) example ids, then (2, B, N) in each pass's order
             mask = segments != 0 if mask is None else mask
             segments = orient(segments.expand(2, *segments.shape))
-        keep = None if mask is None else orient(mask[None, ..., None].to(u.dtype).expand(2, *mask.shape, 1))
+        # in the projections' dtype: 0 and 1 multiply exactly in any, and an fp32 mask would make (and keep for the
+        # backward) an fp32 copy of the bf16 projections under autocast
+        keep = None if mask is None else orient(mask[None, ..., None].to(xbcdt.dtype).expand(2, *mask.shape, 1))
         # The reversed pass runs the same causal code on the flipped rows, where right padding comes first:
         # no-op steps there too.
         y = orient(self.ssm(orient(xbcdt), keep, segments)).sum(0)  # (B, N, E): forward + reversed pass, in place
