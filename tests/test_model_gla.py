@@ -116,6 +116,20 @@ def test_chunked_scan_is_exact_and_finite_however_fast_it_forgets(gate_scale):
     torch.testing.assert_close(S[1], _scan.recurrent(*(t[1:, :, :-10] for t in (q, k, v, g)), 0.5)[1][0])
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 17, 65])
+@pytest.mark.parametrize("per_key", [False, True])
+def test_chunk_ends_in_two_levels_equal_the_n_by_n_combination(n, per_key):
+    """``_scan.chunk_ends`` (groups of ceil(sqrt(n)) chunks, then across groups) against the one-level sum over every
+    pair of chunks, with a reset's log decay among the totals."""
+    torch.manual_seed(n)
+    total = -torch.rand(2, 3, n, 4 if per_key else 1, dtype=torch.float64) * 2  # (B, H, n, K | 1)
+    total[0, 0, n // 2] = _scan.RESET
+    summary = torch.randn(2, 3, n, 4, 5, dtype=torch.float64)  # (B, H, n, K, V)
+    every_pair = _scan.segsum(total.transpose(-1, -2)).exp()  # (B, H, K | 1, n, n)
+    want = torch.einsum("bhkcd,bhdkv->bhckv", every_pair, summary)
+    torch.testing.assert_close(_scan.chunk_ends(total, summary), want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("gate_scale", [0.1, 8.0])  # the factorised branch (exp(+-G) up to e^40) and the exact one
 def test_chunked_scan_under_bf16_autocast_stays_finite_and_close(gate_scale):
     """On a GPU the chunked form runs inside the model's bf16 autocast, so its products take bf16 operands
