@@ -14,8 +14,9 @@ an exact no-op, in either direction, wherever the padding sits.
   dim, factorised as (q_i exp(G_i)) . (k_j exp(-G_j)) (the GLA paper's chunkwise form) while every
   chunk's total log decay stays under ``FACTOR_LIMIT``, else the exact C x C x K weights (what the paper's
   secondary chunking does in log space), so nothing overflows however fast a gate forgets. Across chunks,
-  the chunk summaries are combined by one (N/C x N/C) decay-weighted product from segment sums (no exp of a
-  positive number). O(N C (K + V) + (N/C)^2 K V) time per head. The default off CUDA (the per-key branch
+  the chunk summaries are combined by decay-weighted products from segment sums (no exp of a positive number),
+  in two levels (``chunk_ends``: within groups of sqrt(N/C) chunks, then across groups). O(N C (K + V) +
+  (N/C)^1.5 K V) time per head. The default off CUDA (the per-key branch
   test reads one number off the device).
 * ``fla``: flash-linear-attention's Triton kernels (``pip install lra[ssm]``, fla-core 0.6.0): ``chunk_simple_gla``
   for the scalar decay, ``chunk_gla`` for the per-key one. Layout (B, N, H, K); ``g`` is the same log decay;

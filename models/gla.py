@@ -27,7 +27,7 @@ et al. 2024, arXiv 2401.09417) makes for its SSM, as ``mamba`` here. With expand
 5 d_model d_qkv weights (+ the low-rank gates) against the transformer's 4 (one direction alone: 4).
 
 Complexity: O(N Dk Dv) time and O(N (Dk + Dv)) memory per head (chunked: O(N C (Dk + Dv)) more inside the
-chunks, C = chunk_size, and (N/C)^2 Dk Dv over the chunk summaries).
+chunks, C = chunk_size, and (N/C)^1.5 Dk Dv over the chunk summaries).
 Precision: projections follow autocast; gates and the norm run in fp32; the scan as ``_scan`` says (fla: bf16 q,
 k, v with fp32 states and gates; chunked: fp32 decays, products following autocast).
 Padding: padded steps are exact no-ops wherever they sit: their keys and log gates are zeroed, so alpha = 1
