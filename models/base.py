@@ -78,19 +78,20 @@ def mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return upcast(torch.matmul(a.to(dtype), b.to(dtype)))
 
 
-def _dropped_softmax_values(scores: torch.Tensor, values: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    p = F.dropout(torch.softmax(upcast(scores), -1), dropout_p)  # (..., S, L): fp32 at least
+def _dropped_softmax_values(scores: torch.Tensor, values: torch.Tensor, dropout_p: float, scale: float):
+    p = F.dropout(torch.softmax(upcast(scores) * scale, -1), dropout_p)  # (..., S, L): fp32 at least
     return torch.matmul(p.to(values.dtype), values)  # (..., S, Dv)
 
 
-def softmax_values(scores: torch.Tensor, values: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """dropout(softmax(scores)) @ values for explicitly formed scores (..., S, L) and values (..., L, Dv) -> (..., S,
-    Dv) in the values' dtype; the softmax in fp32 at least. The weights are recomputed in the backward
-    (``torch.utils.checkpoint``), not stored: autograd, compiled or not, would keep the probabilities, the dropped
-    ones and the dropout mask beside the scores, three (..., S, L) tensors more, where this keeps the scores alone
-    (Transformer-XL's layer on a CPU, compiled: 43 -> 25 MB saved for the backward). The recomputation replays the
-    RNG state, so its dropout mask is the forward's; the cost is one more softmax and product with the values."""
-    return checkpoint(_dropped_softmax_values, scores, values, dropout_p, use_reentrant=False)
+def softmax_values(scores: torch.Tensor, values: torch.Tensor, dropout_p: float, scale: float = 1.0) -> torch.Tensor:
+    """dropout(softmax(scores * scale)) @ values for explicitly formed scores (..., S, L) and values (..., L, Dv) ->
+    (..., S, Dv) in the values' dtype; the scaling and the softmax in fp32 at least. The weights are recomputed in
+    the backward (``torch.utils.checkpoint``), not stored: autograd, compiled or not, would keep the probabilities,
+    the dropped ones and the dropout mask beside the scores, three (..., S, L) tensors more, where this keeps the
+    scores alone (Transformer-XL's layer on a CPU, compiled: 43 -> 25 MB saved for the backward). The recomputation
+    replays the RNG state, so its dropout mask is the forward's; the cost is one more softmax and product with the
+    values."""
+    return checkpoint(_dropped_softmax_values, scores, values, dropout_p, scale, use_reentrant=False)
 
 
 def with_ones(v: torch.Tensor) -> torch.Tensor:

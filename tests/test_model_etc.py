@@ -54,7 +54,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+@pytest.mark.parametrize("backend", ["explicit", "recompute", "sdpa"])
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
 def test_blocked_attention_equals_the_dense_reference(options, backend):
     model = build(**options)
@@ -100,16 +100,18 @@ def test_padding_with_global_tokens_leaves_real_outputs_unchanged(options):
     assert_appended_padding_changes_nothing(model, [40, 23], 40, 37, D)
 
 
+@pytest.mark.parametrize("other", ["sdpa", "recompute"])
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
-def test_the_sdpa_backend_has_the_explicit_gradients(options):
-    """The relative terms and the mask as SDPA's float mask: the gradients of the input and of every weight (the
-    relative embeddings included) equal the explicit path's, a loss on the real positions."""
+def test_the_other_backends_have_the_explicit_gradients(options, other):
+    """The relative terms and the mask as SDPA's float mask (sdpa), or the weights recomputed in the backward
+    (recompute): the gradients of the input and of every weight (the relative embeddings included) equal the
+    explicit path's, a loss on the real positions."""
     model = build(**options).train()  # dropout 0: deterministic, but the training path
     x = torch.randn(2, 71, D)
     mask = lengths_mask([71, 50], 71)
     weight = torch.randn(2, 71, D) * mask[..., None]
     grads = []
-    for backend in ("explicit", "sdpa"):
+    for backend in ("explicit", other):
         model.backend = backend
         model.zero_grad()
         xb = x.clone().requires_grad_()
@@ -126,7 +128,7 @@ def test_backend_is_checked():
         model(torch.randn(1, 8, D), lengths_mask([8], 8))
 
 
-@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+@pytest.mark.parametrize("backend", ["explicit", "recompute", "sdpa"])
 def test_fully_padded_rows_stay_finite(backend):
     """A padded query whose window holds only padding, with no global token, must not make NaN (it would reach the
     next layer's values)."""
@@ -149,7 +151,7 @@ def test_learned_globals_are_seen_and_dropped_from_the_output():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+@pytest.mark.parametrize("backend", ["explicit", "recompute", "sdpa"])
 def test_cuda_matches_cpu(backend):
     model = build(max_len=160, radius=9, global_tokens=1, learned_globals=2)
     model.backend = backend
