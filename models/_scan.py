@@ -110,6 +110,12 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return s.masked_fill(~ones.tril(), float("-inf"))
 
 
+def entering(ends: torch.Tensor) -> torch.Tensor:
+    """(B, H, n, K, V) states at the ends of n consecutive pieces (chunks, or groups of them) -> the state entering
+    each: the previous piece's end, zero for the first."""
+    return F.pad(ends[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, n, K, V)
+
+
 def chunk_ends(total: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     """The state at each chunk's end, ends_c = sum over c' <= c of exp(total_{c'+1} + ... + total_c) summary_{c'}:
     total (B, H, n, 1 | K) each chunk's log decay, summary (B, H, n, K, V) each chunk's own end state -> (B, H, n,
@@ -118,7 +124,7 @@ def chunk_ends(total: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     group's own decay carried to each chunk inside it: O(n m + (n / m)^2) weights instead of n^2. Only sums of
     log decays, never differences (as ``segsum``): a reset's ``RESET`` stays finite and its exp is 0."""
     n = summary.shape[2]
-    m = math.isqrt(n - 1) + 1 if n > 1 else 1  # ceil(sqrt(n))
+    m = math.isqrt(n - 1) + 1  # ceil(sqrt(n)) for n >= 1
     pad = -n % m
     if pad:  # trailing chunks that decay nothing and hold nothing
         total, summary = F.pad(total, (0, 0, 0, pad)), F.pad(summary, (0, 0, 0, 0, 0, pad))
@@ -129,9 +135,8 @@ def chunk_ends(total: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     group_end = local[:, :, :, -1]  # (B, H, groups, K, V): each group's own state at its end
     across = segsum(t.sum(-1)).exp()  # (B, H, 1 | K, groups, groups): decay from group f's end to group g's
     ends = torch.einsum("bhkgf,bhfkv->bhgkv", across, group_end)  # (B, H, groups, K, V): state at each group's end
-    entering = F.pad(ends[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, groups, K, V): state entering each group
     into = t.cumsum(-1).exp().permute(0, 1, 3, 4, 2)[..., None]  # (B, H, groups, m, 1 | K, 1): start to chunk i
-    return (local + into * entering[:, :, :, None]).flatten(2, 3)[:, :, :n]  # (B, H, n, K, V)
+    return (local + into * entering(ends)[:, :, :, None]).flatten(2, 3)[:, :, :n]  # (B, H, n, K, V)
 
 
 def chunked(q, k, v, g, chunk: int, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,7 +174,7 @@ def chunked(q, k, v, g, chunk: int, scale: float = 1.0, reset: torch.Tensor | No
         from_start = from_start * (part == 0)  # steps after a reset do not see the state entering the chunk
     summary = (k * to_end).transpose(-1, -2) @ v  # (B, H, n, K, V): the chunk's own state at its end
     ends = chunk_ends(total, summary)  # (B, H, n, K, V): state at each chunk's end
-    starts = F.pad(ends[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, n, K, V): state entering each chunk
+    starts = entering(ends)  # (B, H, n, K, V): state entering each chunk
     out = out + (q * from_start) @ starts  # (B, H, n, C, V): the entering state, decayed to step i
     return out.flatten(2, 3)[:, :, :N]  # (B, H, N, V)
 

@@ -82,7 +82,7 @@ class ETC(MultiHeadMixer):
             if value < 0:
                 raise ValueError(f"etc: {name} must be >= 0, got {value}")
         self.radius, self.max_distance = radius, max_distance
-        self.backend = "auto"  # "explicit" | "sdpa" (the long queries' attention); how it runs, not what
+        self.backend = "auto"  # "explicit" | "recompute" | "sdpa" (the long queries' attention); how, not what
         self.global_tokens, self.learned_globals = global_tokens, learned_globals
         # a window of +-r lies within the previous, own and next block of any size >= r + 1; a multiple of 8 for
         # the aligned kernels of the batched products
@@ -150,26 +150,27 @@ class ETC(MultiHeadMixer):
         win_rel = torch.einsum("bhnsv,svt->bhnst", q_rel, one_hot)  # (B, H, NB, b, 3b)
         see = torch.cat([g_real[:, None, None, :].expand(B, NB, b, G),
                          band & w_real[:, :, None, :]], dim=-1)  # (B, NB, b, G+3b)
-        if chosen_backend(self, BACKENDS) == "sdpa":  # relative terms as SDPA's float mask; heads, blocks one batch dim
+        backend = chosen_backend(self, BACKENDS)
+        if backend in ("sdpa", "recompute"):  # one value tensor per block: the globals', then its window's
+            values = torch.cat([gv[:, :, None].expand(B, H, NB, G, Dh), vw], dim=3)  # (B, H, NB, G+3b, Dh)
+        if backend == "sdpa":  # relative terms as SDPA's float mask; heads, blocks one batch dim
             rel = torch.cat([q_rel[..., self.global_label, None].expand(B, H, NB, b, G), win_rel], dim=-1)
             bias = (rel * Dh**-0.5).masked_fill(~see[:, None], MASKED)  # (B, H, NB, b, G+3b)
             keys = torch.cat([gk[:, :, None].expand(B, H, NB, G, Dh), kw], dim=3)  # (B, H, NB, G+3b, Dh)
-            values = torch.cat([gv[:, :, None].expand(B, H, NB, G, Dh), vw], dim=3)  # (B, H, NB, G+3b, Dh)
             o = F.scaled_dot_product_attention(qb.flatten(1, 2), keys.flatten(1, 2), values.flatten(1, 2),
                                                attn_mask=bias.flatten(1, 2).to(qb.dtype),
                                                dropout_p=self.dropout_p)  # (B, H NB, b, Dh)
-            return o.reshape(B, H, NB * b, Dh)[:, :, :L]  # (B, H, L, Dh)
-        win = torch.einsum("bhnsd,bhntd->bhnst", qb, kw) + win_rel  # (B, H, NB, b, 3b)
-        glob = torch.einsum("bhnsd,bhgd->bhnsg", qb, gk) + q_rel[..., self.global_label, None]  # (B, H, NB, b, G)
-        if self.backend == "recompute":  # the weights recomputed in the backward, not stored (base.softmax_values)
-            scores = torch.cat([glob, win], dim=-1).masked_fill(~see[:, None], MASKED)  # (B, H, NB, b, G+3b)
-            values = torch.cat([gv[:, :, None].expand(B, H, NB, G, Dh), vw], dim=3)  # (B, H, NB, G+3b, Dh)
-            o = softmax_values(scores, values, self.dropout_p, Dh**-0.5)  # (B, H, NB, b, Dh)
-            return o.reshape(B, H, NB * b, Dh)[:, :, :L]  # (B, H, L, Dh)
-
-        with torch.autocast(device_type=q.device.type, enabled=False):
-            logits = torch.cat([glob, win], dim=-1).float() * Dh**-0.5  # (B, H, NB, b, G+3b)
-            p = torch.softmax(logits.masked_fill(~see[:, None], MASKED), dim=-1)  # (B, H, NB, b, G+3b)
-        p = F.dropout(p.to(v.dtype), self.dropout_p, training=self.training)
-        o = torch.einsum("bhnsg,bhgd->bhnsd", p[..., :G], gv) + torch.einsum("bhnst,bhntd->bhnsd", p[..., G:], vw)
+        else:
+            win = torch.einsum("bhnsd,bhntd->bhnst", qb, kw) + win_rel  # (B, H, NB, b, 3b)
+            glob = torch.einsum("bhnsd,bhgd->bhnsg", qb, gk) + q_rel[..., self.global_label, None]  # (B, H, NB, b, G)
+            if backend == "recompute":  # the weights recomputed in the backward, not stored (base.softmax_values)
+                scores = torch.cat([glob, win], dim=-1).masked_fill(~see[:, None], MASKED)  # (B, H, NB, b, G+3b)
+                o = softmax_values(scores, values, self.dropout_p, Dh**-0.5)  # (B, H, NB, b, Dh)
+            else:
+                with torch.autocast(device_type=q.device.type, enabled=False):
+                    logits = torch.cat([glob, win], dim=-1).float() * Dh**-0.5  # (B, H, NB, b, G+3b)
+                    p = torch.softmax(logits.masked_fill(~see[:, None], MASKED), dim=-1)  # (B, H, NB, b, G+3b)
+                p = F.dropout(p.to(v.dtype), self.dropout_p, training=self.training)
+                o = (torch.einsum("bhnsg,bhgd->bhnsd", p[..., :G], gv)
+                     + torch.einsum("bhnst,bhntd->bhnsd", p[..., G:], vw))  # (B, H, NB, b, Dh)
         return o.reshape(B, H, NB * b, Dh)[:, :, :L]  # (B, H, L, Dh)

@@ -10,10 +10,7 @@ import torch
 from models.base import softmax_values
 
 P = 0.3
-
-
-def devices():
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def check(fn, device: str):
@@ -31,12 +28,12 @@ def check(fn, device: str):
     torch.testing.assert_close(scores.grad, p * (grad_p - (grad_p * p).sum(-1, keepdim=True)), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_backward_draws_the_forwards_dropout_mask(device):
     check(softmax_values, device)
 
 
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_backward_draws_the_forwards_dropout_mask_compiled(device):
     torch._dynamo.reset()
     check(torch.compile(softmax_values), device)
