@@ -15,9 +15,9 @@ an exact no-op, in either direction, wherever the padding sits.
   chunk's total log decay stays under ``FACTOR_LIMIT``, else the exact C x C x K weights (what the paper's
   secondary chunking does in log space), so nothing overflows however fast a gate forgets. Across chunks,
   the chunk summaries are combined by decay-weighted products from segment sums (no exp of a positive number),
-  in two levels (``chunk_ends``: within groups of sqrt(N/C) chunks, then across groups). O(N C (K + V) +
-  (N/C)^1.5 K V) time per head. The default off CUDA (the per-key branch
-  test reads one number off the device).
+  per key dimension in two levels (``chunk_ends``: within groups of sqrt(N/C) chunks, then across groups), per
+  head in one (an (N/C)^2 weight per head). O(N C (K + V) + (N/C)^1.5 K V) time per head (per head decays:
+  (N/C)^2 K V). The default off CUDA (the per-key branch test reads one number off the device).
 * ``fla``: flash-linear-attention's Triton kernels (``pip install lra[ssm]``, fla-core 0.6.0): ``chunk_simple_gla``
   for the scalar decay, ``chunk_gla`` for the per-key one. Layout (B, N, H, K); ``g`` is the same log decay;
   ``scale`` is passed explicitly (its default is K^-0.5). Head sizes are zero-padded to a multiple of 16 first
@@ -119,11 +119,16 @@ def entering(ends: torch.Tensor) -> torch.Tensor:
 def chunk_ends(total: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     """The state at each chunk's end, ends_c = sum over c' <= c of exp(total_{c'+1} + ... + total_c) summary_{c'}:
     total (B, H, n, 1 | K) each chunk's log decay, summary (B, H, n, K, V) each chunk's own end state -> (B, H, n,
-    K, V). In two levels, so that no n x n weight is formed (per key dimension, (B, H, K, n, n) was most of the
-    layer's memory at 16K): within groups of m = ceil(sqrt(n)) chunks, then across the n / m groups, with the
-    group's own decay carried to each chunk inside it: O(n m + (n / m)^2) weights instead of n^2. Only sums of
-    log decays, never differences (as ``segsum``): a reset's ``RESET`` stays finite and its exp is 0."""
+    K, V). One decay per head (Mamba-2): in one level, through an n x n weight per head. Per key dimension (GLA):
+    in two levels, so that no (B, H, K, n, n) weight is formed (it was most of GLA's layer memory at 16K; with a
+    scalar decay the second level only adds (B, H, n, K, V) temporaries, and on an H200 made Mamba's layer 7%
+    slower and 6% larger): within groups of m = ceil(sqrt(n)) chunks, then across the n / m groups, with the group's
+    own decay carried to each chunk inside it: O(n m + (n / m)^2) weights instead of n^2. Only sums of log decays,
+    never differences (as ``segsum``): a reset's ``RESET`` stays finite and its exp is 0."""
     n = summary.shape[2]
+    if total.shape[-1] == 1:  # one decay per head: an n x n weight per head, small beside the states
+        across = segsum(total.transpose(-1, -2)).exp()  # (B, H, 1, n, n): decay from chunk c' 's end to chunk c's
+        return torch.einsum("bhkcd,bhdkv->bhckv", across, summary)  # (B, H, n, K, V)
     m = math.isqrt(n - 1) + 1  # ceil(sqrt(n)) for n >= 1
     pad = -n % m
     if pad:  # trailing chunks that decay nothing and hold nothing

@@ -33,7 +33,7 @@ same, y * silu(z) being linear in y). Parameters per layer: d_model (2 d_inner +
 d_model + small ones, against the transformer's 4 d_model d_qkv (the encoder's MLP is kept, so a block here is
 a Mamba-2 mixer plus that MLP, not Mamba's attention-free stack).
 
-Complexity: O(N d_inner d_state) time, O(N) memory in N (chunked: O(N C (d_state + headdim) + (N/C)^1.5 d_state
+Complexity: O(N d_inner d_state) time, O(N) memory in N (chunked: O(N C (d_state + headdim) + (N/C)^2 d_state
 headdim) per head, the second term a small product over chunk summaries).
 Precision: the projections follow autocast; the convolution (K shifted products, ``causal_conv``: CPU's
 depthwise conv1d backward took half of a training step), dt, A dt and the norm run in fp32; the scan as ``_scan``

@@ -118,15 +118,19 @@ def test_chunked_scan_is_exact_and_finite_however_fast_it_forgets(gate_scale):
 
 @pytest.mark.parametrize("n", [1, 2, 5, 16, 17, 65])
 @pytest.mark.parametrize("per_key", [False, True])
-def test_chunk_ends_in_two_levels_equal_the_n_by_n_combination(n, per_key):
-    """``_scan.chunk_ends`` (groups of ceil(sqrt(n)) chunks, then across groups) against the one-level sum over every
-    pair of chunks, with a reset's log decay among the totals."""
+def test_chunk_ends_equal_the_chunk_by_chunk_recurrence(n, per_key):
+    """``_scan.chunk_ends`` (per key: groups of ceil(sqrt(n)) chunks, then across groups; per head: one n x n
+    weight) against the recurrence over chunks, end_c = exp(total_c) end_{c-1} + summary_c, with a reset's log
+    decay among the totals."""
     torch.manual_seed(n)
     total = -torch.rand(2, 3, n, 4 if per_key else 1, dtype=torch.float64) * 2  # (B, H, n, K | 1)
     total[0, 0, n // 2] = _scan.RESET
     summary = torch.randn(2, 3, n, 4, 5, dtype=torch.float64)  # (B, H, n, K, V)
-    every_pair = _scan.segsum(total.transpose(-1, -2)).exp()  # (B, H, K | 1, n, n)
-    want = torch.einsum("bhkcd,bhdkv->bhckv", every_pair, summary)
+    end, want = torch.zeros_like(summary[:, :, 0]), []  # (B, H, K, V)
+    for c in range(n):
+        end = total[:, :, c, :, None].exp() * end + summary[:, :, c]
+        want.append(end)
+    want = torch.stack(want, 2)  # (B, H, n, K, V)
     torch.testing.assert_close(_scan.chunk_ends(total, summary), want, rtol=1e-12, atol=1e-12)
 
 
