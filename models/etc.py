@@ -52,6 +52,14 @@ H200 (one layer, compiled, d 256, batch 32 at 4K): explicit 7.73 ms and 1.90x SD
 32.6 ms before the one-hot lookup), sdpa 7.19 ms and 2.06x (its float mask), recompute 8.14 ms and 1.70x.
 ``auto`` = explicit: neither alternative meets a crossover target that explicit misses, and each pays for what it
 gains (memory or time).
+
+``flex`` (asked for by name; no attention dropout, which FlexAttention cannot apply after its softmax) runs the
+whole layer, global and long queries, as one FlexAttention call over the keys in order [learned globals, input
+positions] (the queries likewise, with zero queries in the learned globals' rows, whose outputs are dropped): a
+BlockMask of the band's diagonal tiles plus the globals' first row and column of tiles, padding-only key tiles
+skipped, and a ``score_mod`` that adds q . a[label] read from the (B, H, G + N, 2k + 2) fp32 table of every
+query's relative terms. Nothing of size (3b + G) per query is stored: O(N (2k + 2)) for the table, the kernel's
+O(N) statistics. It waits for a GPU measurement before ``auto`` may take it in evaluation and the bench.
 """
 from __future__ import annotations
 
@@ -60,12 +68,55 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
-from .base import MultiHeadMixer, chosen_backend, softmax_values
+from .base import MultiHeadMixer, chosen_backend, pad_head_dim, softmax_values
+from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, SMALL_FORWARD_TILES, flex_call, tile_block_mask
 from .registry import Taxonomy, register_model
 
 MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
-BACKENDS = ("auto", "explicit", "recompute", "sdpa")  # auto = explicit (module docstring: measured)
+BACKENDS = ("auto", "explicit", "flex", "recompute", "sdpa")  # auto = explicit (module docstring: measured)
+
+
+def band_tiles(n: int, globals_: int, radius: int, device) -> torch.Tensor:
+    """(nt, nt) bool: the FlexAttention tiles of an n x n score matrix that hold a pair ETC may see: |i - j| <= radius
+    (tiles a, c apart hold pairs (|a - c| - 1) * FLEX_BLOCK + 1 apart at the least), or i or j < ``globals_``."""
+    nt = -(-n // FLEX_BLOCK)
+    tile = torch.arange(nt, device=device)
+    gap = ((tile[:, None] - tile[None, :]).abs() - 1).clamp(min=0) * FLEX_BLOCK + 1  # (nt, nt): nearest pair
+    near = (tile[:, None] == tile[None, :]) | (gap <= radius)  # (nt, nt)
+    holds_global = tile * FLEX_BLOCK < globals_  # (nt,)
+    return near | holds_global[:, None] | holds_global[None, :]
+
+
+def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
+    """Every query's attention as one FlexAttention call. q (B, H, S, Dh) with zero rows for the learned globals,
+    k, v (B, H, S, Dh) and real (B, S) over [learned globals, input positions], the first G of them global -> (B, H,
+    S, Dh)."""
+    B, H, S, Dh = q.shape
+    r, kmax, global_label = mixer.radius, mixer.max_distance, mixer.global_label
+    V = 2 * kmax + 2
+    with torch.autocast(device_type=q.device.type, enabled=False):  # fp32: the backward sums by atomic adds
+        table = torch.einsum("bhsd,hvd->bhsv", q.float(), mixer.rel.float()) * Dh**-0.5  # (B, H, S, V)
+    table = table.flatten()  # 1-D: an index computed from scalars is FlexAttention's fast lookup
+    real_flat = real.flatten()  # (B S,)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((q_idx < G) | (kv_idx < G) | ((q_idx - kv_idx).abs() <= r)) & real_flat[b * S + kv_idx]
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # score: q . k / sqrt(Dh), fp32
+        label = torch.where(kv_idx < G, global_label, (kv_idx - q_idx).clamp(-kmax, kmax) + kmax)
+        relative = table[((b * H + h) * S + q_idx) * V + label]
+        return score + torch.where(q_idx < G, 0.0, relative)  # a global query's row: one label, cancelled
+
+    padded = -(-S // FLEX_BLOCK) * FLEX_BLOCK
+    key_tiles = F.pad(real, (0, padded - S)).view(B, -1, FLEX_BLOCK).any(-1)  # (B, nt): a real key in the tile
+    partial = (band_tiles(S, G, r, q.device)[None] & key_tiles[:, None, :])[:, None]  # (B, 1, nt, nt)
+    block_mask = tile_block_mask(partial, torch.zeros_like(partial), S, mask_mod)
+    q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, S, max(Dh, 16)): the kernel's smallest head
+    o = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=Dh**-0.5,
+                       kernel_options=SMALL_FORWARD_TILES if q.is_cuda else None)  # (B, H, S, max(Dh, 16))
+    return o[..., :Dh]
 
 
 @register_model
@@ -83,7 +134,7 @@ class ETC(MultiHeadMixer):
             if value < 0:
                 raise ValueError(f"etc: {name} must be >= 0, got {value}")
         self.radius, self.max_distance = radius, max_distance
-        self.backend = "auto"  # "explicit" | "recompute" | "sdpa" (the long queries' attention); how, not what
+        self.backend = "auto"  # "explicit" | "flex" | "recompute" | "sdpa" (the attention); how, not what
         self.global_tokens, self.learned_globals = global_tokens, learned_globals
         # a window of +-r lies within the previous, own and next block of any size >= r + 1; a multiple of 8 for
         # the aligned kernels of the batched products
@@ -113,6 +164,17 @@ class ETC(MultiHeadMixer):
         g = min(self.global_tokens, N)
         q, k, v = self.project(x)  # each (B, H, N, Dh)
         gk, gv, g_real = self.global_keys(k, v, mask, g)  # (B, H, G, Dh) x 2, (B, G)
+        if chosen_backend(self, BACKENDS) == "flex":
+            if self.dropout_p > 0:
+                raise ValueError(f"etc: backend='flex' has no attention dropout (dropout_p={self.dropout_p} in "
+                                 "training): use 'auto' or 'explicit', or attention dropout 0")
+            Gl = self.learned_globals
+            keys, values = torch.cat([gk, k[:, :, g:]], dim=2), torch.cat([gv, v[:, :, g:]], dim=2)  # (B, H, Gl+N, Dh)
+            queries = F.pad(q, (0, 0, Gl, 0))  # (B, H, Gl+N, Dh): zero queries in the learned globals' rows
+            real = torch.cat([g_real, mask[:, g:]], dim=1)  # (B, Gl+N)
+            o = flex_call(_flex_attend, x.is_cuda, self, queries, keys, values, real, Gl + g)  # (B, H, Gl+N, Dh)
+            o = o[:, :, Gl:]  # (B, H, N, Dh): the learned globals' rows dropped
+            return self.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
         parts = []
         if g:  # global queries: every key, global and long (the label term is constant over the row: omitted)
             keys, values = torch.cat([gk, k[:, :, g:]], dim=2), torch.cat([gv, v[:, :, g:]], dim=2)  # (B, H, G+L, Dh)

@@ -82,3 +82,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """torch refuses FlexAttention's backward on the CPU (``_validate_device``), although the eager implementation
+    that runs there (the math reference behind the higher-order op) differentiates q, k, v and a score_mod's
+    captured tensors. The check is lifted here, so that a flex path's gradients meet its reference path's."""
+    import warnings
+
+    import torch.nn.attention.flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        yield

@@ -5,11 +5,10 @@ dense index's cache."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
-import torch.nn.attention.flex_attention as flex_module
+from torch.nn.attention.flex_attention import flex_attention
 
 from models import create_model
 from models.deberta import cached_index, log_bucket, position_rows, relative_gather, relative_index, run_bounds
@@ -220,17 +219,6 @@ def test_elementwise_rows_equal_the_dense_index(options):
     assert torch.equal(row.long(), want) and torch.equal(col.long(), want.flip(0))  # flip: the row of -d
 
 
-@pytest.fixture
-def flex_backward_on_cpu(monkeypatch):
-    """torch refuses FlexAttention's backward on the CPU (``_validate_device``), although the eager implementation
-    that runs there (the math reference behind the higher-order op) differentiates q, k, v and the score_mod's
-    captured tables. The check is lifted here, so that the flex path's gradients meet the dense path's."""
-    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        yield
-
-
 def run_with_grads(model, x, mask, backend, compile_model: bool = False):
     """model's output and the gradients of its input and every parameter, through ``backend``."""
     model.backend = backend
@@ -332,7 +320,7 @@ def test_on_cuda_the_flex_buckets_equal_the_dense_index():
             return score + bad.float() * 1000.0
 
         q = torch.zeros(1, 1, n, 16, device="cuda")
-        _, lse = torch.compile(flex_module.flex_attention)(q, q, q, score_mod=score_mod, return_lse=True)
+        _, lse = torch.compile(flex_attention)(q, q, q, score_mod=score_mod, return_lse=True)
         assert lse.max().item() < 100, f"{options}: rows differ at queries {(lse > 100).nonzero()[:8].tolist()}"
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models import create_model
+from models.etc import band_tiles
+from models.patterns import FLEX_BLOCK
 from tests.mixer_checks import assert_appended_padding_changes_nothing, lengths_mask
 
 D, H = 32, 2
+BACKENDS = ["explicit", "recompute", "sdpa", "flex"]
 
 
 def build(max_len: int = 80, **options):
@@ -54,9 +58,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["explicit", "recompute", "sdpa"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
-def test_blocked_attention_equals_the_dense_reference(options, backend):
+def test_blocked_attention_equals_the_dense_reference(options, backend, flex_backward_on_cpu):
     model = build(**options)
     model.backend = backend
     x = torch.randn(2, 71, D)
@@ -100,12 +104,12 @@ def test_padding_with_global_tokens_leaves_real_outputs_unchanged(options):
     assert_appended_padding_changes_nothing(model, [40, 23], 40, 37, D)
 
 
-@pytest.mark.parametrize("other", ["sdpa", "recompute"])
+@pytest.mark.parametrize("other", ["sdpa", "recompute", "flex"])
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
-def test_the_other_backends_have_the_explicit_gradients(options, other):
-    """The relative terms and the mask as SDPA's float mask (sdpa), or the weights recomputed in the backward
-    (recompute): the gradients of the input and of every weight (the relative embeddings included) equal the
-    explicit path's, a loss on the real positions."""
+def test_the_other_backends_have_the_explicit_gradients(options, other, flex_backward_on_cpu):
+    """The relative terms and the mask as SDPA's float mask (sdpa), the weights recomputed in the backward
+    (recompute), or the whole layer as one FlexAttention call (flex): the gradients of the input and of every
+    weight (the relative embeddings included) equal the explicit path's, a loss on the real positions."""
     model = build(**options).train()  # dropout 0: deterministic, but the training path
     x = torch.randn(2, 71, D)
     mask = lengths_mask([71, 50], 71)
@@ -123,13 +127,13 @@ def test_the_other_backends_have_the_explicit_gradients(options, other):
 
 def test_backend_is_checked():
     model = build()
-    model.backend = "flex"
+    model.backend = "fused"
     with pytest.raises(ValueError, match="backend must be one of"):
         model(torch.randn(1, 8, D), lengths_mask([8], 8))
 
 
-@pytest.mark.parametrize("backend", ["explicit", "recompute", "sdpa"])
-def test_fully_padded_rows_stay_finite(backend):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_padded_rows_stay_finite(backend, flex_backward_on_cpu):
     """A padded query whose window holds only padding, with no global token, must not make NaN (it would reach the
     next layer's values)."""
     model = build(radius=2, global_tokens=0)
@@ -137,6 +141,50 @@ def test_fully_padded_rows_stay_finite(backend):
     x = torch.randn(1, 30, D)
     y = model(x, lengths_mask([5], 30))
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("options", [{"radius": 5, "global_tokens": 1}, {"radius": 130, "global_tokens": 2,
+                                     "learned_globals": 1}, {"radius": 84, "global_tokens": 0}])
+def test_flex_over_several_tiles_equals_the_dense_reference_with_the_explicit_gradients(options, flex_backward_on_cpu):
+    """Over 300 positions, three of FlexAttention's 128-wide tiles: the band's diagonal tiles (and, at radius 130,
+    the ones two apart), the globals' row and column, and the second row's padding-only key tile skipped."""
+    model = build(max_len=300, **options).train()  # dropout 0: deterministic, but the training path
+    x = torch.randn(2, 300, D)
+    mask = lengths_mask([300, 90], 300)
+    weight = torch.randn(2, 300, D) * mask[..., None]
+    grads = {}
+    for backend in ("explicit", "flex"):
+        model.backend = backend
+        model.zero_grad()
+        xb = x.clone().requires_grad_()
+        out = model(xb, mask)
+        (out * weight).sum().backward()
+        grads[backend] = [out.detach(), xb.grad] + [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(grads["flex"][0][mask], dense_reference(model, x, mask)[mask].detach(), atol=1e-5,
+                               rtol=1e-4)
+    for flex, explicit in zip(grads["flex"][1:], grads["explicit"][1:]):
+        torch.testing.assert_close(flex, explicit, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("radius", [0, 1, 84, 127, 128, 129, 300])
+def test_band_tiles_are_the_tiles_that_hold_a_visible_pair(radius):
+    n, g = 700, 3
+    i = torch.arange(n)
+    visible = ((i[:, None] - i[None, :]).abs() <= radius) | (i[:, None] < g) | (i[None, :] < g)  # (n, n)
+    nt = -(-n // FLEX_BLOCK)
+    pooled = F.pad(visible, (0, nt * FLEX_BLOCK - n, 0, nt * FLEX_BLOCK - n))
+    pooled = pooled.view(nt, FLEX_BLOCK, nt, FLEX_BLOCK).any(3).any(1)  # (nt, nt)
+    assert torch.equal(band_tiles(n, g, radius, "cpu"), pooled)
+
+
+def test_flex_refuses_attention_dropout():
+    torch.manual_seed(0)
+    model = create_model("etc", d_model=D, n_heads=H, d_qkv=D, dropout=0.1, max_len=40).train()
+    model.backend = "flex"
+    with pytest.raises(ValueError, match="no attention dropout"):
+        model(torch.randn(1, 40, D), lengths_mask([40], 40))
+    with torch.no_grad():  # evaluation: no dropout, flex runs (forward only: the CPU has no flex backward)
+        model.eval()(torch.randn(1, 40, D), lengths_mask([40], 40))
 
 
 def test_learned_globals_are_seen_and_dropped_from_the_output():
@@ -151,8 +199,8 @@ def test_learned_globals_are_seen_and_dropped_from_the_output():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["explicit", "recompute", "sdpa"])
-def test_cuda_matches_cpu(backend):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_matches_cpu(backend, flex_backward_on_cpu):
     model = build(max_len=160, radius=9, global_tokens=1, learned_globals=2)
     model.backend = backend
     x = torch.randn(2, 150, D)
@@ -160,3 +208,24 @@ def test_cuda_matches_cpu(backend):
     expected = model(x, mask)
     got = model.cuda()(x.cuda(), mask.cuda()).cpu()
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_flex_compiled_at_the_bench_shape_agrees_with_explicit():
+    """One layer as layer_bench times it (d 256, 4 heads of 64, bf16 autocast, compiled), at N = 2048 with padding:
+    the flex path's forward and backward compile and run (the kernel's tiles fit the card's shared memory) and its
+    output and input gradient lie within bf16 rounding of the explicit path's."""
+    torch.manual_seed(0)
+    model = create_model("etc", d_model=256, n_heads=4, d_qkv=256, dropout=0.0, max_len=2048).cuda().train()
+    x = torch.randn(4, 2048, 256, device="cuda")
+    mask = lengths_mask([2048, 1500, 700, 2048], 2048).cuda()
+    results = {}
+    for backend in ("explicit", "flex"):
+        model.backend = backend
+        xb = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = torch.compile(model)(xb, mask)
+        (out.float() * mask[..., None]).square().sum().backward()
+        results[backend] = (out.float()[mask], xb.grad[mask])
+    for flex, explicit in zip(results["flex"], results["explicit"]):
+        assert ((flex - explicit).norm() / explicit.norm()).item() < 2e-2
