@@ -71,7 +71,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from .base import MultiHeadMixer, chosen_backend, pad_head_dim, softmax_values
-from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, SMALL_FORWARD_TILES, flex_call, tile_block_mask
+from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, SMALL_FORWARD_TILES, flex_call, realized, tile_block_mask
 from .registry import Taxonomy, register_model
 
 MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
@@ -99,7 +99,9 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
     with torch.autocast(device_type=q.device.type, enabled=False):  # fp32: the backward sums by atomic adds
         table = torch.einsum("bhsd,hvd->bhsv", q.float(), mixer.rel.float()) * Dh**-0.5  # (B, H, S, V)
     table = table.flatten()  # 1-D: an index computed from scalars is FlexAttention's fast lookup
-    real_flat = real.flatten()  # (B S,)
+    if not table.requires_grad:  # an inference graph would fuse it into the kernel's inputs (patterns.realized)
+        table = realized(table)
+    real_flat = realized(real.flatten())  # (B S,): a buffer of its own for the mask_mod (patterns.realized)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return ((q_idx < G) | (kv_idx < G) | ((q_idx - kv_idx).abs() <= r)) & real_flat[b * S + kv_idx]

@@ -229,3 +229,14 @@ def test_flex_compiled_at_the_bench_shape_agrees_with_explicit():
         results[backend] = (out.float()[mask], xb.grad[mask])
     for flex, explicit in zip(results["flex"], results["explicit"]):
         assert ((flex - explicit).norm() / explicit.norm()).item() < 2e-2
+
+
+def test_flex_compiled_for_evaluation_equals_eager():
+    """The flex path through torch.compile without autograd (an evaluation graph, where Inductor would fuse the key
+    mask and the relative table into the kernel's inputs unless they are buffers of their own) equals eager."""
+    model = build(max_len=300, radius=5, global_tokens=1, learned_globals=1)
+    model.backend = "flex"
+    x = torch.randn(2, 300, D)
+    mask = lengths_mask([300, 90], 300)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model)(x, mask)[mask], model(x, mask)[mask], atol=1e-5, rtol=1e-4)
