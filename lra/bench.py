@@ -99,17 +99,19 @@ def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) ->
             setattr(mixer, key, value)
 
 
-def variant_cases(variants) -> list[tuple[str, str, dict]]:
+def variant_cases(variants, also: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
     changed options as the rows' ``model``: ``bigbird(block=64)``. ``MIXER_ATTRIBUTES`` are not constructor
-    options but set on the built mixers (``set_mixer_attributes`` checks them)."""
+    options but set on the built mixers (``set_mixer_attributes`` checks them); ``also``: more keys the caller
+    takes (layer_bench's ``dropout``)."""
     cases = []
     for variant in variants or []:
         options = dict(variant)
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        error = unknown_options(name, split_attributes(options)[0], backbone=False)
+        checked = {k: v for k, v in split_attributes(options)[0].items() if k not in also}
+        error = unknown_options(name, checked, backbone=False)
         if error:
             raise ValueError(f"bench.variants: {error}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"

@@ -6,10 +6,11 @@
     python -m lra.layer_bench --peers --compile               # every layer through torch.compile, as lra trains
 
 Protocol (the one the public packages were measured with): d 256, 4 heads of 64, projections included, no
-dropout, inputs without padding (mask=None where the mixer takes it, else an all-true mask), bf16 autocast on
-CUDA (fp32 on CPU); N 1024 and 4096 at batch 32, N 16384 at batch 8; ms per forward + backward (median of
-``--steps`` synchronised calls after ``--warmup``, and their 10th and 90th percentiles: two layers whose spreads
-overlap are not told apart by one run) and peak MB (``cuda_max_allocated``, CUDA only).
+dropout (a ``--variants`` entry may name one, e.g. ``etc:backend=flex,dropout=0.1``), inputs without padding
+(mask=None where the mixer takes it, else an all-true mask), bf16 autocast on CUDA (fp32 on CPU); N 1024 and 4096
+at batch 32, N 16384 at batch 8; ms per forward + backward (median of ``--steps`` synchronised calls after
+``--warmup``, and their 10th and 90th percentiles: two layers whose spreads overlap are not told apart by one run)
+and peak MB (``cuda_max_allocated``, CUDA only).
 
 ``--peers`` times the public packages' layers (lra/peers.py; ``pip install 'lra[peers]'``) of the chosen models,
 and the bare SDPA layer as the baseline, in the same process on the same card with the same timing loop, and
@@ -97,10 +98,12 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
 def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 20,
                options: dict | None = None, compile_layer: bool = False,
                profile_dir: Path | None = None) -> Timing:
-    """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n)."""
+    """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n). Attention
+    dropout is 0 unless ``options`` names one (``dropout``: a variant that times the training path with it)."""
     torch.manual_seed(0)
     options, attributes = split_attributes(options)  # backend: how a mixer runs, set on it once built
-    mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=0.0, max_len=n,
+    dropout = options.pop("dropout", 0.0)
+    mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=dropout, max_len=n,
                          **{**model_config_options(name), **options}).to(device).train()
     set_mixer_attributes(mixer, name, attributes)
     mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
@@ -208,7 +211,8 @@ def print_table(table: pd.DataFrame, header: str) -> None:
 
 def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
     """'performer:chunk_size=1024,n_features=128;reformer:n_hashes=4' -> [(label, model, options), ...], values
-    read as YAML scalars (1024, 0.5, true, null); checked and labelled as the bench's ``bench.variants``."""
+    read as YAML scalars (1024, 0.5, true, null); checked and labelled as the bench's ``bench.variants``, plus
+    ``dropout`` (the mixer's attention dropout, 0 otherwise: the training path with its dropout)."""
     variants = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         name, _, assignments = part.partition(":")
@@ -217,7 +221,7 @@ def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
         options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
         variants.append({"model": name, **options})
     try:
-        return variant_cases(variants)  # backend, how a mixer runs: checked when built
+        return variant_cases(variants, also=("dropout",))  # backend, how a mixer runs: checked when built
     except ValueError as error:  # a misspelt option: before the sweep, in one line
         raise SystemExit(f"--variants: {error}") from None
 

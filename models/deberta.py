@@ -28,8 +28,9 @@ Two executions of the same score (``backend``, an attribute: how it runs, never 
   index; a GPU test checks that Triton's log and division bucket every distance alike). Padded keys are masked by
   a BlockMask (tiles of only padding skipped). Nothing N x N is stored: O(N k) memory for the tables instead of
   O(N^2) for bias and index, fused forward and backward.
-  FlexAttention has no dropout on the attention weights (a score_mod acts before the softmax, dropout after it),
-  so with attention dropout active "auto" takes the dense path and "flex" refuses to run (never a silent drop).
+  FlexAttention has no dropout of its own (a score_mod acts before the softmax, dropout after it): "flex" applies
+  it through ``_flex_dropout`` (a second call for the normaliser, the draws hashed in the kernel), and with
+  attention dropout active "auto" takes the dense path, whose speed is the measured one.
   "auto" also keeps training steps on the dense path: the flex backward passes its GPU tests at small shapes, but
   at the bench's (batch 32, N = 1024, d 256, 4 heads, bf16, an H200) Inductor found no kernel configuration for
   the compiled forward + backward that fits the card's shared memory (442,368 bytes asked, 232,448 there), while
@@ -70,8 +71,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import flex_attention
 
+from ._flex_dropout import flex_attention_dropout
 from .base import MultiHeadMixer, pad_head_dim, takes_fused_path
 from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, flex_block_mask, flex_call
 from .registry import Taxonomy, register_model
@@ -193,7 +194,7 @@ def _flex_attend(mixer: DeBERTa, q, k, v, mask):
 
     block_mask = None if mask is None else padding_block_mask(mask)
     q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16)): the kernel's smallest head
-    o = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    o = flex_attention_dropout(q, k, v, mixer.dropout_p, score_mod=score_mod, block_mask=block_mask, scale=scale)
     return o[..., :d_head]  # (B, H, N, Dh)
 
 
@@ -226,7 +227,7 @@ class DeBERTa(MultiHeadMixer):
         self.rel_embeddings = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
         self.rel_norm = nn.LayerNorm(d_model)
         # "auto" (flex on CUDA in evaluation, else dense), "flex" or "dense"; how it runs, not what (module
-        # docstring). "flex" with attention dropout active is an error: FlexAttention has no dropout
+        # docstring)
         self.backend = "auto"
 
     def relative_index(self, n: int, device: torch.device) -> torch.Tensor:
@@ -279,9 +280,6 @@ class DeBERTa(MultiHeadMixer):
     def flex_runs(self, on_cuda: bool, needs_grad: bool = False) -> bool:
         """Whether FlexAttention runs (``backend``): asked for, or on CUDA where no gradient is taken (evaluation;
         module docstring: why not in training) and no attention dropout is active."""
-        if self.backend == "flex" and self.dropout_p > 0:
-            raise ValueError(f"backend='flex' has no attention dropout (dropout_p={self.dropout_p} in training): "
-                             "use 'auto' (dense while dropout is active) or 'dense', or attention dropout 0")
         return takes_fused_path(self.backend, "flex", "dense", on_cuda and self.dropout_p == 0 and not needs_grad)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -53,13 +53,14 @@ H200 (one layer, compiled, d 256, batch 32 at 4K): explicit 7.73 ms and 1.90x SD
 ``auto`` = explicit: neither alternative meets a crossover target that explicit misses, and each pays for what it
 gains (memory or time).
 
-``flex`` (asked for by name; no attention dropout, which FlexAttention cannot apply after its softmax) runs the
-whole layer, global and long queries, as one FlexAttention call over the keys in order [learned globals, input
-positions] (the queries likewise, with zero queries in the learned globals' rows, whose outputs are dropped): a
-BlockMask of the band's diagonal tiles plus the globals' first row and column of tiles, padding-only key tiles
-skipped, and a ``score_mod`` that adds q . a[label] read from the (B, H, G + N, 2k + 2) fp32 table of every
-query's relative terms. Nothing of size (3b + G) per query is stored: O(N (2k + 2)) for the table, the kernel's
-O(N) statistics. It waits for a GPU measurement before ``auto`` may take it in evaluation and the bench.
+``flex`` (asked for by name) runs the whole layer, global and long queries, as one FlexAttention call over the
+keys in order [learned globals, input positions] (the queries likewise, with zero queries in the learned globals'
+rows, whose outputs are dropped): a BlockMask of the band's diagonal tiles plus the globals' first row and column of
+tiles, padding-only key tiles skipped, and a ``score_mod`` that adds q . a[label] read from the (B, H, G + N, 2k +
+2) fp32 table of every query's relative terms. Nothing of size (3b + G) per query is stored: O(N (2k + 2)) for the
+table, the kernel's O(N) statistics. Attention dropout, which FlexAttention lacks, comes from
+``_flex_dropout`` (a second call for the normaliser; the draws are a hash, not torch's Philox stream). It waits for
+a GPU measurement before ``auto`` may take it.
 """
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import flex_attention
 
+from ._flex_dropout import flex_attention_dropout
 from .base import MultiHeadMixer, chosen_backend, pad_head_dim, softmax_values
 from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, SMALL_FORWARD_TILES, flex_call, realized, tile_block_mask
 from .registry import Taxonomy, register_model
@@ -116,8 +117,8 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
     partial = (band_tiles(S, G, r, q.device)[None] & key_tiles[:, None, :])[:, None]  # (B, 1, nt, nt)
     block_mask = tile_block_mask(partial, torch.zeros_like(partial), S, mask_mod)
     q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, S, max(Dh, 16)): the kernel's smallest head
-    o = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=Dh**-0.5,
-                       kernel_options=SMALL_FORWARD_TILES if q.is_cuda else None)  # (B, H, S, max(Dh, 16))
+    o = flex_attention_dropout(q, k, v, mixer.dropout_p, score_mod=score_mod, block_mask=block_mask, scale=Dh**-0.5,
+                               kernel_options=SMALL_FORWARD_TILES if q.is_cuda else None)  # (B, H, S, max(Dh, 16))
     return o[..., :Dh]
 
 
@@ -167,9 +168,6 @@ class ETC(MultiHeadMixer):
         q, k, v = self.project(x)  # each (B, H, N, Dh)
         gk, gv, g_real = self.global_keys(k, v, mask, g)  # (B, H, G, Dh) x 2, (B, G)
         if chosen_backend(self, BACKENDS) == "flex":
-            if self.dropout_p > 0:
-                raise ValueError(f"etc: backend='flex' has no attention dropout (dropout_p={self.dropout_p} in "
-                                 "training): use 'auto' or 'explicit', or attention dropout 0")
             Gl = self.learned_globals
             keys, values = torch.cat([gk, k[:, :, g:]], dim=2), torch.cat([gv, v[:, :, g:]], dim=2)  # (B, H, Gl+N, Dh)
             queries = F.pad(q, (0, 0, Gl, 0))  # (B, H, Gl+N, Dh): zero queries in the learned globals' rows

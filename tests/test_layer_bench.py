@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lra import layer_bench, peers
+from lra.bench import variant_cases
 from models import list_models
 from tests.conftest import ROOT
 
@@ -272,3 +273,18 @@ def test_a_variant_may_choose_a_mixers_execution(monkeypatch):
     assert built[0].backend == "torch"
     with pytest.raises(ValueError, match="linear has one execution"):
         layer_bench.time_layer("linear", 64, 2, torch.device("cpu"), options={"backend": "torch"})
+
+
+def test_a_variant_may_time_the_training_path_with_attention_dropout(monkeypatch):
+    """``dropout=<p>`` builds the mixer with that attention dropout (0 otherwise), labelled in the row; the bench's
+    ``bench.variants`` keep refusing it as an unknown option, since the backbone sets it there."""
+    assert layer_bench.parse_variants("etc:backend=flex,dropout=0.1") == [
+        ("etc(backend=flex,dropout=0.1)", "etc", {"backend": "flex", "dropout": 0.1})]
+    with pytest.raises(ValueError, match="no option"):
+        variant_cases([{"model": "etc", "dropout": 0.1}])
+    built, create = [], layer_bench.create_model
+    monkeypatch.setattr(layer_bench, "create_model", lambda *a, **k: built.append(create(*a, **k)) or built[-1])
+    monkeypatch.setattr(layer_bench, "time_forward", lambda *args: layer_bench.Timing(1.0, None, 1.0, 1.0))
+    layer_bench.time_layer("etc", 64, 2, torch.device("cpu"), options={"dropout": 0.1})
+    layer_bench.time_layer("etc", 64, 2, torch.device("cpu"))
+    assert [m.dropout_p for m in built] == [0.1, 0.0]  # both in training mode

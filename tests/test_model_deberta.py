@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from models import create_model
+from models._flex_dropout import dense_draws
 from models.deberta import cached_index, log_bucket, position_rows, relative_gather, relative_index, run_bounds
 
 D = 32
@@ -251,7 +252,7 @@ def test_flex_rows_of_only_padding_stay_finite(flex_backward_on_cpu):
     assert (grads["out"][1] == 0).all()  # a row with no key attends to nothing: FlexAttention gives 0
 
 
-def test_flex_is_taken_only_without_attention_dropout_and_by_default_only_in_evaluation():
+def test_flex_is_taken_by_default_only_without_attention_dropout_and_only_in_evaluation():
     model = create_model("deberta", d_model=D, n_heads=2, d_qkv=D, dropout=0.1, max_len=128)
     assert not model.train().flex_runs(on_cuda=True)  # auto: dropout active -> dense (SDPA applies it)
     assert model.eval().flex_runs(on_cuda=True) and not model.flex_runs(on_cuda=False)
@@ -262,8 +263,7 @@ def test_flex_is_taken_only_without_attention_dropout_and_by_default_only_in_eva
     assert no_dropout.flex_runs(on_cuda=True, needs_grad=True)  # asked for by name: gradients too
     model.backend = "flex"
     assert model.flex_runs(on_cuda=False)
-    with pytest.raises(ValueError, match="dropout"):  # never a silent drop of attention dropout
-        model.train().flex_runs(on_cuda=True)
+    assert model.train().flex_runs(on_cuda=True)  # asked for by name with dropout: it applies it (_flex_dropout)
     model.backend = "sdpa"
     with pytest.raises(ValueError):
         model.eval().flex_runs(on_cuda=True)
@@ -341,3 +341,30 @@ def test_on_cuda_compiled_flex_matches_dense_in_bf16():
         flex_err = (flex[name].float() - want).abs().max().item()
         dense_err = (dense[name].float() - want).abs().max().item()
         assert flex_err <= 2 * dense_err + 0.01 * want.abs().max().item(), (name, flex_err, dense_err)
+
+
+def test_flex_applies_attention_dropout_as_dense_attention_with_the_same_draws(flex_backward_on_cpu):
+    """Asked for by name in training, the flex path drops weights through ``_flex_dropout``: equal to the dense
+    disentangled attention whose softmax weights are dropped by the same draws, in output and gradients."""
+    torch.manual_seed(0)
+    model = create_model("deberta", d_model=D, n_heads=2, d_qkv=D, dropout=0.3, max_len=160, position_buckets=8,
+                         max_relative_positions=16).train()
+    model.backend = "flex"
+    x = torch.randn(2, 150, D, requires_grad=True)
+    mask = lengths_mask([150, 77], 150)
+    q, k, v = model.project(x)  # each (B, H, N, Dh)
+    torch.manual_seed(5)
+    got = model.attend(q, k, v, mask)  # (B, H, N, Dh)
+    torch.manual_seed(5)  # the seed the flex call drew: its first use of the generator
+    seed = torch.randint(0, 2**31 - 1, (1,))
+    scale = model.score_scale(q.shape[-1])
+    c2p, p2c = model.c2p_p2c(q, k, mask, scale)  # (B, H, N, N) each; p2c masks the padded keys
+    weights = torch.softmax(q @ k.transpose(-1, -2) * scale + c2p + p2c, -1)  # (B, H, N, N)
+    want = (weights * dense_draws(seed, 0.3, weights.shape) / 0.7) @ v  # (B, H, N, Dh)
+    real = mask[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real])
+    loss = torch.randn_like(got) * real
+    params = [x, *(p for name, p in model.named_parameters() if not name.startswith("out."))]  # attend's inputs
+    grads = [torch.autograd.grad((out * loss).sum(), params, retain_graph=True) for out in (got, want)]
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)

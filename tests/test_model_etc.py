@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from models import create_model
+from models._flex_dropout import dense_draws
 from models.etc import band_tiles
 from models.patterns import FLEX_BLOCK
 from tests.mixer_checks import assert_appended_padding_changes_nothing, lengths_mask
@@ -25,11 +26,12 @@ def build(max_len: int = 80, **options):
 
 
 
-def dense_reference(model, x, mask):
+def dense_reference(model, x, mask, keep=None):
     """ETC's attention written densely from its definition: keys = learned globals then the N positions; query i
     may see key j iff either is global (learned, or one of the ``global_tokens`` leading positions) or
     |i - j| <= radius; logit = q_i . (k_j + a[label]) / sqrt(d), label = clip(j - i, +-k) + k between long tokens and
-    the "global" label 2k + 1 for every pair with a global. Padded keys never contribute."""
+    the "global" label 2k + 1 for every pair with a global. Padded keys never contribute. ``keep`` (B, H, N, Gl+N):
+    factors on the softmax weights (attention dropout's draws over 1 - p)."""
     B, N, _ = x.shape
     q, k, v = model.project(x)  # (B, H, N, Dh)
     Gl, g, r, kmax = model.learned_globals, min(model.global_tokens, N), model.radius, model.max_distance
@@ -44,8 +46,9 @@ def dense_reference(model, x, mask):
     label = torch.where(is_global, 2 * kmax + 1, (j - i).clamp(-kmax, kmax) + kmax)  # (N, Gl+N)
     rel = model.rel[:, label]  # (H, N, Gl+N, Dh): a[label(i, j)] per head, N x N as the reference may be
     logits = (q @ k.transpose(-1, -2) + torch.einsum("bhid,hijd->bhij", q, rel)) * q.shape[-1] ** -0.5
-    keep = allowed & torch.cat([torch.ones(B, Gl, dtype=torch.bool), mask], dim=1)[:, None, None, :]
-    o = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v  # (B, H, N, Dh)
+    seen = allowed & torch.cat([torch.ones(B, Gl, dtype=torch.bool), mask], dim=1)[:, None, None, :]
+    weights = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)  # (B, H, N, Gl+N)
+    o = (weights if keep is None else weights * keep) @ v  # (B, H, N, Dh)
     return model.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
 
 
@@ -177,14 +180,29 @@ def test_band_tiles_are_the_tiles_that_hold_a_visible_pair(radius):
     assert torch.equal(band_tiles(n, g, radius, "cpu"), pooled)
 
 
-def test_flex_refuses_attention_dropout():
+def test_flex_applies_attention_dropout_as_the_dense_reference_with_the_same_draws(flex_backward_on_cpu):
+    """Training with attention dropout 0.3: the flex path equals the dense reference whose weights are dropped by
+    the same draws (``_flex_dropout.kept`` over the flex call's [learned globals, positions] layout), in output and
+    in every gradient."""
     torch.manual_seed(0)
-    model = create_model("etc", d_model=D, n_heads=H, d_qkv=D, dropout=0.1, max_len=40).train()
+    model = create_model("etc", d_model=D, n_heads=H, d_qkv=D, dropout=0.3, max_len=300, radius=5, global_tokens=1,
+                         learned_globals=1).train()
     model.backend = "flex"
-    with pytest.raises(ValueError, match="no attention dropout"):
-        model(torch.randn(1, 40, D), lengths_mask([40], 40))
-    with torch.no_grad():  # evaluation: no dropout, flex runs (forward only: the CPU has no flex backward)
-        model.eval()(torch.randn(1, 40, D), lengths_mask([40], 40))
+    x = torch.randn(2, 300, D, requires_grad=True)
+    mask = lengths_mask([300, 90], 300)
+    torch.manual_seed(5)
+    got = model(x, mask)
+    torch.manual_seed(5)  # the seed the flex call drew: its first use of the generator
+    seed = torch.randint(0, 2**31 - 1, (1,))
+    S = model.learned_globals + 300
+    keep = dense_draws(seed, 0.3, (2, H, S, S))[:, :, model.learned_globals:]  # (2, H, N, S): the queries' rows
+    want = dense_reference(model, x, mask, keep=keep / 0.7)
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-4)
+    weight = torch.randn(2, 300, D) * mask[..., None]
+    params = [x, *model.parameters()]
+    grads = [torch.autograd.grad((out * weight).sum(), params) for out in (got, want)]
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
 def test_learned_globals_are_seen_and_dropped_from_the_output():
@@ -214,7 +232,8 @@ def test_cuda_matches_cpu(backend, flex_backward_on_cpu):
 def test_flex_compiled_at_the_bench_shape_agrees_with_explicit():
     """One layer as layer_bench times it (d 256, 4 heads of 64, bf16 autocast, compiled), at N = 2048 with padding:
     the flex path's forward and backward compile and run (the kernel's tiles fit the card's shared memory) and its
-    output and input gradient lie within bf16 rounding of the explicit path's."""
+    output and input gradient lie within bf16 rounding of the explicit path's; with attention dropout it compiles
+    and trains too."""
     torch.manual_seed(0)
     model = create_model("etc", d_model=256, n_heads=4, d_qkv=256, dropout=0.0, max_len=2048).cuda().train()
     x = torch.randn(4, 2048, 256, device="cuda")
@@ -229,6 +248,12 @@ def test_flex_compiled_at_the_bench_shape_agrees_with_explicit():
         results[backend] = (out.float()[mask], xb.grad[mask])
     for flex, explicit in zip(results["flex"], results["explicit"]):
         assert ((flex - explicit).norm() / explicit.norm()).item() < 2e-2
+    model.attn_dropout = 0.1  # LRA's training: the flex path with its dropout (two calls, _flex_dropout) compiles too
+    xb = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = torch.compile(model)(xb, mask)
+    out.float().square().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(xb.grad).all()
 
 
 def test_flex_compiled_for_evaluation_equals_eager():

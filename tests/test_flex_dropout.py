@@ -1,0 +1,97 @@
+"""Attention dropout for FlexAttention (models/_flex_dropout.py): equal to dropout on the softmax weights with the
+same draws (outputs and gradients), the draws' rate and independence, and rows whose weights all drop. CPU, eager
+(the backward check lifted: conftest's flex_backward_on_cpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models._flex_dropout import dense_draws, flex_attention_dropout
+
+B, H, N, DH = 2, 3, 70, 8
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_equals_dropout_on_the_softmax_weights_with_the_same_draws(p, flex_backward_on_cpu):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, DH, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    bias = torch.randn(H, N, N, dtype=torch.float64, requires_grad=True)
+    seed = torch.tensor([987654321])
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+
+    got = flex_attention_dropout(q, k, v, p, score_mod=score_mod, scale=0.3, seed=seed)
+    weights = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + bias, -1)  # (B, H, N, N)
+    want = (weights * dense_draws(seed, p, (B, H, N, N)) / (1 - p)) @ v
+    torch.testing.assert_close(got, want)
+    loss = torch.randn(B, H, N, DH, dtype=torch.float64)
+    for g, w in zip(torch.autograd.grad((got * loss).sum(), (q, k, v, bias)),
+                    torch.autograd.grad((want * loss).sum(), (q, k, v, bias))):
+        torch.testing.assert_close(g, w)
+
+
+def test_no_dropout_is_one_flex_call_and_plain_attention():
+    q, k, v = (torch.randn(B, H, N, DH) for _ in range(3))
+    want = torch.softmax(q @ k.transpose(-1, -2) * DH**-0.5, -1) @ v
+    torch.testing.assert_close(flex_attention_dropout(q, k, v, 0.0), want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.2, 0.5])
+def test_the_draws_keep_each_weight_with_probability_one_minus_p_independently(p):
+    shape = (4, 4, 256, 256)
+    keep = dense_draws(torch.tensor([42]), p, shape).double()  # (4, 4, 256, 256): 1M draws
+    n = keep.numel()
+    assert abs(keep.mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    rows = keep.mean(-1).flatten()  # each row's share of kept weights: binomial over 256
+    assert rows.std().item() < 1.2 * (p * (1 - p) / 256) ** 0.5
+    centred = keep - keep.mean()
+    for neighbour in (centred.roll(1, -1), centred.roll(1, -2), centred.roll(1, 1), centred.roll(1, 0)):
+        correlation = (centred * neighbour).mean() / centred.var()
+        assert abs(correlation.item()) < 5 / n**0.5  # next key, next query, next head, next sample
+    other = dense_draws(torch.tensor([43]), p, shape).double()
+    assert abs(((keep - keep.mean()) * (other - other.mean())).mean() / centred.var()) < 5 / n**0.5  # seeds
+
+
+def test_rows_whose_weights_all_drop_give_zero_and_finite_gradients(flex_backward_on_cpu):
+    """At p = 0.9 over 6 keys about half the rows lose every weight (0.9^6): those give 0, as dropout does; a
+    row with no key at all (masked by the score_mod) gives 0 too, with finite gradients everywhere."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, DH, requires_grad=True) for _ in range(3))
+    k6, v6 = k[:, :, :6], v[:, :, :6]
+    seed = torch.tensor([7])
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx == 0, float("-inf"), score)  # query 0 sees no key
+
+    out = flex_attention_dropout(q, k6, v6, 0.9, score_mod=score_mod, seed=seed)
+    keep = dense_draws(seed, 0.9, (1, 2, 40, 6))
+    empty = ~keep.any(-1)  # (1, 2, 40)
+    assert empty.sum() > 10
+    assert (out[empty] == 0).all() and (out[:, :, 0] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.gpu
+def test_compiled_on_cuda_equals_dropout_with_the_same_draws():
+    """The Triton kernels (compiled) draw as the eager reference does (the hash's int64 arithmetic in the kernel)
+    and differentiate through both log-normalisers (the lse gradient in Inductor's backward): outputs and
+    gradients equal dropout on the softmax weights with the same draws, fp32, N = 300 over three tiles."""
+    torch.manual_seed(0)
+    n, p = 300, 0.2
+    q, k, v = (torch.randn(B, H, n, 16, device="cuda", requires_grad=True) for _ in range(3))
+    bias = torch.randn(H, n, n, device="cuda", requires_grad=True)
+    seed = torch.tensor([123456789], device="cuda")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+
+    got = torch.compile(flex_attention_dropout)(q, k, v, p, score_mod=score_mod, scale=0.25, seed=seed)
+    weights = torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias, -1)  # (B, H, n, n)
+    want = (weights * dense_draws(seed, p, (B, H, n, n)).to(weights.device) / (1 - p)) @ v
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    loss = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad((got * loss).sum(), (q, k, v, bias)),
+                    torch.autograd.grad((want * loss).sum(), (q, k, v, bias))):
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
