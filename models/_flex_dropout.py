@@ -61,7 +61,11 @@ def flex_attention_dropout(q, k, v, p: float, score_mod=None, block_mask=None, s
     """``flex_attention(q, k, v, score_mod, block_mask, scale)`` with dropout ``p`` on its softmax weights. q (B, H,
     Nq, Dh), k, v (B, H, Nk, Dh) -> (B, H, Nq, Dh). ``seed``: the draws' seed (an int64 tensor of one value; drawn
     from torch's generator when None, for tests to pass their own)."""
-    if p <= 0:
+    if not 0 <= p <= 1:
+        raise ValueError(f"attention dropout must be in [0, 1], got {p}")
+    if p == 1:  # every weight dropped, as F.dropout(p=1) gives (and no division by 1 - p = 0)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    if p == 0:
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                               kernel_options=kernel_options)
     if seed is None:

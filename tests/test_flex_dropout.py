@@ -37,6 +37,13 @@ def test_no_dropout_is_one_flex_call_and_plain_attention():
     torch.testing.assert_close(flex_attention_dropout(q, k, v, 0.0), want, atol=1e-5, rtol=1e-4)
 
 
+def test_dropout_one_drops_everything_and_a_rate_outside_zero_one_is_refused():
+    q, k, v = (torch.randn(B, H, N, DH) for _ in range(3))
+    assert torch.equal(flex_attention_dropout(q, k, v, 1.0), torch.zeros(B, H, N, DH))
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        flex_attention_dropout(q, k, v, 1.5)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.2, 0.5])
 def test_the_draws_keep_each_weight_with_probability_one_minus_p_independently(p):
     shape = (4, 4, 256, 256)
