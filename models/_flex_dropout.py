@@ -18,8 +18,8 @@ weight is kept when they are at or above p 2^24. The draws are not torch's Philo
 from SDPA's for the same seed; their distribution is the same (each weight kept with probability 1 - p,
 independently up to the hash's quality, which ``tests/test_flex_dropout.py`` checks).
 
-Cost: two FlexAttention calls, the second only for its normaliser (its output is unused), so about twice one
-call's time; memory O(B H N) more for the two log-normalisers.
+Cost: two FlexAttention calls, the second only for its normaliser (over zero values 16 wide, whatever v's width:
+its output is unused), so up to twice one call's time; memory O(B H N) more for the two log-normalisers.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 DROP_BITS = 24  # random bits per weight: p is resolved to 2^-24
 MASK32 = 0xFFFFFFFF
+LSE_VALUE_DIM = 16  # the normaliser's call takes values this wide (Triton's smallest dot), whatever v's width
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,9 @@ def flex_attention_dropout(q, k, v, p: float, score_mod=None, block_mask=None, s
     out, aux = flex_attention(q, k, v, score_mod=dropped, block_mask=block_mask, scale=scale,
                               kernel_options=kernel_options, return_aux=lse_only)  # (B, H, Nq, Dh)
     lse_kept = aux.lse  # (B, H, Nq): log Z'
-    lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+    # the normaliser does not depend on the values: the narrowest the kernel takes, zeros (nothing to differentiate)
+    values = v.new_zeros(*v.shape[:-1], LSE_VALUE_DIM)  # (B, H, Nk, 16)
+    lse = flex_attention(q, k, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
                          kernel_options=kernel_options, return_aux=lse_only)[1].lse  # (B, H, Nq): log Z
     # a row with no key at all has lse = -inf, and then lse_kept = -inf too: exp(-inf - 0) = 0, no inf - inf
     ratio = (lse_kept - torch.where(torch.isinf(lse), 0.0, lse)).exp() / (1 - p)  # (B, H, Nq): Z' / (Z (1 - p))
