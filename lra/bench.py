@@ -88,21 +88,10 @@ def split_attributes(options: dict | None) -> tuple[dict, dict]:
     return options, {k: options.pop(k) for k in MIXER_ATTRIBUTES if k in options}
 
 
-def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) -> None:
-    """Set ``attributes`` on every mixer of registry model ``name`` in ``model`` (a whole model, or the mixer
-    itself); a mixer without such an attribute runs one way only, which is an error."""
-    mixers = [m for m in model.modules() if isinstance(m, get_model_class(name))]
-    for key, value in attributes.items():
-        for mixer in mixers:
-            if not hasattr(mixer, key):
-                raise ValueError(f"{name} has one execution, no {key} to choose")
-            setattr(mixer, key, value)
-
-
 def variant_cases(variants, also: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
     changed options as the rows' ``model``: ``bigbird(block=64)``. ``MIXER_ATTRIBUTES`` are not constructor
-    options but set on the built mixers (``set_mixer_attributes`` checks them); ``also``: more keys the caller
+    options but set on the built mixers (``engine.set_mixer_attributes`` checks them); ``also``: more keys the caller
     takes (layer_bench's ``dropout``)."""
     cases = []
     for variant in variants or []:
@@ -192,7 +181,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     torch.manual_seed(cfg.get("seed", 0))
     options, attributes = split_attributes(options)
     model = build_model(name, cfg, row.seq_len, options)
-    set_mixer_attributes(model, name, attributes)
+    engine.set_mixer_attributes(model, name, attributes)
     row.params = sum(p.numel() for p in model.parameters())
     model = model.to(device).train()
     tokens = torch.randint(1, b.vocab_size, (row.batch_size, row.seq_len), device=device)  # (B, N), no padding

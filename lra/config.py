@@ -104,6 +104,9 @@ class TrainerConfig:
     # torch.compile's mode: default | reduce-overhead (CUDA graphs: one launch per graph, for models whose step is
     # launch-bound, e.g. Pathfinder's) | max-autotune | max-autotune-no-cudagraphs
     compile_mode: str = "default"
+    # how the model's mixers run: their ``backend`` attribute (e.g. flex, dense, explicit, sdpa: each mixer's
+    # docstring names its own); null: each mixer's auto. Never what they compute, so a run resumes under another
+    mixer_backend: Optional[str] = None
     pack: str = "false"  # several examples per row (lra.packing): false | auto (where the model can) | true (or fail)
     trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
     profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder

@@ -20,6 +20,7 @@ import torch._functorch.config
 import torch.nn.functional as F
 
 from lra.encoder import Classifier, build_classifier
+from models import get_model_class
 
 
 def resolve_device(name: str) -> torch.device:
@@ -151,6 +152,20 @@ def build_model(name: str, options: dict, backbone, shape: TaskShape) -> Classif
     """The classifier a run trains and the bench times."""
     return build_classifier(name, options, backbone, shape.vocab_size, shape.seq_len, shape.n_classes,
                             pair=shape.pair, padded=shape.padded, grid=shape.grid)
+
+
+def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) -> None:
+    """Set ``attributes`` (how a mixer runs, e.g. its ``backend``) on every mixer of registry model ``name`` in
+    ``model`` (a whole model, or the mixer itself); a mixer without such an attribute runs one way only, and a
+    backend outside the mixer's ``backends``, are errors, raised here rather than at its first call."""
+    mixers = [m for m in model.modules() if isinstance(m, get_model_class(name))]
+    for key, value in attributes.items():
+        for mixer in mixers:
+            if not hasattr(mixer, key):
+                raise ValueError(f"{name} has one execution, no {key} to choose")
+            if key == "backend" and value not in mixer.backends:
+                raise ValueError(f"{name}: backend must be one of {', '.join(mixer.backends)}, got {value!r}")
+            setattr(mixer, key, value)
 
 
 def median_and_spread(times: list[float]) -> tuple[float, float, float]:

@@ -35,7 +35,7 @@ import torch
 import yaml
 
 from lra import engine
-from lra.bench import model_config_options, set_mixer_attributes, split_attributes, variant_cases
+from lra.bench import model_config_options, split_attributes, variant_cases
 from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from models import create_model, list_models
@@ -105,7 +105,7 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
     dropout = options.pop("dropout", 0.0)
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=dropout, max_len=n,
                          **{**model_config_options(name), **options}).to(device).train()
-    set_mixer_attributes(mixer, name, attributes)
+    engine.set_mixer_attributes(mixer, name, attributes)
     mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
     extra = {}
     if getattr(mixer, "needs_grid", False):

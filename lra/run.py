@@ -313,6 +313,11 @@ class Trainer:
     def build(self, checkpoint: dict | None) -> None:
         cfg, device = self.cfg, self.device
         self.model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(self.data))
+        if cfg.trainer.mixer_backend is not None:  # how the mixers run, not what: set on each one built
+            try:
+                engine.set_mixer_attributes(self.model, cfg.model.name, {"backend": cfg.trainer.mixer_backend})
+            except ValueError as e:  # a setting that cannot run: no row, as for any invalid setting
+                raise ConfigError(f"trainer.mixer_backend={cfg.trainer.mixer_backend}: {e}") from None
         self.model.to(device)
         self.packed = self.resolve_packing()
         # a 2-D task's grid is its whole length (and LRA's pixel_zero_is_pad makes background pixels pads)

@@ -201,6 +201,7 @@ def _flex_attend(mixer: DeBERTa, q, k, v, mask):
 @register_model
 class DeBERTa(MultiHeadMixer):
     taxonomy = Taxonomy("He et al. 2021, arXiv 2006.03654", "N^2", (), decode=False)
+    backends = ("auto", "flex", "dense")  # the values of ``backend`` (how it runs, not what it computes)
 
     def __init__(
         self,

@@ -125,6 +125,7 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
 @register_model
 class ETC(MultiHeadMixer):
     taxonomy = Taxonomy("Ainslie et al. 2020, arXiv 2004.08483", "N", ("FP", "M"), decode=False)
+    backends = BACKENDS  # the values of ``backend`` (how it runs, not what it computes)
 
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, radius: int = 84,

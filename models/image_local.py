@@ -110,6 +110,7 @@ def _flex_attend(mixer: ImageLocal, qkv: torch.Tensor, grid: Grid) -> torch.Tens
 @register_model
 class ImageLocal(MultiHeadMixer):
     taxonomy = Taxonomy("Parmar et al. 2018 (2-D local attention), arXiv 1802.05751", "N", ("FP",), decode=True)
+    backends = BACKENDS  # the values of ``backend`` (how it runs, not what it computes)
     needs_grid = True
     accepts_no_mask = True  # mask=None: only the internal padding (flange, ragged edge) is masked
 

@@ -138,6 +138,7 @@ def nystrom_attention(
 @register_model
 class Nystromformer(MultiHeadMixer):
     taxonomy = Taxonomy("Xiong et al. 2021, arXiv 2102.03902", "N", ("LR",), decode=False)
+    backends = BACKENDS  # the values of ``backend`` (how it runs, not what it computes)
 
     def __init__(
         self,

@@ -276,6 +276,7 @@ class BlockSparseMixer(MultiHeadMixer):
     or without padding; the tile lists are kept per length for every pattern when there is no padding).
     """
 
+    backends = ("auto", "flex", "dense")  # the values of ``backend`` (how it runs, not what it computes)
     static_pattern = True
     # mask=None (no padding in the batch): one (1, N) key mask and one layout for all samples, so the tiles
     # and the pattern's per-sample context (BigBird's) are built once per call instead of once per sample

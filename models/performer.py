@@ -101,6 +101,7 @@ def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> torch.Ten
 @register_model
 class Performer(MultiHeadMixer):
     taxonomy = Taxonomy("Choromanski et al. 2021, arXiv 2009.14794", "N", ("KR",), decode=True)
+    backends = ("auto", "triton", "torch")  # the values of ``backend`` (how it runs, not what it computes)
     supports_segments = True
 
     def __init__(

@@ -65,6 +65,7 @@ PAD_LOGIT = -1e9  # below SELF_LOGIT, finite so all-padding windows give no NaN
 @register_model
 class Reformer(MultiHeadMixer):
     taxonomy = Taxonomy("Kitaev et al. 2020, arXiv 2001.04451", "N*log(N)", ("LP",), decode=True)
+    backends = ("auto", "flex", "sdpa")  # the values of ``backend`` (how it runs, not what it computes)
     accepts_no_mask = True  # mask=None, whole chunks: nothing to mask
 
     def __init__(

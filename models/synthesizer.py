@@ -55,6 +55,7 @@ BACKENDS = ("auto", "sdpa", "explicit")
 @register_model
 class Synthesizer(MultiHeadMixer):
     taxonomy = Taxonomy("Tay et al. 2021, arXiv 2005.00743", "N^2", ("LR", "LP"), decode=True)
+    backends = BACKENDS  # the values of ``backend`` (how it runs, not what it computes)
     accepts_no_mask = True  # mask=None: the random variants' bias stays (1, H, N, N), broadcast over the batch
 
     def __init__(

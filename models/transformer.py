@@ -31,6 +31,7 @@ from .registry import Taxonomy, register_model
 @register_model
 class Transformer(MultiHeadMixer):
     taxonomy = Taxonomy("Vaswani et al. 2017, arXiv 1706.03762", "N^2", (), decode=True)
+    backends = ("auto", "varlen", "jagged", "dense")  # the values of ``backend`` (how it runs, not what it computes)
     accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, 30% faster
     supports_segments = True
 
@@ -41,7 +42,7 @@ class Transformer(MultiHeadMixer):
     def packed_path(self, q: torch.Tensor) -> str:
         """The path of packed rows: the one ``backend`` names; under "auto", "varlen" where flash runs (fp16/bf16
         on CUDA), "jagged" elsewhere on CUDA (its twin, for fp32), "dense" off CUDA."""
-        if self.backend not in ("auto", "varlen", "jagged", "dense"):
+        if self.backend not in self.backends:
             raise ValueError(f"backend must be 'auto', 'varlen', 'jagged' or 'dense', got {self.backend!r}")
         if self.backend == "dense" or (self.backend == "auto" and not q.is_cuda):
             return "dense"

@@ -97,6 +97,7 @@ def earlier(t: torch.Tensor, m: int, dim: int) -> torch.Tensor:
 @register_model
 class TransformerXL(MultiHeadMixer):
     taxonomy = Taxonomy("Dai et al. 2019, arXiv 1901.02860", "N", ("RC",), decode=True)
+    backends = BACKENDS  # the values of ``backend`` (how it runs, not what it computes)
 
     def __init__(
         self,

@@ -69,6 +69,17 @@ def test_a_taxonomy_with_an_unknown_complexity_or_class_is_refused():
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_a_mixer_with_several_executions_lists_them(name):
+    """A ``backend`` attribute (how a mixer runs) comes with ``backends``, its values, "auto" (the default) first:
+    what trainer.mixer_backend and the benches' variants are checked against before anything runs."""
+    mixer = make(name)
+    if hasattr(mixer, "backend"):
+        assert mixer.backend == "auto" and mixer.backends[0] == "auto" and len(set(mixer.backends)) >= 2
+    else:
+        assert not hasattr(mixer, "backends")
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_options_are_keyword_only_with_defaults(name):
     """The constructor is the schema: every option after the backbone arguments has a default."""
     sig = inspect.signature(get_model_class(name))

@@ -520,6 +520,26 @@ def test_compile_mode_reaches_torch_compile_and_leaves_the_config_hash(smoke_cfg
         runner.run(smoke_cfg(*base, "trainer.compile_mode=fast", "resume=false"))
 
 
+def test_mixer_backend_sets_how_every_mixer_runs_and_leaves_the_config_hash(smoke_cfg, monkeypatch, tmp_path):
+    """``trainer.mixer_backend=<name>`` sets each built mixer's ``backend`` (how it runs, never what it computes):
+    the row's config hash is the default's, so a run resumes under another backend; a name the mixer does not have,
+    or a model with one execution, stops the run before it starts, with no row."""
+    built = []
+    build = engine.build_model
+    monkeypatch.setattr(engine, "build_model", lambda *args: built.append(build(*args)) or built[-1])
+    base = (*TINY, "model=etc", "schedule.steps=2", "schedule.eval_every=2")
+    row = runner.run(smoke_cfg(*base, "trainer.mixer_backend=recompute"))
+    mixers = [m for m in built[0].modules() if type(m).__name__ == "ETC"]
+    assert mixers and {m.backend for m in mixers} == {"recompute"} and row["status"] == "ok"
+    assert row["config_hash"] == runner.run(smoke_cfg(*base, "resume=false"))["config_hash"]
+    rows = len(pd.read_csv(tmp_path / "results" / "runs.csv"))
+    with pytest.raises(ConfigError, match="trainer.mixer_backend=fused: etc: backend must be one of auto, explicit"):
+        runner.run(smoke_cfg(*base, "trainer.mixer_backend=fused", "resume=false"))
+    with pytest.raises(ConfigError, match="linear has one execution"):
+        runner.run(smoke_cfg(*TINY, "model=linear", "schedule.steps=2", "trainer.mixer_backend=flex"))
+    assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == rows  # no row for either
+
+
 def test_a_run_shorter_than_its_timing_warm_up_says_its_speed_was_not_timed(smoke_cfg, caplog):
     """Every step inside trainer.timing_warmup: no speed in the row (not a number, not a wrong one), and the final
     line says why instead of printing nan."""
