@@ -39,10 +39,10 @@ def compiled(fn, dynamic: bool | None = None):
     return torch.compile(fn, dynamic=dynamic)
 
 
-def chosen_backend(mixer, choices: tuple[str, ...]) -> str:
-    """A mixer's ``backend`` attribute (how it runs, not what), checked against its ``choices``."""
-    if mixer.backend not in choices:
-        raise ValueError(f"{type(mixer).__name__}: backend must be one of {choices}, got {mixer.backend!r}")
+def chosen_backend(mixer) -> str:
+    """A mixer's ``backend`` attribute (how it runs, not what), checked against its class's ``backends``."""
+    if mixer.backend not in mixer.backends:
+        raise ValueError(f"{type(mixer).__name__}: backend must be one of {mixer.backends}, got {mixer.backend!r}")
     return mixer.backend
 
 

@@ -72,9 +72,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._flex_dropout import flex_attention_dropout
 from .base import MultiHeadMixer, pad_head_dim, takes_fused_path
-from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, flex_block_mask, flex_call
+from .patterns import FLEX_BLOCK, flex_attend, flex_block_mask, flex_call
 from .registry import Taxonomy, register_model
 
 
@@ -193,9 +192,8 @@ def _flex_attend(mixer: DeBERTa, q, k, v, mask):
         return score + (c2p[b, h, q_idx, row] + p2c[b, h, col, kv_idx])
 
     block_mask = None if mask is None else padding_block_mask(mask)
-    q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16)): the kernel's smallest head
-    o = flex_attention_dropout(q, k, v, mixer.dropout_p, score_mod=score_mod, block_mask=block_mask, scale=scale)
-    return o[..., :d_head]  # (B, H, N, Dh)
+    # (B, H, N, Dh); head sizes under the kernel's 16 are zero-padded and cut in flex_attend
+    return flex_attend(q, k, v, block_mask, score_mod=score_mod, scale=scale, dropout_p=mixer.dropout_p)
 
 
 @register_model

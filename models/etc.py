@@ -70,9 +70,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._flex_dropout import flex_attention_dropout
-from .base import MultiHeadMixer, chosen_backend, pad_head_dim, softmax_values
-from .patterns import FLEX_BLOCK, MIN_FLEX_HEAD_DIM, SMALL_FORWARD_TILES, flex_call, realized, tile_block_mask
+from .base import MultiHeadMixer, chosen_backend, softmax_values
+from .patterns import FLEX_BLOCK, flex_attend, flex_call, realized, tile_block_mask
 from .registry import Taxonomy, register_model
 
 MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
@@ -116,10 +115,7 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
     key_tiles = F.pad(real, (0, padded - S)).view(B, -1, FLEX_BLOCK).any(-1)  # (B, nt): a real key in the tile
     partial = (band_tiles(S, G, r, q.device)[None] & key_tiles[:, None, :])[:, None]  # (B, 1, nt, nt)
     block_mask = tile_block_mask(partial, torch.zeros_like(partial), S, mask_mod)
-    q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, S, max(Dh, 16)): the kernel's smallest head
-    o = flex_attention_dropout(q, k, v, mixer.dropout_p, score_mod=score_mod, block_mask=block_mask, scale=Dh**-0.5,
-                               kernel_options=SMALL_FORWARD_TILES if q.is_cuda else None)  # (B, H, S, max(Dh, 16))
-    return o[..., :Dh]
+    return flex_attend(q, k, v, block_mask, small_tiles=True, score_mod=score_mod, dropout_p=mixer.dropout_p)
 
 
 @register_model
@@ -168,18 +164,18 @@ class ETC(MultiHeadMixer):
         g = min(self.global_tokens, N)
         q, k, v = self.project(x)  # each (B, H, N, Dh)
         gk, gv, g_real = self.global_keys(k, v, mask, g)  # (B, H, G, Dh) x 2, (B, G)
-        if chosen_backend(self, BACKENDS) == "flex":
+        flex = chosen_backend(self) == "flex"
+        if flex or g:  # every key in order [globals, long tokens]: the flex call's, or the global queries'
+            keys, values = torch.cat([gk, k[:, :, g:]], dim=2), torch.cat([gv, v[:, :, g:]], dim=2)  # (B, H, G+L, Dh)
+            real = torch.cat([g_real, mask[:, g:]], dim=1)  # (B, G+L)
+        if flex:
             Gl = self.learned_globals
-            keys, values = torch.cat([gk, k[:, :, g:]], dim=2), torch.cat([gv, v[:, :, g:]], dim=2)  # (B, H, Gl+N, Dh)
-            queries = F.pad(q, (0, 0, Gl, 0))  # (B, H, Gl+N, Dh): zero queries in the learned globals' rows
-            real = torch.cat([g_real, mask[:, g:]], dim=1)  # (B, Gl+N)
-            o = flex_call(_flex_attend, x.is_cuda, self, queries, keys, values, real, Gl + g)  # (B, H, Gl+N, Dh)
+            queries = F.pad(q, (0, 0, Gl, 0))  # (B, H, G+L, Dh): zero queries in the learned globals' rows
+            o = flex_call(_flex_attend, x.is_cuda, self, queries, keys, values, real, Gl + g)  # (B, H, G+L, Dh)
             o = o[:, :, Gl:]  # (B, H, N, Dh): the learned globals' rows dropped
             return self.out(o.transpose(1, 2).reshape(B, N, -1))  # (B, N, D)
         parts = []
         if g:  # global queries: every key, global and long (the label term is constant over the row: omitted)
-            keys, values = torch.cat([gk, k[:, :, g:]], dim=2), torch.cat([gv, v[:, :, g:]], dim=2)  # (B, H, G+L, Dh)
-            real = torch.cat([g_real, mask[:, g:]], dim=1)  # (B, G+L)
             bias = torch.zeros_like(real, dtype=q.dtype).masked_fill(~real, MASKED)[:, None, None]  # (B, 1, 1, G+L)
             parts.append(F.scaled_dot_product_attention(q[:, :, :g], keys, values, attn_mask=bias,
                                                         dropout_p=self.dropout_p))  # (B, H, g, Dh)
@@ -214,7 +210,7 @@ class ETC(MultiHeadMixer):
         win_rel = torch.einsum("bhnsv,svt->bhnst", q_rel, one_hot)  # (B, H, NB, b, 3b)
         see = torch.cat([g_real[:, None, None, :].expand(B, NB, b, G),
                          band & w_real[:, :, None, :]], dim=-1)  # (B, NB, b, G+3b)
-        backend = chosen_backend(self, BACKENDS)
+        backend = chosen_backend(self)
         if backend in ("sdpa", "recompute"):  # one value tensor per block: the globals', then its window's
             values = torch.cat([gv[:, :, None].expand(B, H, NB, G, Dh), vw], dim=3)  # (B, H, NB, G+3b, Dh)
         if backend == "sdpa":  # relative terms as SDPA's float mask; heads, blocks one batch dim

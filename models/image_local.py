@@ -42,7 +42,7 @@ Two executions (``backend``, an attribute: how it runs, never what it computes):
   above. The gathered keys and values are what holds its memory above exact attention's (1.5x SDPA's at 4K, one
   layer on an H200; at 16K 1.5x in one run and 2.2x in another). ``auto``: on that card flex was faster at 1K
   (1.33x, SDPA's memory) but slower at 4K (0.84x) and 16K (0.55x), and LRA's pixel protocols train with
-  attention dropout, which flex cannot apply.
+  attention dropout, which this flex path does not apply.
 * **flex** (``backend = "flex"``; CUDA only in training, where torch has its backward; no attention dropout, no
   key mask, as in the bench and the pixel tasks' evaluation): FlexAttention over the row-major sequence itself, with a
   ``mask_mod`` that allows a pair when the key lies in the query's memory block (or either is a prefix token).
@@ -50,8 +50,9 @@ Two executions (``backend``, an attribute: how it runs, never what it computes):
   allowed pair: a 128-pixel run of a row meets (qh + 2f) rows of keys, so at width W each query computes about
   128 (qh + 2f) max(1, W / 128) / max(1, 128 / W) keys instead of its (qh + 2f)(qw + 2f) (about 1,100 at 64 x 64
   and 2,050 at 128 x 128 for 256), still a fixed number per query. The tiles depend on the grid alone: made once
-  per (length, grid, device) and kept. FlexAttention has no dropout (hence dense in training under LRA's
-  attention dropout), and forcing ``flex`` with dropout active or a key mask is an error.
+  per (length, grid, device) and kept. FlexAttention has no dropout of its own and this path does not add
+  ``_flex_dropout``'s (hence dense in training under LRA's attention dropout); forcing ``flex`` with dropout active
+  or a key mask is an error.
 
 Deviations from the paper: the memory block extends the query block on all four sides (the paper's decoder
 extends it up, left and right only, to stay causal; we classify). One flange for all sides, where
@@ -126,7 +127,7 @@ class ImageLocal(MultiHeadMixer):
 
     def flex_runs(self, key_mask: bool) -> bool:
         """Whether FlexAttention runs (``backend``): only when asked for (``auto`` = dense, module docstring)."""
-        if chosen_backend(self, BACKENDS) == "flex" and (self.dropout_p > 0 or key_mask):
+        if chosen_backend(self) == "flex" and (self.dropout_p > 0 or key_mask):
             raise ValueError(f"image_local: backend='flex' takes no attention dropout (dropout_p={self.dropout_p}) "
                              f"and no key mask (given: {key_mask}); use 'auto' or 'dense'")
         return self.backend == "flex"

@@ -170,7 +170,7 @@ class Nystromformer(MultiHeadMixer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=q.device.type, enabled=False):
             o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations,
-                                  mixed=chosen_backend(self, BACKENDS) == "mixed").to(q.dtype)
+                                  mixed=chosen_backend(self) == "mixed").to(q.dtype)
         if self.conv is not None:  # padded values are zeroed first
             o = o + depthwise_skip(v * mask[:, None, :, None].to(v.dtype), self.conv.weight)  # (B, H, N, Dh)
         return o  # (B, H, N, Dh)

@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
+from ._flex_dropout import flex_attention_dropout
 from .base import MultiHeadMixer, compiled, pad_head_dim, takes_fused_path
 
 FLEX_BLOCK = 128  # FlexAttention's tile: sparsity is counted in whole 128 x 128 tiles
@@ -237,16 +238,20 @@ def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask
 SMALL_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
 
 
-def flex_attend(q, k, v, block_mask: BlockMask, small_tiles: bool = False) -> torch.Tensor:
+def flex_attend(q, k, v, block_mask: BlockMask | None, small_tiles: bool = False, score_mod=None,
+                scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """FlexAttention over the pattern's BlockMask (eager unless traced by torch.compile, see
     ``BlockSparseMixer``). q, k, v (B, H, N, Dh) at their own length: the kernel bounds-checks the last tile, so
     they are not padded to it. ``small_tiles``: the forward kernel works in 64 x 64 tiles (on CUDA), for masks
-    whose partial tiles look tensors up (``SMALL_FORWARD_TILES``); the result is the same."""
+    whose partial tiles look tensors up (``SMALL_FORWARD_TILES``); the result is the same. ``score_mod`` and
+    ``scale`` (default Dh^-0.5, of the true head size) go to the kernel; ``dropout_p``: attention dropout, which
+    FlexAttention lacks, through ``_flex_dropout``."""
     Dh = q.shape[-1]
     q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16))
     options = SMALL_FORWARD_TILES if small_tiles and q.is_cuda else None
-    out = flex_attention(q, k, v, block_mask=block_mask, scale=Dh**-0.5,
-                         kernel_options=options)  # (B, H, N, max(Dh, 16))
+    out = flex_attention_dropout(q, k, v, dropout_p, score_mod=score_mod, block_mask=block_mask,
+                                 scale=Dh**-0.5 if scale is None else scale,
+                                 kernel_options=options)  # (B, H, N, max(Dh, 16))
     return out[..., :Dh]
 
 

@@ -112,7 +112,7 @@ class Synthesizer(MultiHeadMixer):
         self.check_length(N)
         H, Dh = self.n_heads, self.d_head
         pad_keys = None if mask is None else ~mask[:, None, None, :]  # (B, 1, 1, N); None: no padding
-        if chosen_backend(self, BACKENDS) == "explicit" and self.keep_dot_product:
+        if chosen_backend(self) == "explicit" and self.keep_dot_product:
             q, k, v = self.project(x)  # each (B, H, N, Dh)
             synthesized = self.synthesized(x)  # (1 or B, H, N, N)
             with torch.autocast(device_type=x.device.type, enabled=False):

@@ -156,7 +156,7 @@ class TransformerXL(MultiHeadMixer):
         position = rel_shift(table, L) * Dh**-0.5  # (B, H, n, S, L): (b) + (d)
         bias = position.masked_fill(~keep[:, None, :, None, :], torch.finfo(position.dtype).min)  # (B, H, n, S, L)
         content_q = q + self.u[:, None, None, :]  # (B, H, n, S, Dh): (a) + (c) = (q + u) . k
-        if chosen_backend(self, BACKENDS) == "sdpa":  # heads and segments as one batch dimension: (B, H n, ., .)
+        if chosen_backend(self) == "sdpa":  # heads and segments as one batch dimension: (B, H n, ., .)
             o = F.scaled_dot_product_attention(content_q.flatten(1, 2), keys.flatten(1, 2), values.flatten(1, 2),
                                                attn_mask=bias.flatten(1, 2), dropout_p=self.dropout_p)
             return o.unflatten(1, (H, -1))  # (B, H n, S, Dh) -> (B, H, n, S, Dh)
