@@ -19,7 +19,7 @@ from SDPA's for the same seed; their distribution is the same (each weight kept 
 independently up to the hash's quality, which ``tests/test_flex_dropout.py`` checks).
 
 Cost: two FlexAttention calls, the second only for its normaliser (over zero values 16 wide, whatever v's width:
-its output is unused), so up to twice one call's time; memory O(B H N) more for the two log-normalisers.
+its output is 0), so up to twice one call's time; memory O(B H N) more for the two log-normalisers.
 """
 from __future__ import annotations
 
@@ -83,8 +83,13 @@ def flex_attention_dropout(q, k, v, p: float, score_mod=None, block_mask=None, s
     lse_kept = aux.lse  # (B, H, Nq): log Z'
     # the normaliser does not depend on the values: the narrowest the kernel takes, zeros (nothing to differentiate)
     values = v.new_zeros(*v.shape[:-1], LSE_VALUE_DIM)  # (B, H, Nk, 16)
-    lse = flex_attention(q, k, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                         kernel_options=kernel_options, return_aux=lse_only)[1].lse  # (B, H, Nq): log Z
-    # a row with no key at all has lse = -inf, and then lse_kept = -inf too: exp(-inf - 0) = 0, no inf - inf
-    ratio = (lse_kept - torch.where(torch.isinf(lse), 0.0, lse)).exp() / (1 - p)  # (B, H, Nq): Z' / (Z (1 - p))
+    zeros, aux = flex_attention(q, k, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                kernel_options=kernel_options, return_aux=lse_only)  # (B, H, Nq, 16): exactly 0
+    lse = aux.lse  # (B, H, Nq): log Z
+    # a row with no key at all has lse = -inf, and then lse_kept = -inf too: exp(-inf - 0) = 0, no inf - inf.
+    # The call's output (zeros) is added too: it changes nothing, in value or gradient (its values are 0), but an
+    # output that no gradient reaches gives Inductor's FlexAttention backward a None grad_out, on which its lowering
+    # fails (torch 2.11-2.13: "'NoneType' object has no attribute 'make_loader'").
+    log_ratio = lse_kept - torch.where(torch.isinf(lse), 0.0, lse) + zeros[..., 0].float()  # (B, H, Nq)
+    ratio = log_ratio.exp() / (1 - p)  # (B, H, Nq): Z' / (Z (1 - p))
     return (out.float() * ratio[..., None]).to(out.dtype)

@@ -80,6 +80,33 @@ def test_rows_whose_weights_all_drop_give_zero_and_finite_gradients(flex_backwar
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+
+def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backward_on_cpu):
+    """The normaliser's call is used for its log-normaliser only; if no gradient reached its output, the compiled
+    backward would hand FlexAttention's backward a None grad_out, which Inductor's lowering cannot take (it failed
+    so on an H200). The backward graph AOTAutograd gives Inductor is captured here on the CPU: each
+    flex_attention_backward gets a gradient tensor for its output, and the gradients equal eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    grad_outs = []
+
+    def backward_compiler(graph, example_inputs):
+        grad_outs.extend(node.args[5] for node in graph.graph.nodes if "flex_attention_backward" in str(node.target))
+        return graph
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, 16, requires_grad=True) for _ in range(3))
+    seed = torch.tensor([5])
+    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: graph, bw_compiler=backward_compiler)
+    torch._dynamo.reset()
+    got = torch.compile(flex_attention_dropout, backend=backend, fullgraph=True)(q, k, v, 0.2, seed=seed)
+    got_grads = torch.autograd.grad(got.sum(), (q, k, v))
+    assert len(grad_outs) == 2 and all(g is not None for g in grad_outs)
+    want = flex_attention_dropout(q, k, v, 0.2, seed=seed)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(g, w)
+
 @pytest.mark.gpu
 def test_compiled_on_cuda_equals_dropout_with_the_same_draws():
     """The Triton kernels (compiled) draw as the eager reference does (the hash's int64 arithmetic in the kernel)
