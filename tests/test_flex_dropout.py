@@ -1,6 +1,7 @@
 """Attention dropout for FlexAttention (models/_flex_dropout.py): equal to dropout on the softmax weights with the
-same draws (outputs and gradients), the draws' rate and independence, and rows whose weights all drop. CPU, eager
-(the backward check lifted: conftest's flex_backward_on_cpu)."""
+same draws (outputs and gradients), the draws' rate and independence, rows whose weights all drop, and the backward
+graphs a compiler receives (each FlexAttention backward gets its output's gradient). CPU, eager (the backward check
+lifted: conftest's flex_backward_on_cpu)."""
 from __future__ import annotations
 
 import pytest
@@ -106,6 +107,40 @@ def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backw
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, torch.autograd.grad(want.sum(), (q, k, v))):
         torch.testing.assert_close(g, w)
+
+
+class BackwardCaptured(Exception):
+    """Stops a backward once its graph is captured: the CPU's eager FlexAttention backward, which would run it, is not
+    what a GPU runs (Inductor lowers the graph instead)."""
+
+
+@pytest.mark.parametrize("name", ["deberta", "etc"])
+def test_the_models_flex_paths_with_dropout_give_every_flex_backward_a_gradient(name, flex_backward_on_cpu):
+    """The same check on the training graphs of the models whose ``backend="flex"`` applies attention dropout
+    (the path that failed to compile on an H200): every flex_attention_backward in the compiled layer's backward
+    graph gets a gradient tensor for its output."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from models import create_model
+
+    grad_outs = []
+
+    def backward_compiler(graph, example_inputs):
+        grad_outs.extend(node.args[5] for node in graph.graph.nodes if "flex_attention_backward" in str(node.target))
+        raise BackwardCaptured
+
+    torch.manual_seed(0)
+    layer = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=160).train()
+    layer.backend = "flex"
+    x = torch.randn(2, 150, 32, requires_grad=True)
+    mask = torch.ones(2, 150, dtype=torch.bool)
+    mask[1, 120:] = False  # (2, 150): key padding in the second example
+    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: graph, bw_compiler=backward_compiler)
+    torch._dynamo.reset()
+    out = torch.compile(layer, backend=backend)(x, mask)  # (2, 150, 32)
+    with pytest.raises(BackwardCaptured):
+        out.sum().backward()
+    assert len(grad_outs) == 2 and all(g is not None for g in grad_outs)
 
 @pytest.mark.gpu
 def test_compiled_on_cuda_equals_dropout_with_the_same_draws():
