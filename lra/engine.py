@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from lra.encoder import Classifier, build_classifier
 from models import get_model_class
+from models.base import checked_backend
 
 
 def resolve_device(name: str) -> torch.device:
@@ -163,9 +164,7 @@ def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) ->
         for mixer in mixers:
             if not hasattr(mixer, key):
                 raise ValueError(f"{name} has one execution, no {key} to choose")
-            if key == "backend" and value not in mixer.backends:
-                raise ValueError(f"{name}: backend must be one of {', '.join(mixer.backends)}, got {value!r}")
-            setattr(mixer, key, value)
+            setattr(mixer, key, checked_backend(mixer, value, name) if key == "backend" else value)
 
 
 def median_and_spread(times: list[float]) -> tuple[float, float, float]:

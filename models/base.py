@@ -39,11 +39,18 @@ def compiled(fn, dynamic: bool | None = None):
     return torch.compile(fn, dynamic=dynamic)
 
 
+def checked_backend(mixer, value: str, label: str | None = None) -> str:
+    """``value`` if it is one of the mixer's ``backends`` (how it runs, not what), else a ValueError that lists them,
+    prefixed by ``label`` (default: the mixer's class name)."""
+    if value not in mixer.backends:
+        raise ValueError(f"{label or type(mixer).__name__}: backend must be one of {', '.join(mixer.backends)}, "
+                         f"got {value!r}")
+    return value
+
+
 def chosen_backend(mixer) -> str:
-    """A mixer's ``backend`` attribute (how it runs, not what), checked against its class's ``backends``."""
-    if mixer.backend not in mixer.backends:
-        raise ValueError(f"{type(mixer).__name__}: backend must be one of {mixer.backends}, got {mixer.backend!r}")
-    return mixer.backend
+    """A mixer's ``backend`` attribute, checked against its class's ``backends``."""
+    return checked_backend(mixer, mixer.backend)
 
 
 def takes_fused_path(backend: str, fused: str, reference: str, on_cuda: bool) -> bool:
