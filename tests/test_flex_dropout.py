@@ -81,26 +81,38 @@ def test_rows_whose_weights_all_drop_give_zero_and_finite_gradients(flex_backwar
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+class BackwardCaptured(Exception):
+    """Stops a backward once its graph is captured: the CPU's eager FlexAttention backward, which would run it, is not
+    what a GPU runs (Inductor lowers the graph instead)."""
+
+
+def capturing_backend(grad_outs: list, stop: bool = False):
+    """A torch.compile backend that hands on the graphs AOTAutograd makes, as Inductor would receive them, and
+    appends to ``grad_outs`` the output gradient (``grad_out``) of each flex_attention_backward in the backward
+    graph; ``stop``: raise BackwardCaptured instead of running that graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backward_compiler(graph, example_inputs):
+        grad_outs.extend(node.args[5] for node in graph.graph.nodes if "flex_attention_backward" in str(node.target))
+        if stop:
+            raise BackwardCaptured
+        return graph
+
+    torch._dynamo.reset()
+    return aot_autograd(fw_compiler=lambda graph, example_inputs: graph, bw_compiler=backward_compiler)
+
 
 def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backward_on_cpu):
     """The normaliser's call is used for its log-normaliser only; if no gradient reached its output, the compiled
     backward would hand FlexAttention's backward a None grad_out, which Inductor's lowering cannot take (it failed
     so on an H200). The backward graph AOTAutograd gives Inductor is captured here on the CPU: each
     flex_attention_backward gets a gradient tensor for its output, and the gradients equal eager's."""
-    from torch._dynamo.backends.common import aot_autograd
-
     grad_outs = []
-
-    def backward_compiler(graph, example_inputs):
-        grad_outs.extend(node.args[5] for node in graph.graph.nodes if "flex_attention_backward" in str(node.target))
-        return graph
-
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, N, 16, requires_grad=True) for _ in range(3))
     seed = torch.tensor([5])
-    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: graph, bw_compiler=backward_compiler)
-    torch._dynamo.reset()
-    got = torch.compile(flex_attention_dropout, backend=backend, fullgraph=True)(q, k, v, 0.2, seed=seed)
+    compiled = torch.compile(flex_attention_dropout, backend=capturing_backend(grad_outs), fullgraph=True)
+    got = compiled(q, k, v, 0.2, seed=seed)
     got_grads = torch.autograd.grad(got.sum(), (q, k, v))
     assert len(grad_outs) == 2 and all(g is not None for g in grad_outs)
     want = flex_attention_dropout(q, k, v, 0.2, seed=seed)
@@ -109,38 +121,25 @@ def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backw
         torch.testing.assert_close(g, w)
 
 
-class BackwardCaptured(Exception):
-    """Stops a backward once its graph is captured: the CPU's eager FlexAttention backward, which would run it, is not
-    what a GPU runs (Inductor lowers the graph instead)."""
-
-
 @pytest.mark.parametrize("name", ["deberta", "etc"])
 def test_the_models_flex_paths_with_dropout_give_every_flex_backward_a_gradient(name, flex_backward_on_cpu):
     """The same check on the training graphs of the models whose ``backend="flex"`` applies attention dropout
     (the path that failed to compile on an H200): every flex_attention_backward in the compiled layer's backward
     graph gets a gradient tensor for its output."""
-    from torch._dynamo.backends.common import aot_autograd
-
     from models import create_model
 
     grad_outs = []
-
-    def backward_compiler(graph, example_inputs):
-        grad_outs.extend(node.args[5] for node in graph.graph.nodes if "flex_attention_backward" in str(node.target))
-        raise BackwardCaptured
-
     torch.manual_seed(0)
     layer = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=160).train()
     layer.backend = "flex"
     x = torch.randn(2, 150, 32, requires_grad=True)
     mask = torch.ones(2, 150, dtype=torch.bool)
     mask[1, 120:] = False  # (2, 150): key padding in the second example
-    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: graph, bw_compiler=backward_compiler)
-    torch._dynamo.reset()
-    out = torch.compile(layer, backend=backend)(x, mask)  # (2, 150, 32)
+    out = torch.compile(layer, backend=capturing_backend(grad_outs, stop=True))(x, mask)  # (2, 150, 32)
     with pytest.raises(BackwardCaptured):
         out.sum().backward()
     assert len(grad_outs) == 2 and all(g is not None for g in grad_outs)
+
 
 @pytest.mark.gpu
 def test_compiled_on_cuda_equals_dropout_with_the_same_draws():
