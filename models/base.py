@@ -53,11 +53,11 @@ def chosen_backend(mixer) -> str:
     return checked_backend(mixer, mixer.backend)
 
 
-def takes_fused_path(backend: str, fused: str, reference: str, on_cuda: bool) -> bool:
-    """A mixer's ``backend`` attribute (how it runs, not what): its fused path when asked for by name (``fused``)
-    or under "auto" on CUDA; its reference path (``reference``) otherwise. Any other name is an error."""
-    if backend not in ("auto", fused, reference):
-        raise ValueError(f"backend must be 'auto', {fused!r} or {reference!r}, got {backend!r}")
+def takes_fused_path(mixer, fused: str, on_cuda: bool) -> bool:
+    """Whether a mixer with two executions, ``backends = ("auto", fused, reference)``, takes its fused one: when its
+    ``backend`` names it, or under "auto" on CUDA (``on_cuda``: the caller's condition, e.g. also no dropout). The
+    attribute is checked as ``chosen_backend`` checks it."""
+    backend = chosen_backend(mixer)
     return backend == fused or (backend == "auto" and on_cuda)
 
 

@@ -279,7 +279,7 @@ class DeBERTa(MultiHeadMixer):
     def flex_runs(self, on_cuda: bool, needs_grad: bool = False) -> bool:
         """Whether FlexAttention runs (``backend``): asked for, or on CUDA where no gradient is taken (evaluation;
         module docstring: why not in training) and no attention dropout is active."""
-        return takes_fused_path(self.backend, "flex", "dense", on_cuda and self.dropout_p == 0 and not needs_grad)
+        return takes_fused_path(self, "flex", on_cuda and self.dropout_p == 0 and not needs_grad)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.flex_runs(q.is_cuda, torch.is_grad_enabled() and q.requires_grad):

@@ -362,7 +362,7 @@ class BlockSparseMixer(MultiHeadMixer):
     def attend_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
         """The pattern over q, k, v (B, H, N, Dh) as given, by FlexAttention or the dense mask (``backend``)."""
-        use_flex = takes_fused_path(self.backend, "flex", "dense", q.is_cuda)
+        use_flex = takes_fused_path(self, "flex", q.is_cuda)
         if use_flex:
             return flex_call(_block_sparse_attend, q.is_cuda, self, q, k, v, mask, True)
         return _block_sparse_attend(self, q, k, v, mask, False)

@@ -174,7 +174,7 @@ class Performer(MultiHeadMixer):
             if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError("backend='triton' runs on CUDA, or on the CPU under Triton's interpreter "
                                  "(TRITON_INTERPRET=1 before triton is imported); here set backend='torch'")
-        return takes_fused_path(self.backend, "triton", "torch",
+        return takes_fused_path(self, "triton",
                                 q.is_cuda and member is None and favor_attention_triton is not None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:

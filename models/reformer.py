@@ -180,7 +180,7 @@ class Reformer(MultiHeadMixer):
 
     def flex_round_runs(self, on_cuda: bool) -> bool:
         """Whether one round runs as FlexAttention: asked for, or on CUDA where no attention dropout is active."""
-        return takes_fused_path(self.backend, "flex", "sdpa", on_cuda and self.dropout_p == 0)
+        return takes_fused_path(self, "flex", on_cuda and self.dropout_p == 0)
 
     def one_round(self, q, k, v, v_self, real, self_key):
         """Chunked attention for a single hash round through fused SDPA, with chunks as heads. Self is

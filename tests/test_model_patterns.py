@@ -390,7 +390,7 @@ def test_forward_tiles_shrink_where_partial_tiles_look_tensors_up(monkeypatch, n
 def test_a_misspelt_backend_is_refused_not_read_as_the_reference_path():
     model = create_model("local", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=256)
     model.backend = "flx"
-    with pytest.raises(ValueError, match="backend must be 'auto', 'flex' or 'dense', got 'flx'"):
+    with pytest.raises(ValueError, match="backend must be one of auto, flex, dense, got 'flx'"):
         model(torch.randn(1, 256, 32), torch.ones(1, 256, dtype=torch.bool))
 
 
