@@ -57,14 +57,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 from .base import pad_head_dim, upcast
 
-Scan = Literal["auto", "chunked", "recurrent"]
+Scan = Literal["auto", "fla", "chunked", "recurrent"]
 # Per-key decays inside a chunk are factorised, exp(G_i - G_j) = exp(G_i) * exp(-G_j), while a chunk's total log
 # decay stays within this bound: exp(40) = 2e17 leaves fp32 ample room for the products and their gradients.
 FACTOR_LIMIT = 40.0
@@ -245,18 +245,30 @@ def fla_refused(device_index: int) -> str | None:
 
 
 @torch.compiler.assume_constant_result
-def fla_refusal(device_index: int) -> str | None:
-    """``fla_refused``, said once, and a constant to torch.compile: it runs eagerly at trace time, so a compiled model
-    neither traces the cached check (Dynamo warns at each trace where it does) nor repeats the warning."""
+def fla_refusal(device_index: int, fall_back: bool = True) -> str | None:
+    """``fla_refused``, and a constant to torch.compile: it runs eagerly at trace time, so a compiled model neither
+    traces the cached check (Dynamo warns at each trace where it does) nor repeats the warning. ``fall_back``: the
+    caller runs the chunked form instead, which is said once."""
     reason = fla_refused(device_index)
-    if reason is not None:
+    if reason is not None and fall_back:
         warn_once(f"{reason}: running the scan in its chunked PyTorch form (model.scan=chunked)")
     return reason
 
 
 def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
     """``mode`` "auto": fla on CUDA (the chunked form where fla's kernels are known to be wrong), ``chunked``
-    elsewhere; "chunked" / "recurrent": that form anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
+    elsewhere; "fla": fla's kernels or an error saying why they cannot run here; "chunked" / "recurrent": that form
+    anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
+    if mode not in get_args(Scan):
+        raise ValueError(f"model.scan must be one of {', '.join(get_args(Scan))}, got {mode!r}")
+    if mode == "fla":
+        if not q.is_cuda:
+            raise ValueError("model.scan=fla runs flash-linear-attention's Triton kernels, on CUDA only: here set "
+                             "model.scan=auto or chunked")
+        reason = fla_refusal(q.device.index or 0, fall_back=False)
+        if reason is not None:
+            raise RuntimeError(f"model.scan=fla: {reason}; model.scan=auto runs the chunked form instead")
+        return fla(q, k, v, g, scale, reset)
     if mode == "auto" and q.is_cuda and fla_refusal(q.device.index or 0) is None:
         return fla(q, k, v, g, scale, reset)
     if mode == "recurrent":

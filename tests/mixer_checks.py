@@ -42,6 +42,7 @@ def assert_fast_scan_matches_chunked(model, d: int, ragged) -> None:
     reason = fla_refused(torch.cuda.current_device())
     if reason is not None:
         pytest.skip(reason)
+    model.scan = "fla"  # fla's kernels or an error: never a silent fallback to the form it is checked against
     ref = copy.deepcopy(model)
     ref.scan = "chunked"
     x = torch.randn(2, 300, d, device="cuda", requires_grad=True)
@@ -73,6 +74,7 @@ def assert_fast_scan_on_packed_rows_matches_chunked(model, d: int) -> None:
     reason = fla_refused(torch.cuda.current_device())
     if reason is not None:
         pytest.skip(reason)
+    model.scan = "fla"  # fla's kernels or an error: never a silent fallback to the form it is checked against
     ref = copy.deepcopy(model)
     ref.scan = "chunked"
     segments = packed_layout(PACKED_ROWS, 29).cuda()

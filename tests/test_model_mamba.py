@@ -248,6 +248,33 @@ def test_fla_path_equals_the_reference_on_cuda(options):
     assert_fast_scan_matches_chunked(m, d, ragged)
 
 
+def test_scan_fla_off_cuda_and_a_misspelt_scan_are_refused():
+    """scan="fla" asks for fla's kernels: on the CPU an error that says what to set instead, not the chunked form;
+    a name that is no scan (set on the built model, past the config's check) is an error too."""
+    m = make(scan="fla")
+    x, mask = torch.randn(1, 12, 16, dtype=torch.float64), torch.ones(1, 12, dtype=torch.bool)
+    with pytest.raises(ValueError, match="model.scan=fla .* CUDA only: here set model.scan=auto or chunked"):
+        m(x, mask)
+    m.scan = "chunkd"
+    with pytest.raises(ValueError, match="model.scan must be one of auto, fla, chunked, recurrent, got 'chunkd'"):
+        m(x, mask)
+
+
+@pytest.mark.gpu
+def test_scan_fla_on_cuda_runs_fla_or_says_why_it_cannot():
+    """On a card where fla's kernels are refused (Hopper with Triton < 3.7.1) scan="fla" raises with the reason;
+    elsewhere it runs them."""
+    m = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64, scan="fla").cuda()
+    x, mask = torch.randn(2, 40, 32, device="cuda"), torch.ones(2, 40, dtype=torch.bool, device="cuda")
+    reason = _scan.fla_refused(torch.cuda.current_device())
+    if reason is not None:
+        with pytest.raises(RuntimeError, match="model.scan=fla: .*3.7.1"):
+            m(x, mask)
+    else:
+        pytest.importorskip("fla.ops.simple_gla")
+        assert torch.isfinite(m(x, mask)).all()
+
+
 def test_a_triton_known_to_break_fla_on_hopper_falls_back_to_the_chunked_form(monkeypatch):
     import types
 
