@@ -166,6 +166,17 @@ def test_split_backend_equals_fp32():
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
+def test_split_backend_traces_as_one_graph():
+    """The chunked sums add no host-side decision: compiled, the layer stays one graph at N = 2100 (two chunks,
+    padded), as the registry-wide check asks of the default backend."""
+    model = create_model("nystromformer", **{**BACKBONE, "max_len": 2100}).train()
+    model.backend = "split"
+    mask = ragged_mask(2100, [2100, 1500])
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.randn(2, 2100, 32), mask)
+    assert explained.graph_count == 1, explained.break_reasons[:2]
+
+
 def test_backend_is_checked():
     model = create_model("nystromformer", **BACKBONE)
     model.backend = "bf16"
