@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, once_per_batch, pad_head_dim, same_segment
+from .base import MultiHeadMixer, chosen_backend, once_per_batch, pad_head_dim, same_segment
 from .registry import Taxonomy, register_model
 
 
@@ -42,12 +42,11 @@ class Transformer(MultiHeadMixer):
     def packed_path(self, q: torch.Tensor) -> str:
         """The path of packed rows: the one ``backend`` names; under "auto", "varlen" where flash runs (fp16/bf16
         on CUDA), "jagged" elsewhere on CUDA (its twin, for fp32), "dense" off CUDA."""
-        if self.backend not in self.backends:
-            raise ValueError(f"backend must be 'auto', 'varlen', 'jagged' or 'dense', got {self.backend!r}")
-        if self.backend == "dense" or (self.backend == "auto" and not q.is_cuda):
+        backend = chosen_backend(self)
+        if backend == "dense" or (backend == "auto" and not q.is_cuda):
             return "dense"
         flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        return "varlen" if self.backend != "jagged" and flash else "jagged"
+        return "varlen" if backend != "jagged" and flash else "jagged"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
