@@ -41,9 +41,10 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def kept(seed, b, h, q_idx, kv_idx, heads: int, kv_len: int, threshold: int) -> torch.Tensor:
+def kept(seed, b, h, q_idx, kv_idx, heads, kv_len, threshold) -> torch.Tensor:
     """Whether the weight of (sample b, head h, query q_idx, key kv_idx) survives a call's dropout: elementwise on
-    index tensors (the dense reference) or on a score_mod's scalars. ``seed`` an int64 tensor of one value."""
+    index tensors (the dense reference) or on a score_mod's scalars. ``seed`` an int64 tensor of one value; ``heads``,
+    ``kv_len`` (the keys' count) and ``threshold`` (p 2^24) ints or int64 scalars."""
     row = hash32((seed + b.to(torch.int64) * heads + h) & MASK32)  # one stream per sample and head
     x = hash32(row ^ ((q_idx.to(torch.int64) * kv_len + kv_idx) & MASK32))
     return (x & ((1 << DROP_BITS) - 1)) >= threshold
@@ -71,11 +72,14 @@ def flex_attention_dropout(q, k, v, p: float, score_mod=None, block_mask=None, s
                               kernel_options=kernel_options)
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=q.device)
-    heads, kv_len, threshold = q.shape[1], k.shape[2], round(p * 2**DROP_BITS)
+    # heads, keys and threshold reach the kernel in a tensor, not as Python ints: compiled with dynamic shapes (or
+    # recompiled after p changed, which makes p dynamic) they are SymInts, and a SymInt among a score_mod's captured
+    # values fails Inductor's FlexAttention lowering ("'ShapeAsConstantBuffer' object has no attribute 'dtype'")
+    sizes = torch.tensor([q.shape[1], k.shape[2], round(p * 2**DROP_BITS)], dtype=torch.int64, device=q.device)
 
     def dropped(score, b, h, q_idx, kv_idx):
         s = score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
-        return torch.where(kept(seed[0], b, h, q_idx, kv_idx, heads, kv_len, threshold), s, float("-inf"))
+        return torch.where(kept(seed[0], b, h, q_idx, kv_idx, sizes[0], sizes[1], sizes[2]), s, float("-inf"))
 
     lse_only = AuxRequest(lse=True)
     out, aux = flex_attention(q, k, v, score_mod=dropped, block_mask=block_mask, scale=scale,

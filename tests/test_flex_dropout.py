@@ -121,6 +121,47 @@ def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backw
         torch.testing.assert_close(g, w)
 
 
+def captured_values_backend(captured: list):
+    """A torch.compile backend that runs the graph as traced and appends to ``captured`` the values each
+    flex_attention call captures for its score_mod and mask_mod (what Inductor's lowering receives as buffers)."""
+    def backend(graph, example_inputs):
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and "flex_attention" in str(node.target):
+                captured.extend(arg.meta["example_value"] for arg in (*node.args[7], *node.args[8]))
+        return graph
+
+    torch._dynamo.reset()
+    return backend
+
+
+@pytest.mark.parametrize("how", ["dynamic shapes", "p changed after compiling"])
+def test_no_symbolic_int_reaches_a_kernel_when_sizes_or_p_are_dynamic(how):
+    """Heads, keys and the drop threshold are captured by the score_mod as a tensor. As Python ints they become
+    SymInts when compiled with dynamic shapes, or when p changes on a compiled module (Dynamo then makes it
+    dynamic), and Inductor's FlexAttention lowering fails on a SymInt among its captured values (on an H200:
+    "'ShapeAsConstantBuffer' object has no attribute 'dtype'"). Dynamo's graph is checked on the CPU: every captured
+    value is a tensor, and the compiled draws equal eager's."""
+    class Dropout(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = 0.0
+
+        def forward(self, q, k, v):
+            return flex_attention_dropout(q, k, v, self.p, seed=torch.tensor([7]))
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, 16) for _ in range(3))
+    captured, module = [], Dropout()
+    dynamic = True if how == "dynamic shapes" else None  # None: Dynamo's default, which makes a changed value dynamic
+    compiled = torch.compile(module, backend=captured_values_backend(captured), dynamic=dynamic)
+    with torch.no_grad():
+        compiled(q, k, v)
+        for p in (0.1, 0.2):
+            module.p = p
+            torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
+    assert captured and all(isinstance(value, torch.Tensor) for value in captured), captured
+
+
 @pytest.mark.parametrize("name", ["deberta", "etc"])
 def test_the_models_flex_paths_with_dropout_give_every_flex_backward_a_gradient(name, flex_backward_on_cpu):
     """The same check on the training graphs of the models whose ``backend="flex"`` applies attention dropout
