@@ -28,12 +28,7 @@ operands when the projections come in bf16, as the public package runs all of it
 softmaxes and the m-sized core (A, its pseudo-inverse and W = Z (B V)) in fp32: the iteration's Z can have
 large entries that cancel in W, which bf16 cannot carry. With fp32 inputs the two are one computation. The
 convolution follows autocast. ``auto`` = fp32: on an H200 (one layer, compiled) mixed won only with 128 landmarks
-(6.50 against 8.82 ms at 4K) and lost at LRA's 64 (7.54 against 6.09). ``split`` is fp32 with the sums over the
-sequence (the landmark means, B V, and in the backward those of F's and B's gradients over queries or keys) cut into
-chunks of ``SPLIT_CHUNK`` tokens, a product each, then summed. Each of those products has only m x Dh (or m x H Dh)
-outputs per example and head, so at 16K and batch 8 one product over the whole sequence fills 32 output tiles of a
-GPU with 132 multiprocessors, against 128 at 4K and batch 32 for the same tokens (16K ran 8.54 ms, 4K 6.09); 16
-chunks give it 16x the tiles for the same work. Opt-in until a GPU times it.
+(6.50 against 8.82 ms at 4K) and lost at LRA's 64 (7.54 against 6.09).
 Padding (exact, and never NaN): segments are laid over each example's REAL tokens (token i is the r-th real
 one; it belongs to segment floor(r m' / L) of L real tokens, m' = min(m, L)), so appending padding moves no
 segment boundary and padded tokens enter no landmark mean. An example with fewer real tokens than m gets one
@@ -62,32 +57,26 @@ from torch import nn
 from .base import MultiHeadMixer, chosen_backend, product_dtype, upcast
 from .registry import Taxonomy, register_model
 
-BACKENDS = ("auto", "fp32", "mixed", "split")  # auto = fp32 (module docstring: measured)
-SPLIT_CHUNK = 1024  # tokens per chunk of the sequence's sums under backend "split"
+BACKENDS = ("auto", "fp32", "mixed")  # auto = fp32 (module docstring: measured)
 
 
-def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """mask (B, N) -> the (B, chunks, m, N / chunks) matrix whose row s, over the chunks, averages segment s of each
-    example's real tokens, and the (B, m) flags of non-empty segments (the first min(m, L) of an example with L real
-    tokens). ``chunks`` divides N: the sequence's consecutive pieces, each a matrix of its own."""
-    B = mask.shape[0]
+def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask (B, N) -> the (B, m, N) matrix whose row s averages segment s of each example's real tokens, and
+    the (B, m) flags of non-empty segments (the first min(m, L) of an example with L real tokens)."""
     length = mask.sum(-1, keepdim=True)  # (B, 1): real tokens per example
     rank = mask.cumsum(-1) - 1  # (B, N): the r-th real token has rank r (padding repeats its neighbour's)
     segment = rank * length.clamp(max=m) // length.clamp_min(1)  # (B, N), in [0, min(m, L))
-    landmarks = torch.arange(m, device=mask.device)[None, None, :, None]  # (1, 1, m, 1)
-    member = (segment.view(B, chunks, 1, -1) == landmarks) & mask.view(B, chunks, 1, -1)  # (B, chunks, m, N/chunks)
-    count = member.sum((1, 3))  # (B, m): tokens per segment, 0 for the empty ones
-    return member.to(dtype) / count.clamp_min(1).to(dtype)[:, None, :, None], count > 0
+    member = (segment[:, None, :] == torch.arange(m, device=mask.device)[None, :, None]) & mask[:, None, :]
+    count = member.sum(-1, keepdim=True)  # (B, m, 1): tokens per segment, 0 for the empty ones
+    return member.to(dtype) / count.clamp_min(1).to(dtype), count.squeeze(-1) > 0  # (B, m, N), (B, m)
 
 
 def landmark_means(means: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """means (B, c, m, n), x (B, H, c n, Dh) -> the segment means (B, H, m, Dh), as one (B c, m, n) @ (B c, n, H Dh)
-    product for all heads, summed over the c chunks: broadcasting means over the heads instead would copy it H
-    times."""
+    """means (B, m, N), x (B, H, N, Dh) -> the segment means (B, H, m, Dh), as one (B, m, N) @ (B, N, H Dh) product
+    for all heads: broadcasting means over the heads instead would copy it H times."""
     B, H, N, Dh = x.shape
-    c = means.shape[1]
-    per_token = x.transpose(1, 2).reshape(B, c, N // c, H * Dh)  # (B, c, n, H Dh): a view of the projections' layout
-    return (means @ per_token).sum(1).view(B, -1, H, Dh).transpose(1, 2)  # (B, m, H Dh) -> (B, H, m, Dh)
+    per_token = x.transpose(1, 2).reshape(B, N, H * Dh)  # (B, N, H Dh): a view of the projections' layout
+    return (means @ per_token).view(B, -1, H, Dh).transpose(1, 2)  # (B, m, H Dh) -> (B, H, m, Dh)
 
 
 def depthwise_skip(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -114,54 +103,36 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     return z
 
 
-def masked_softmax(products: torch.Tensor, scale: float, masked: torch.Tensor, dtype: torch.dtype,
-                   dims: tuple[int, ...] = (-1,)) -> torch.Tensor:
-    """softmax(products * scale) over ``dims`` (the last by default) in fp32 at least, ``masked`` entries at the most
-    negative finite value (exp gives exactly 0 beside any real logit, and a row with nothing real no 0/0), returned
-    in ``dtype``."""
+def masked_softmax(products: torch.Tensor, scale: float, masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(products * scale) over the last dim in fp32 at least, ``masked`` entries at the most negative finite
+    value (exp gives exactly 0 beside any real logit, and a row with nothing real no 0/0), returned in ``dtype``."""
     logits = upcast(products) * scale
-    logits = logits.masked_fill(masked, torch.finfo(logits.dtype).min)
-    if dims == (-1,):
-        return logits.softmax(-1).to(dtype)
-    e = (logits - logits.amax(dims, keepdim=True)).exp()  # a row spread over several dims (chunks, tokens)
-    return (e / e.sum(dims, keepdim=True)).to(dtype)
+    return logits.masked_fill(masked, torch.finfo(logits.dtype).min).softmax(-1).to(dtype)
 
 
 def nystrom_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_landmarks: int, iterations: int,
-    mixed: bool = False, chunk: int | None = None,
+    mixed: bool = False,
 ) -> torch.Tensor:
     """q, k, v (B, H, N, Dh), mask (B, N) -> F A^+ (B V), (B, H, N, Dh) in fp32 (fp64 stays fp64); ``mixed``: the
-    N-sized products in the dtype of ``product_dtype(v)`` (bf16 for bf16 inputs) and the result in it too.
-    ``chunk``: the sums over the sequence (landmark means, B V, and in the backward F's and B's sums over queries or
-    keys) run as c = N // chunk products of N / c tokens each, then summed, instead of one product over N (whose
-    few (m x Dh) outputs leave most of a GPU idle at long N and small batch); None: one chunk."""
+    N-sized products in the dtype of ``product_dtype(v)`` (bf16 for bf16 inputs) and the result in it too."""
     work = upcast(q).dtype  # the softmaxes and the m-sized core
     low = product_dtype(v) if mixed else work  # the N-sized products' operands
     q, k, v = q.to(low), k.to(low), v.to(low)
-    B, H, N, Dh = q.shape
-    scale = Dh**-0.5
-    c = 1 if chunk is None else max(1, N // chunk)
-    n = -(-N // c)  # tokens per chunk: N padded up to c n, the extra tokens padding (no landmark, no key, no row)
-    if n * c != N:
-        q, k, v = (F.pad(t, (0, 0, 0, n * c - N)) for t in (q, k, v))  # (B, H, c n, Dh)
-        mask = F.pad(mask, (0, n * c - N))  # (B, c n)
-    means, landmark = segment_means(mask, n_landmarks, low, c)  # (B, c, m, n), (B, m)
+    scale = q.shape[-1] ** -0.5
+    means, landmark = segment_means(mask, n_landmarks, low)  # (B, m, N), (B, m)
     q_land = landmark_means(means, q)  # (B, H, m, Dh): segment means over real tokens only
     k_land = landmark_means(means, k)  # (B, H, m, Dh)
-    empty = ~landmark[:, None, None, None, :]  # (B, 1, 1, 1, m)
-    q_chunks, k_chunks, v_chunks = (t.view(B, H, c, n, Dh) for t in (q, k, v))  # views
-    f = masked_softmax(q_chunks @ k_land[:, :, None].transpose(-1, -2), scale, empty, low)  # (B, H, c, n, m)
+    empty = ~landmark[:, None, None, :]  # (B, 1, 1, m)
+    f = masked_softmax(q @ k_land.transpose(-1, -2), scale, empty, low)  # (B, H, N, m)
     q_core, k_core = q_land.to(work), k_land.to(work)  # (B, H, m, Dh)
-    a = masked_softmax(q_core @ k_core.transpose(-1, -2), scale, empty[:, :, 0], work)  # (B, H, m, m)
+    a = masked_softmax(q_core @ k_core.transpose(-1, -2), scale, empty, work)  # (B, H, m, m)
     eye = torch.eye(n_landmarks, dtype=work, device=q.device)  # (m, m)
     a = torch.where(landmark[:, None, :, None], a, eye)  # (B, H, m, m): an empty landmark's row is e_s
-    padded_key = ~mask.view(B, 1, c, 1, n)  # (B, 1, c, 1, n)
-    b = masked_softmax(q_land[:, :, None] @ k_chunks.transpose(-1, -2), scale, padded_key, low,
-                       dims=(-1,) if c == 1 else (2, 4))  # (B, H, c, m, n): each row's softmax over all c n keys
-    bv = (b @ v_chunks).to(work).sum(2)  # (B, H, m, Dh)
-    w = iterative_pinv(a, iterations) @ bv  # (B, H, m, Dh): Z (B V), its cancellations in fp32
-    return (f @ w[:, :, None].to(low)).view(B, H, c * n, Dh)[:, :, :N]  # (B, H, N, Dh): right to left, never N x N
+    padded_key = ~mask[:, None, None, :]  # (B, 1, 1, N)
+    b = masked_softmax(q_land @ k.transpose(-1, -2), scale, padded_key, low)  # (B, H, m, N)
+    w = iterative_pinv(a, iterations) @ (b @ v).to(work)  # (B, H, m, Dh): Z (B V), its cancellations in fp32
+    return f @ w.to(low)  # (B, H, N, Dh): right to left, never N x N
 
 
 @register_model
@@ -189,7 +160,7 @@ class Nystromformer(MultiHeadMixer):
         if conv_kernel < 0 or (conv_kernel and conv_kernel % 2 == 0):
             raise ValueError(f"conv_kernel must be 0 (no skip) or odd (centred window), got {conv_kernel}")
         self.n_landmarks, self.pinv_iterations = int(n_landmarks), int(pinv_iterations)
-        self.backend = "auto"  # "fp32" | "mixed" (the N-sized products' operands) | "split"; how it runs, not what
+        self.backend = "auto"  # "fp32" | "mixed" (the N-sized products' operands); how it runs, not what
         # one kernel per head over the sequence, shared by the head's Dh channels (the public code's layout and
         # initialisation); the module holds the weight, ``depthwise_skip`` applies it
         self.conv = None if conv_kernel == 0 else nn.Conv2d(
@@ -198,9 +169,8 @@ class Nystromformer(MultiHeadMixer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=q.device.type, enabled=False):
-            backend = chosen_backend(self)
-            o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations, mixed=backend == "mixed",
-                                  chunk=SPLIT_CHUNK if backend == "split" else None).to(q.dtype)
+            o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations,
+                                  mixed=chosen_backend(self) == "mixed").to(q.dtype)
         if self.conv is not None:  # padded values are zeroed first
             o = o + depthwise_skip(v * mask[:, None, :, None].to(v.dtype), self.conv.weight)  # (B, H, N, Dh)
         return o  # (B, H, N, Dh)

@@ -124,70 +124,11 @@ def test_skip_equals_the_grouped_convolution(N):
     torch.testing.assert_close(low.double(), want.detach(), rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("N, chunk", [(60, 20), (61, 20), (61, 7), (10, 20)])  # c = 3, 3 (one padding token), 8, 1
-def test_split_sums_over_chunks_equal_one_product_over_the_sequence(N, chunk):
-    """``chunk``: the sums over the sequence run per chunk of N // chunk, then summed. In fp64 the output and every
-    input's gradient equal the unchunked computation's, with ragged padding and N not a multiple of the chunks
-    (padded up: the extra tokens are padding, their rows dropped)."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 2, N, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    mask = ragged_mask(N, [N, N - 9, 4])
-    grad = torch.randn(3, 2, N, 8, generator=g, dtype=torch.float64)
-    results = []
-    for c in (None, chunk):
-        out = nystrom_attention(q, k, v, mask, 8, 6, chunk=c)  # (B, H, N, Dh)
-        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
-    for got, want in zip(results[1], results[0]):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
-def test_segment_means_in_chunks_are_the_whole_sequences_cut():
-    mask = ragged_mask(48, [48, 30, 5])
-    whole, landmark = whole_sequence_means(mask, 6)  # (B, m, N), (B, m)
-    chunked, chunked_landmark = segment_means(mask, 6, torch.float64, chunks=4)  # (B, 4, m, 12)
-    torch.testing.assert_close(chunked.transpose(1, 2).reshape(3, 6, 48), whole)
-    assert torch.equal(chunked_landmark, landmark)
-
-
-def test_split_backend_equals_fp32():
-    """The model with backend "split" (chunks of SPLIT_CHUNK tokens: 2 at N = 2100, padded to 2 x 1050) gives the
-    fp32 backend's output and gradients."""
-    torch.manual_seed(0)
-    model = create_model("nystromformer", **{**BACKBONE, "max_len": 2100}).double()
-    x = torch.randn(2, 2100, 32, dtype=torch.float64, requires_grad=True)
-    mask = ragged_mask(2100, [2100, 1500])
-    results = []
-    for backend in ("fp32", "split"):
-        model.backend = backend
-        out = model(x, mask)
-        params = [p for p in model.parameters()]
-        results.append((out, *torch.autograd.grad((out * mask[..., None]).square().sum(), [x, *params])))
-    for got, want in zip(results[1], results[0]):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
-
-
-def test_split_backend_traces_as_one_graph():
-    """The chunked sums add no host-side decision: compiled, the layer stays one graph at N = 2100 (two chunks,
-    padded), as the registry-wide check asks of the default backend."""
-    model = create_model("nystromformer", **{**BACKBONE, "max_len": 2100}).train()
-    model.backend = "split"
-    mask = ragged_mask(2100, [2100, 1500])
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(torch.randn(2, 2100, 32), mask)
-    assert explained.graph_count == 1, explained.break_reasons[:2]
-
-
 def test_backend_is_checked():
     model = create_model("nystromformer", **BACKBONE)
     model.backend = "bf16"
     with pytest.raises(ValueError, match="backend must be one of"):
         model(torch.randn(1, 8, 32), torch.ones(1, 8, dtype=torch.bool))
-
-
-def whole_sequence_means(mask, m):
-    """segment_means over one chunk: the (B, m, N) matrix and the (B, m) flags."""
-    means, landmark = segment_means(mask, m, torch.float64)  # (B, 1, m, N), (B, m)
-    return means[:, 0], landmark
 
 
 def test_segment_means_follow_the_real_tokens():
@@ -197,20 +138,20 @@ def test_segment_means_follow_the_real_tokens():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 48, 5, generator=g, dtype=torch.float64)
     mask = ragged_mask(48, [48, 30])
-    means, landmark = whole_sequence_means(mask, 6)  # (B, m, N), (B, m)
+    means, landmark = segment_means(mask, 6, torch.float64)  # (B, m, N), (B, m)
     assert landmark.all()
     torch.testing.assert_close(means[0] @ x[0], x[0].view(6, 8, 5).mean(1))
     torch.testing.assert_close(means[1] @ x[1], x[1, :30].view(6, 5, 5).mean(1))
-    uneven, _ = whole_sequence_means(ragged_mask(48, [37]), 8)  # 37 tokens in 8 segments
+    uneven, _ = segment_means(ragged_mask(48, [37]), 8, torch.float64)  # 37 tokens in 8 segments
     member = uneven[0] > 0  # (m, N)
     assert (member.sum(0)[:37] == 1).all() and not member[:, 37:].any()
     assert set(member.sum(1).tolist()) == {4, 5}
     holes = torch.zeros(1, 60, dtype=torch.bool)
     keep = torch.randperm(60, generator=g)[:37].sort().values
     holes[0, keep] = True  # the same 37 tokens, scattered among padding
-    scattered, _ = whole_sequence_means(holes, 8)
+    scattered, _ = segment_means(holes, 8, torch.float64)
     torch.testing.assert_close(scattered[0][:, keep], uneven[0, :, :37])
-    few, landmark = whole_sequence_means(ragged_mask(10, [3]), 8)
+    few, landmark = segment_means(ragged_mask(10, [3]), 8, torch.float64)
     assert landmark[0].tolist() == [True] * 3 + [False] * 5
     torch.testing.assert_close(few[0, :3, :3], torch.eye(3, dtype=torch.float64))
 
