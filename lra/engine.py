@@ -38,6 +38,9 @@ def resolve_precision(name: str, device: torch.device) -> str:
     return name if name != "auto" else ("bf16" if device.type == "cuda" else "fp32")
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay graphs as CUDA graphs
+
+
 def resolve_compile(flag: str | bool, device: torch.device) -> bool:
     """``auto`` compiles on CUDA only (on CPU the compile costs more than a short run gains)."""
     flag = str(flag).lower()

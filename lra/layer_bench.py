@@ -4,6 +4,7 @@
     python -m lra.layer_bench --models linear,performer --shapes 4096x32 --out results/layer_bench.csv
     python -m lra.layer_bench --peers                         # the public packages too, here and now
     python -m lra.layer_bench --peers --compile               # every layer through torch.compile, as lra trains
+    python -m lra.layer_bench --compile-mode reduce-overhead  # ... replayed as CUDA graphs (no launch overhead)
 
 Protocol (the one the public packages were measured with): d 256, 4 heads of 64, projections included, no
 dropout (a ``--variants`` entry may name one, e.g. ``etc:backend=flex,dropout=0.1``), inputs without padding
@@ -17,9 +18,12 @@ and the bare SDPA layer as the baseline, in the same process on the same card wi
 sets ours beside them. Without it, the packages' numbers are the stored ``peers_h200_layer`` rows of
 ``results/published.csv`` (an H200, torch 2.11: another card than this one, so their ms compare only roughly).
 ``--compile`` puts every timed layer (ours, the packages', SDPA's) through ``torch.compile`` first, as the runner
-compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. ``--out`` appends rows
-(device, torch, commit, implementation) to a CSV. 2-D mixers run at square lengths only
-(their grid is the square).
+compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. ``--compile-mode`` picks
+torch.compile's mode (``trainer.compile_mode``'s choices; it implies ``--compile``, and rows say ``compile_mode``):
+``reduce-overhead`` replays each layer's graphs as CUDA graphs, which times a layer whose small kernels leave the
+GPU waiting on their launches (at batch 8, say) by its device time, as a run with that mode trains. ``--out``
+appends rows (device, torch, commit, implementation) to a CSV. 2-D mixers run at square lengths only (their grid is
+the square).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import yaml
 
 from lra import engine
 from lra.bench import model_config_options, split_attributes, variant_cases
+from lra.config import CHOICES
 from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
 from models import create_model, list_models
@@ -57,19 +62,23 @@ class Timing(NamedTuple):
 
 def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,
                  warmup: int = 3, steps: int = 20, compile_layer: bool = False,
-                 profile_dir: Path | None = None) -> Timing:
+                 profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
     """The ``Timing`` of ``layer``'s forward + backward on a (batch, n, D) input,
-    through ``torch.compile`` with ``compile_layer`` (compiled during the warm-up). The one timing loop of this
+    through ``torch.compile`` with ``compile_layer`` (compiled during the warm-up, in ``compile_mode``: a mode of
+    ``engine.CUDA_GRAPH_MODES`` records CUDA graphs then, and the timed calls replay them). The one timing loop of this
     module: our mixers and the public packages are timed by the same code. ``profile_dir``: after the timed calls,
     as many more under torch.profiler, whose tables (``profile.txt``: kernels by device time on a GPU, operators
     and our own functions by host time) and trace go there; the timing does not include them."""
     if compile_layer:  # a fresh, static graph per row, as a training run (one shape) compiles: otherwise the cache
         torch._dynamo.reset()  # of an earlier row's shape makes Dynamo compile this one with dynamic shapes
-        layer = torch.compile(layer, dynamic=False)
+        layer = torch.compile(layer, dynamic=False, mode=compile_mode)
     x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
     autocast = engine.autocast(engine.resolve_precision("auto", device), device)
+    cuda_graphs = compile_layer and device.type == "cuda" and compile_mode in engine.CUDA_GRAPH_MODES
 
     def step():
+        if cuda_graphs:  # a new step: the graphs may reuse the last step's buffers (its outputs are dead)
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             y = layer(x)  # (B, N, D)
         y.float().square().mean().backward()
@@ -97,7 +106,7 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
 
 def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 20,
                options: dict | None = None, compile_layer: bool = False,
-               profile_dir: Path | None = None) -> Timing:
+               profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n). Attention
     dropout is 0 unless ``options`` names one (``dropout``: a variant that times the training path with it)."""
     torch.manual_seed(0)
@@ -114,16 +123,16 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
             raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
         extra["grid"] = Grid(side, side)
     return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps, compile_layer,
-                        profile_dir)
+                        profile_dir, compile_mode)
 
 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
               steps: int = 20, compile_layer: bool = False,
-              profile_dir: Path | None = None) -> Timing:
+              profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
     """``time_forward`` of a public package's layer (lra/peers.py), built for length n, at (batch, n)."""
     torch.manual_seed(0)
     return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps, compile_layer,
-                        profile_dir)
+                        profile_dir, compile_mode)
 
 
 def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -> Path | None:
@@ -241,27 +250,35 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help="also time the public packages of these models and a bare SDPA layer, here and now")
     parser.add_argument("--compile", action="store_true",
                         help="time every layer (ours, the packages', SDPA's) through torch.compile, as lra trains")
+    parser.add_argument("--compile-mode", choices=CHOICES["trainer.compile_mode"], default=None,
+                        help="torch.compile's mode (implies --compile): reduce-overhead replays CUDA graphs")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="after each row's timing, profile as many calls into DIR/<implementation>_<N>x<B>/ "
                              "(profile.txt: kernels by device time, operators and functions by host time)")
     args = parser.parse_args(argv)
+    args.compile = args.compile or args.compile_mode is not None
+    mode = args.compile_mode or "default"
+    if args.compile and mode in engine.CUDA_GRAPH_MODES and args.warmup < 3:
+        parser.error(f"--compile-mode {mode} records CUDA graphs in the warm-up: give it --warmup 3 or more")
     device = engine.resolve_device(args.device)
     engine.configure(device, engine.cpu_threads(None))
     models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
-                  torch=torch.__version__, git_sha=git_sha(), compiled=args.compile)
+                  torch=torch.__version__, git_sha=git_sha(), compiled=args.compile,
+                  compile_mode=mode if args.compile else "")
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours, theirs = [], []
     for n, batch in shapes:  # shape by shape, so ours and the packages at one shape are timed minutes apart at most
         ours += [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
                          lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile,
-                                            profile_folder(args.profile, f"lra {label}", n, batch)),
+                                            profile_folder(args.profile, f"lra {label}", n, batch), mode),
                          device, args.out)
                  for label, name, options in cases]
         theirs += [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
                            lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile,
-                                             profile_folder(args.profile, peer.name(), n, batch)), device, args.out)
+                                             profile_folder(args.profile, peer.name(), n, batch), mode),
+                           device, args.out)
                    for peer in (for_models(models) if args.peers else [])]
     ours, theirs = frame(ours), frame(theirs)
     if not args.peers:
@@ -270,7 +287,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                            "torch 2.11), another card than this one; --peers measures them here.")
         return table
     table = live_table(ours, theirs)
-    how = ", every layer compiled" if args.compile else ""
+    how = f", every layer compiled{'' if mode == 'default' else f' ({mode})'}" if args.compile else ""
     print_table(table, f"Public packages measured in this call on {common['device']} (torch {torch.__version__}{how}). "
                        "speedup = package ms / ours, mem_ratio = ours MB / package MB, x_sdpa = SDPA ms / ms, "
                        "mem_x_sdpa = MB / SDPA MB.")

@@ -106,7 +106,7 @@ BENCH_COLUMNS = [f.name for f in fields(BenchRow)]
 # the protocol pins (blank for ours and for SDPA); ms_p10, ms_p90: the spread of the timed calls
 LAYER_BENCH_COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device",
                        "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled", "ms_p10",
-                       "ms_p90"]
+                       "ms_p90", "compile_mode"]
 SCHEMAS = {"runs.csv": RUN_COLUMNS, "bench.csv": BENCH_COLUMNS, "layer_bench.csv": LAYER_BENCH_COLUMNS}
 
 

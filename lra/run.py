@@ -42,7 +42,6 @@ from models.registry import get_model_class
 
 log = logging.getLogger("lra")
 STOP_CHECK_EVERY = 10  # steps between the data-parallel ranks' agreement on a stop request
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay graphs as CUDA graphs
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
 
 
@@ -391,7 +390,7 @@ class Trainer:
     @property
     def cuda_graphs(self) -> bool:
         """Whether the compiled graphs replay as CUDA graphs (``trainer.compile_mode``; off once running eagerly)."""
-        return self.compiled and self.device.type == "cuda" and self.cfg.trainer.compile_mode in CUDA_GRAPH_MODES
+        return self.compiled and self.device.type == "cuda" and self.cfg.trainer.compile_mode in engine.CUDA_GRAPH_MODES
 
     @property
     def eval_compiled(self) -> bool:

@@ -124,7 +124,7 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     table = layer_bench.main(["--models", "performer,transformer", "--out", str(out), *PEER_ARGS])
     rows = pd.read_csv(out)
     assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin", "compiled", "ms_p10",
-                                                          "ms_p90"]  # at the end
+                                                          "ms_p90", "compile_mode"]  # at the end
     assert rows.implementation.isna().tolist() == [True, False, False, False, False]  # the old row is kept
     new = rows.iloc[1:].set_index("implementation")
     assert list(new.index) == ["lra performer", "lra transformer", "SDPA exact (cuDNN flash)",
@@ -178,14 +178,32 @@ def test_profile_writes_a_table_for_every_row_after_its_timing(tmp_path, monkeyp
 def test_compile_puts_every_timed_layer_through_torch_compile(tmp_path, monkeypatch, capsys):
     """--compile: ours, the package's and SDPA's layers alike (a stand-in for torch.compile records them)."""
     compiled = []
-    monkeypatch.setattr(torch, "compile", lambda layer, dynamic: compiled.append(layer) or layer)
+    monkeypatch.setattr(torch, "compile", lambda layer, dynamic, mode: compiled.append(mode) or layer)
     out = tmp_path / "layers.csv"
     layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile"])
     rows = pd.read_csv(out)
-    assert len(compiled) == len(rows) == 3 and rows.compiled.all() and (rows.status == "ok").all()
-    assert "every layer compiled" in capsys.readouterr().out
+    assert compiled == ["default"] * 3 == list(rows.compile_mode) and len(rows) == 3
+    assert rows.compiled.all() and (rows.status == "ok").all()
+    assert "every layer compiled). speedup" in capsys.readouterr().out
     layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS[:-1]])
-    assert len(compiled) == 3 and not pd.read_csv(out).compiled.iloc[-1]  # without the flag: eager
+    last = pd.read_csv(out).iloc[-1]
+    assert len(compiled) == 3 and not last.compiled and pd.isna(last.compile_mode)  # without the flag: eager
+
+
+def test_compile_mode_compiles_every_layer_in_that_mode_and_says_so(tmp_path, monkeypatch, capsys):
+    """--compile-mode reduce-overhead (CUDA graphs) implies --compile: every layer is compiled in that mode and
+    the rows and the table's header name it; fewer than 3 warm-up calls (CUDA graphs record in them) is refused."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda layer, dynamic, mode: compiled.append(mode) or layer)
+    out = tmp_path / "layers.csv"
+    layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile-mode", "reduce-overhead",
+                     "--warmup", "3"])
+    rows = pd.read_csv(out)
+    assert compiled == ["reduce-overhead"] * 3 == list(rows.compile_mode) and rows.compiled.all()
+    assert "every layer compiled (reduce-overhead)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        layer_bench.main(["--models", "linear", "--compile-mode", "reduce-overhead", "--warmup", "2"])
+    assert "--warmup 3 or more" in capsys.readouterr().err
 
 
 def test_each_compiled_row_is_a_static_graph_of_its_own_shape(monkeypatch):
@@ -194,7 +212,8 @@ def test_each_compiled_row_is_a_static_graph_of_its_own_shape(monkeypatch):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter, real_compile = CompileCounterWithBackend("eager"), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: real_compile(fn, dynamic=dynamic, backend=counter))
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, mode=None: real_compile(fn, dynamic=dynamic,
+                                                                                          backend=counter))
     for n, batch in ((16, 4), (32, 4), (64, 2)):
         layer_bench.time_forward(lambda x: torch.nn.functional.gelu(x) * 2, n, batch, torch.device("cpu"), warmup=1,
                                  steps=1, compile_layer=True)
