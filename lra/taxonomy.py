@@ -2,10 +2,10 @@
 causal decoding (from its ``taxonomy``), beside the exponents measured by the bench and its LRA average.
 
 Tay, Dehghani, Bahri, Metzler 2020, "Efficient Transformers: A Survey" (https://arxiv.org/abs/2009.06732), Table 1.
-The measured exponent is the log-log slope of the training step's time (and peak memory) over N from 4K to 16K at
-one batch size (``bench.csv``, latest ok rows on one device): ``python -m lra.bench bench.lengths=[4096,8192,16384]
-bench.batch_size=8 'bench.batch_sizes={}'`` measures it. A quadratic model reads near 2, a linear one near 1 (the
-MLPs' linear cost pulls every slope towards 1 at short lengths).
+The measured exponent is the log-log slope of the training step's time (and peak memory) over N from 4K to 16K
+within one sweep (``bench.csv``'s ok rows of one card, protocol, batch size and commit): ``python -m lra.bench
+bench.lengths=[4096,8192,16384] bench.batch_size=8 'bench.batch_sizes={}'`` measures it. A quadratic model reads
+near 2, a linear one near 1 (the MLPs' linear cost pulls every slope towards 1 at short lengths).
 
     python -m lra.taxonomy [--results DIR] [--markdown] [--readme README.md]
 """
@@ -37,19 +37,40 @@ def slope(lengths, values) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else float("nan")
 
 
-def _fit(rows: pd.DataFrame) -> tuple[float, float] | None:
-    """(time exponent, memory exponent) of one model's rows on one card, at the batch size with the most lengths."""
-    best = max(rows.groupby("batch_size"), key=lambda kv: kv[1]["seq_len"].nunique(), default=None)
-    if best is None or best[1]["seq_len"].nunique() < 2:
-        return None
-    fit = best[1].sort_values("seq_len")
+SWEEP = ("task", "backbone", "precision", "compiled", "batch_size", "git_sha")  # rows that share these: one sweep
+
+
+def _steadiness(rows: pd.DataFrame) -> float:
+    """The median spread of a sweep's timed steps, (p90 - p10) / median (lower: steadier); inf without spreads."""
+    if not {"ms_p10", "ms_p90"} <= set(rows):
+        return math.inf
+    spread = (pd.to_numeric(rows["ms_p90"], errors="coerce") - pd.to_numeric(rows["ms_p10"], errors="coerce"))
+    spread = (spread / rows["ms_per_step"]).dropna()
+    return float(spread.median()) if len(spread) else math.inf
+
+
+def best_sweep(rows: pd.DataFrame) -> pd.DataFrame | None:
+    """One model's rows on one card from one sweep: rows of one protocol (task, backbone, precision, compilation),
+    batch size and commit, so that a slope never joins rows of another dropout or batch, or of a call disturbed by
+    jobs beside it, to this one's. The sweep with the most lengths; on a tie the steadiest (its steps' spread),
+    then the latest. None where no sweep has two lengths."""
+    keys = [k for k in SWEEP if k in rows]
+    sweeps = [g for _, g in rows.groupby([rows[k].astype(str) for k in keys])]
+    latest = (lambda g: str(g["timestamp"].max())) if "timestamp" in rows else (lambda g: "")
+    best = max(sweeps, key=lambda g: (g["seq_len"].nunique(), -_steadiness(g), latest(g)), default=None)
+    return None if best is None or best["seq_len"].nunique() < 2 else best
+
+
+def _fit(sweep: pd.DataFrame) -> tuple[float, float]:
+    """(time exponent, memory exponent) of one sweep's rows (its latest row per length)."""
+    fit = sweep.drop_duplicates("seq_len", keep="last").sort_values("seq_len")
     return slope(fit["seq_len"], fit["ms_per_step"]), slope(fit["seq_len"], fit["peak_mem_mb"])
 
 
 def measured_exponents(bench: pd.DataFrame | None, device: str | None = None) -> dict[str, tuple]:
-    """model -> (time exponent, memory exponent, card) over N >= 4K. Each model's rows come from one card: ``device``
-    (default: the card whose rows cover the most models, as the charts pick it), else, for a model never timed
-    there, the other card with the most lengths (a slope is a ratio within one card's rows)."""
+    """model -> (time exponent, memory exponent, card) over N >= 4K, each from one sweep (``best_sweep``: a slope
+    is a ratio within one call's rows): the card whose best sweep has the most lengths, on a tie ``device``
+    (default: the card whose rows cover the most models, as the charts pick it)."""
     if bench is None or bench.empty:
         return {}
     b = bench[(bench["status"].astype(str) == "ok")].copy()
@@ -59,16 +80,14 @@ def measured_exponents(bench: pd.DataFrame | None, device: str | None = None) ->
     if b.empty:
         return {}
     b = b.sort_values("timestamp", kind="stable") if "timestamp" in b else b
-    b = b.drop_duplicates(["device", "model", "seq_len", "batch_size"], keep="last")
     main = pick_device(b, device)
     out = {}
     for model, g in b.groupby("model"):
-        on_card = {card: rows for card, rows in g.groupby(g["device"].astype(str))}
-        for card in sorted(on_card, key=lambda c: (c != main, -on_card[c]["seq_len"].nunique())):
-            fit = _fit(on_card[card])
-            if fit is not None:
-                out[model] = (*fit, card)
-                break
+        sweeps = {card: best_sweep(rows) for card, rows in g.groupby(g["device"].astype(str))}
+        sweeps = {card: sweep for card, sweep in sweeps.items() if sweep is not None}
+        if sweeps:  # the sweep with the most lengths, the main card's on a tie
+            card = max(sweeps, key=lambda c: (sweeps[c]["seq_len"].nunique(), c == main))
+            out[model] = (*_fit(sweeps[card]), card)
     return out
 
 

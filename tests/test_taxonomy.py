@@ -67,3 +67,23 @@ def test_the_taxonomy_table_needs_no_plotting_library():
     """The table is text: building it must not import matplotlib (the chart module's dependency)."""
     code = "import sys, lra.taxonomy; assert 'matplotlib' not in sys.modules, 'lra.taxonomy imported matplotlib'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_slope_never_joins_two_sweeps():
+    """Rows of two calls (another commit, another attention dropout) are not one curve: a model whose 8K and 16K
+    rows came from different sweeps has no slope from them. Of two sweeps with the same lengths the steadier
+    counts (a call disturbed by jobs beside it spreads its steps), and more lengths beat fewer."""
+    def sweep(model, ms, sha, backbone="drop0.1/0.0", spread=0.02, lengths=(4096, 8192, 16384)):
+        return [dict(row, git_sha=sha, backbone=backbone, ms_p10=row["ms_per_step"] * (1 - spread / 2),
+                     ms_p90=row["ms_per_step"] * (1 + spread / 2)) for row in bench(model, ms, lengths=lengths)]
+
+    rows = pd.DataFrame(sweep("linear", [1.0], "a", lengths=(8192,))
+                        + sweep("linear", [9.0], "b", backbone="drop0.1/0.1", lengths=(16384,))
+                        + sweep("transformer", [1.0, 4.0, 16.0], "c")
+                        + sweep("transformer", [1.0, 1.5, 5.0], "d", spread=0.8)  # later, disturbed
+                        + sweep("local", [1.0, 2.0], "e", lengths=(8192, 16384))
+                        + sweep("local", [1.0, 3.0, 9.0], "f", spread=0.5))
+    exps = taxonomy.measured_exponents(rows)
+    assert "linear" not in exps
+    assert exps["transformer"][0] == pytest.approx(2.0)
+    assert exps["local"][0] == pytest.approx(math.log(3, 2))
