@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from lra import engine, plot
-from lra.config import BenchRunConfig  # noqa: F401 - registers the bench schema
+from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig registers the bench schema
 from lra.data import get_task
 from lra.encoder import Classifier
 from lra.results import BENCH_COLUMNS, BenchRow, append_row, device_name, git_sha, now_iso
@@ -144,14 +144,17 @@ def sdpa_backend(event_names) -> str:
 
 
 def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str, warmup: int, steps: int,
-            params) -> dict:
+            params, cuda_graphs: bool = False) -> dict:
     """Run ``warmup`` + ``steps`` training steps (the runner's step). Returns the timed step durations (s), the SDPA
-    backend seen in the last warm-up step, and the peak memory of the timed steps (MB) with its kind."""
+    backend seen in the last warm-up step, and the peak memory of the timed steps (MB) with its kind.
+    ``cuda_graphs``: the compiled model replays CUDA graphs, and each step begins a new one (as the runner's)."""
     device = tokens.device
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     autocast = engine.autocast(precision, device)
 
     def step():
+        if cuda_graphs:  # the last step's outputs are dead: the graphs may reuse their memory
+            torch.compiler.cudagraph_mark_step_begin()
         engine.train_step(model, opt, (tokens,), labels, autocast=autocast)
 
     out = dict(times=[], sdpa_backend="")
@@ -188,8 +191,11 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     labels = torch.randint(0, get_task(cfg.task.name).n_classes, (row.batch_size,), device=device)  # (B,)
     if compile_:
         torch._dynamo.reset()  # one graph per case; otherwise the cache limit silently drops to eager
-    fn = torch.compile(model, dynamic=False) if compile_ else model
-    m = measure(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters())
+    mode = b.get("compile_mode", "default")
+    fn = torch.compile(model, dynamic=False, mode=mode) if compile_ else model
+    cuda_graphs = compile_ and device.type == "cuda" and mode in engine.CUDA_GRAPH_MODES
+    m = measure(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters(),
+                cuda_graphs=cuda_graphs)
     ms, row.ms_p10, row.ms_p90 = engine.median_and_spread([t * 1e3 for t in m["times"]])
     row.status, row.ms_per_step, row.steps_per_s, row.examples_per_s = "ok", ms, 1e3 / ms, row.batch_size * 1e3 / ms
     row.peak_mem_mb, row.mem_kind, row.sdpa_backend = m["peak_mem_mb"], m["mem_kind"], m["sdpa_backend"]
@@ -201,8 +207,9 @@ def _earlier_baselines(path: Path, match: dict) -> dict:
         return {}
     df = pd.read_csv(path)
     df = df[(df["model"] == BASELINE) & (df["status"] == "ok")]
-    for k, v in match.items():
-        df = df[df[k].astype(str) == str(v)]
+    for k, v in match.items():  # a column older rows lack (compile_mode) reads blank
+        values = df[k] if k in df else pd.Series("", index=df.index)
+        df = df[values.fillna("").astype(str) == str(v)]
     df = df.sort_values("timestamp")
     return {(int(r.seq_len), int(r.batch_size)): r._asdict() for r in df.itertuples(index=False)}
 
@@ -212,6 +219,12 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     b = cfg.bench
     if b.steps < 1 or b.warmup < 0:
         raise ValueError(f"bench.steps must be >= 1 and bench.warmup >= 0, got {b.steps} and {b.warmup}")
+    mode = b.get("compile_mode", "default")
+    if mode not in CHOICES["trainer.compile_mode"]:
+        raise ValueError(f"bench.compile_mode={mode!r} is not valid: choose one of "
+                         f"{', '.join(CHOICES['trainer.compile_mode'])}")
+    if mode in engine.CUDA_GRAPH_MODES and b.warmup < 3:  # the warm-up records the graphs; the profiled step is one
+        raise ValueError(f"bench.compile_mode={mode} records CUDA graphs in the warm-up: set bench.warmup to 3 or more")
     if b.get("attn_dropout", 0.0) is not None:  # one dropout setting for every mixer; the rows' backbone tag says which
         cfg = copy.deepcopy(cfg)
         cfg.backbone.attn_dropout = float(b.get("attn_dropout", 0.0))
@@ -226,8 +239,9 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     out = Path(b.out)
     common = dict(task=cfg.task.name, precision=precision, compiled=compile_, backbone=backbone_tag(cfg.backbone),
                   device=device_name(device), torch=torch.__version__, git_sha=git_sha(), warmup=b.warmup,
-                  timed_steps=b.steps)
-    baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device")})
+                  timed_steps=b.steps, compile_mode=mode if compile_ and mode != "default" else "")
+    baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device",
+                                                                "compile_mode")})
     models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))
     cases, all_lengths = [], [int(L) for L in b.lengths]
     for label, name, options in models:

@@ -197,6 +197,7 @@ class BenchSettings:
     warmup: int = 5
     steps: int = 20
     compile: str = "auto"
+    compile_mode: str = "default"
     precision: str = "auto"
     vocab_size: int = 257
     out: str = "outputs/results/bench.csv"

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
                   torch=torch.__version__, git_sha=git_sha(), compiled=args.compile,
-                  compile_mode=mode if args.compile else "")
+                  compile_mode=mode if args.compile and mode != "default" else "")
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours, theirs = [], []
     for n, batch in shapes:  # shape by shape, so ours and the packages at one shape are timed minutes apart at most

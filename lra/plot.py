@@ -138,7 +138,7 @@ def _latest_at(rows: pd.DataFrame, length: int) -> pd.DataFrame:
 
 # What a bench row's speed depends on besides the model, the length and the device: rows that differ in any of these
 # were timed under different protocols (say, the whole model eager with attention dropout, or compiled without it)
-PROTOCOL = ["task", "precision", "compiled", "backbone"]
+PROTOCOL = ["task", "precision", "compiled", "backbone", "compile_mode"]  # compile_mode: blank = default
 
 
 def _protocols(rows: pd.DataFrame) -> pd.DataFrame:
@@ -175,6 +175,8 @@ def protocol_label(protocol: dict | None) -> str:
     if protocol is None:
         return ""
     compiled = {"True": "compiled", "False": "eager"}.get(protocol["compiled"], "")
+    if compiled and protocol.get("compile_mode"):  # blank: torch.compile's default mode
+        compiled += f" ({protocol['compile_mode']})"
     return ", ".join(v for v in (protocol["precision"], compiled, protocol["backbone"]) if v)
 
 

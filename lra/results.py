@@ -97,6 +97,7 @@ class BenchRow:
     torch: str | None = None
     git_sha: str | None = None
     timestamp: str | None = None
+    compile_mode: str | None = None  # torch.compile's mode where it is not the default (reduce-overhead, ...)
 
 
 RUN_COLUMNS = [f.name for f in fields(RunRow)]

@@ -37,7 +37,7 @@ def slope(lengths, values) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else float("nan")
 
 
-SWEEP = ("task", "backbone", "precision", "compiled", "batch_size", "git_sha")  # rows that share these: one sweep
+SWEEP = ("task", "backbone", "precision", "compiled", "compile_mode", "batch_size", "git_sha")  # one sweep's rows
 
 
 def _steadiness(rows: pd.DataFrame) -> float:

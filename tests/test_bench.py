@@ -83,6 +83,26 @@ def test_bench_rows_and_relative_figures(tmp_path, mean_mixer):
     assert len(pd.read_csv(tmp_path / "bench.csv")) == 6  # append-only
 
 
+def test_compile_mode_is_passed_recorded_and_compared_within_its_mode(tmp_path, monkeypatch, mean_mixer):
+    """bench.compile_mode=reduce-overhead (CUDA graphs, as trainer.compile_mode) compiles every model in that mode
+    and the rows say so (the default mode stays blank, as in rows older than the column); a later sweep in that mode
+    takes no baseline from the default mode's transformer; a mode torch.compile lacks, or fewer than 3 warm-up steps
+    to record the graphs in, are refused before any case runs."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda model, dynamic, mode: modes.append(mode) or model)
+    default = bench.run_bench(make_cfg(tmp_path, ["transformer"], [64], compile="true"))
+    assert modes == ["default"] and default["compile_mode"].tolist() == [""]
+    cfg = make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="reduce-overhead", warmup=3)
+    graphs = bench.run_bench(cfg)
+    assert modes[1:] == ["reduce-overhead"] and graphs["compile_mode"].tolist() == ["reduce-overhead"]
+    assert pd.isna(graphs["rel_speed"].iloc[0])  # the only transformer row ran in the default mode
+    assert pd.read_csv(tmp_path / "bench.csv")["compile_mode"].fillna("").tolist() == ["", "reduce-overhead"]
+    with pytest.raises(ValueError, match="choose one of default, reduce-overhead"):
+        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="fast"))
+    with pytest.raises(ValueError, match="bench.warmup to 3 or more"):
+        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="reduce-overhead"))
+
+
 def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):
     """bench.variants benches a model with options changed, in rows named after them; a misspelt option fails
     before the sweep."""

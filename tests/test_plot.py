@@ -111,6 +111,22 @@ def test_bubble_points_time_every_model_under_one_protocol():
     assert plot.chart_protocol(bench, 4096, GPU, ["transformer"])["compiled"] == "True"  # a tie: the latest
 
 
+def test_a_later_row_in_another_compile_mode_does_not_mix_with_the_charts():
+    """A transformer row replayed as CUDA graphs (bench.compile_mode=reduce-overhead) is another protocol: the
+    bubble keeps the default mode's row (blank compile_mode, as in rows older than the column), and a chart
+    drawn from that mode's rows says so in its title."""
+    bench = bench_rows().assign(compiled=True)
+    graphs = dict(model="transformer", task="text", seq_len=4096, batch_size=32, status="ok", steps_per_s=60.0,
+                  examples_per_s=32 * 60.0, peak_mem_mb=5000.0, precision="bf16", device=GPU, compiled=True,
+                  compile_mode="reduce-overhead", timestamp="2026-03-01T00:00:00Z")
+    bench = pd.concat([bench, pd.DataFrame([graphs])], ignore_index=True)
+    ours, _ = plot.bubble_points(bench, leaderboard_rows())
+    assert ours.set_index("model").at["transformer", "x"] == pytest.approx(32 * 26.5)
+    protocol = plot.chart_protocol(bench, 4096, GPU, ["transformer"])  # a tie: the latest, CUDA graphs
+    assert protocol["compile_mode"] == "reduce-overhead"
+    assert plot.protocol_label(protocol).startswith("bf16, compiled (reduce-overhead)")
+
+
 def test_bubble_points_on_another_device_and_length():
     ours, missing = plot.bubble_points(bench_rows(), leaderboard_rows(), length=4096, device=CPU)
     assert as_tuples(ours) == [("transformer", 0.2, 54.0, 500 / 1024)]
