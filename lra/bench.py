@@ -223,8 +223,7 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     if mode not in CHOICES["trainer.compile_mode"]:
         raise ValueError(f"bench.compile_mode={mode!r} is not valid: choose one of "
                          f"{', '.join(CHOICES['trainer.compile_mode'])}")
-    if mode in engine.CUDA_GRAPH_MODES and b.warmup < 3:  # the warm-up records the graphs; the profiled step is one
-        raise ValueError(f"bench.compile_mode={mode} records CUDA graphs in the warm-up: set bench.warmup to 3 or more")
+    engine.check_graph_warmup(mode, b.warmup, "bench.warmup")
     if b.get("attn_dropout", 0.0) is not None:  # one dropout setting for every mixer; the rows' backbone tag says which
         cfg = copy.deepcopy(cfg)
         cfg.backbone.attn_dropout = float(b.get("attn_dropout", 0.0))
@@ -239,7 +238,7 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     out = Path(b.out)
     common = dict(task=cfg.task.name, precision=precision, compiled=compile_, backbone=backbone_tag(cfg.backbone),
                   device=device_name(device), torch=torch.__version__, git_sha=git_sha(), warmup=b.warmup,
-                  timed_steps=b.steps, compile_mode=mode if compile_ and mode != "default" else "")
+                  timed_steps=b.steps, compile_mode=engine.recorded_compile_mode(compile_, mode))
     baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device",
                                                                 "compile_mode")})
     models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))

@@ -39,6 +39,20 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay graphs as CUDA graphs
+GRAPH_WARMUP = 3  # warm-up calls a timing under CUDA graphs needs: compile, record, then replay
+
+
+def recorded_compile_mode(compiled: bool, mode: str) -> str:
+    """A bench row's ``compile_mode``: torch.compile's mode where it is not the default; blank for the default mode
+    (as in rows written before the column) and for eager rows."""
+    return mode if compiled and mode != "default" else ""
+
+
+def check_graph_warmup(mode: str, warmup: int, setting: str) -> None:
+    """Refuse a timing whose warm-up is too short to record CUDA graphs in (``setting``: the option to raise)."""
+    if mode in CUDA_GRAPH_MODES and warmup < GRAPH_WARMUP:
+        raise ValueError(f"compile mode {mode} records CUDA graphs in the warm-up: set {setting} to {GRAPH_WARMUP} "
+                         "or more")
 
 
 def resolve_compile(flag: str | bool, device: torch.device) -> bool:

@@ -258,15 +258,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parser.parse_args(argv)
     args.compile = args.compile or args.compile_mode is not None
     mode = args.compile_mode or "default"
-    if args.compile and mode in engine.CUDA_GRAPH_MODES and args.warmup < 3:
-        parser.error(f"--compile-mode {mode} records CUDA graphs in the warm-up: give it --warmup 3 or more")
+    try:
+        engine.check_graph_warmup(mode if args.compile else "default", args.warmup, "--warmup")
+    except ValueError as error:
+        parser.error(str(error))
     device = engine.resolve_device(args.device)
     engine.configure(device, engine.cpu_threads(None))
     models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
                   torch=torch.__version__, git_sha=git_sha(), compiled=args.compile,
-                  compile_mode=mode if args.compile and mode != "default" else "")
+                  compile_mode=engine.recorded_compile_mode(args.compile, mode))
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours, theirs = [], []
     for n, batch in shapes:  # shape by shape, so ours and the packages at one shape are timed minutes apart at most

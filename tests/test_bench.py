@@ -99,7 +99,7 @@ def test_compile_mode_is_passed_recorded_and_compared_within_its_mode(tmp_path, 
     assert pd.read_csv(tmp_path / "bench.csv")["compile_mode"].fillna("").tolist() == ["", "reduce-overhead"]
     with pytest.raises(ValueError, match="choose one of default, reduce-overhead"):
         bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="fast"))
-    with pytest.raises(ValueError, match="bench.warmup to 3 or more"):
+    with pytest.raises(ValueError, match="set bench.warmup to 3 or more"):
         bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="reduce-overhead"))
 
 

@@ -203,7 +203,7 @@ def test_compile_mode_compiles_every_layer_in_that_mode_and_says_so(tmp_path, mo
     assert "every layer compiled (reduce-overhead)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         layer_bench.main(["--models", "linear", "--compile-mode", "reduce-overhead", "--warmup", "2"])
-    assert "--warmup 3 or more" in capsys.readouterr().err
+    assert "set --warmup to 3 or more" in capsys.readouterr().err
 
 
 def test_each_compiled_row_is_a_static_graph_of_its_own_shape(monkeypatch):
