@@ -163,7 +163,9 @@ class ETC(MultiHeadMixer):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
         self.check_length(N)
-        g = min(self.global_tokens, N)
+        # not min(): with a dynamic length (trimmed batches) min() is a SymInt, which the flex path's mods would
+        # close over; the comparison is a guard, and g stays an int
+        g = self.global_tokens if self.global_tokens <= N else N
         q, k, v = self.project(x)  # each (B, H, N, Dh)
         gk, gv, g_real = self.global_keys(k, v, mask, g)  # (B, H, G, Dh) x 2, (B, G)
         flex = chosen_backend(self) == "flex"

@@ -153,6 +153,10 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     n = Np if length is None else length
     lists = kept_tile_lists(kept, (n, keep.device), lambda: flex_tiles(layout, keep, block, global_tokens, n))
     keep_flat = realized(keep.reshape(-1)) if key_padding else None  # (B * Np,), a buffer for the mask_mod
+    # each sample's first position in keep_flat, looked up rather than computed from Np: compiled with dynamic shapes
+    # (trimmed batches change the length) Np is an expression of the input's length, and a mask_mod that closes over
+    # such a SymInt fails Inductor's FlexAttention lowering (pytorch/pytorch#182606)
+    row_start = realized(torch.arange(B, device=keep.device) * Np) if key_padding else None  # (B,)
 
     def mask_mod(b, h, q_idx, kv_idx):
         if B == 1:  # one mask for the whole batch (FlexAttention broadcasts it): look everything up in sample 0
@@ -160,7 +164,7 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
         allowed = rule(b, q_idx // block, kv_idx // block)
         if global_tokens:
             allowed = allowed | (q_idx < global_tokens) | (kv_idx < global_tokens)
-        return allowed & keep_flat[b * Np + kv_idx] if key_padding else allowed
+        return allowed & keep_flat[row_start[b] + kv_idx] if key_padding else allowed
 
     return block_mask_of(lists, n, mask_mod)
 

@@ -161,3 +161,17 @@ def assert_reset_scan_equals_separate_pieces(q, k, v, g, reset, chunk: int, scal
     got = _scan.chunked(q, k, v, g, chunk, scale, reset)
     assert got.isfinite().all()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def captured_values_backend(captured: list):
+    """A torch.compile backend that runs the graph as traced and appends to ``captured``, for each flex_attention
+    call traced, the tuple of values it captures for its score_mod and mask_mod (what Inductor's lowering receives
+    as buffers)."""
+    def backend(graph, example_inputs):
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and "flex_attention" in str(node.target):
+                captured.append(tuple(arg.meta["example_value"] for arg in (*node.args[7], *node.args[8])))
+        return graph
+
+    torch._dynamo.reset()
+    return backend

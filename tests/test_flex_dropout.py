@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from models._flex_dropout import dense_draws, flex_attention_dropout
+from tests.mixer_checks import captured_values_backend
 
 B, H, N, DH = 2, 3, 70, 8
 
@@ -121,19 +122,6 @@ def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backw
         torch.testing.assert_close(g, w)
 
 
-def captured_values_backend(captured: list):
-    """A torch.compile backend that runs the graph as traced and appends to ``captured`` the values each
-    flex_attention call captures for its score_mod and mask_mod (what Inductor's lowering receives as buffers)."""
-    def backend(graph, example_inputs):
-        for node in graph.graph.nodes:
-            if node.op == "call_function" and "flex_attention" in str(node.target):
-                captured.extend(arg.meta["example_value"] for arg in (*node.args[7], *node.args[8]))
-        return graph
-
-    torch._dynamo.reset()
-    return backend
-
-
 @pytest.mark.parametrize("how", ["dynamic shapes", "p changed after compiling"])
 def test_no_symbolic_int_reaches_a_kernel_when_sizes_or_p_are_dynamic(how):
     """Heads, keys and the drop threshold are captured by the score_mod as a tensor. As Python ints they become
@@ -159,7 +147,7 @@ def test_no_symbolic_int_reaches_a_kernel_when_sizes_or_p_are_dynamic(how):
         for p in (0.1, 0.2):
             module.p = p
             torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
-    assert captured and all(isinstance(value, torch.Tensor) for value in captured), captured
+    assert captured and all(isinstance(value, torch.Tensor) for call in captured for value in call), captured
 
 
 @pytest.mark.parametrize("name", ["deberta", "etc"])

@@ -1,0 +1,53 @@
+"""Every FlexAttention path compiles with dynamic shapes: trimmed batches (``trainer.trim``) change the length from
+batch to batch, so Dynamo compiles the model with a symbolic length, and a score_mod or mask_mod that closes over an
+int computed from it (a padded length, min(g, N)) captures a SymInt expression, which Inductor's FlexAttention
+lowering cannot take: it realises each captured value but a bare symbol, and fails on an expression ("'Shape
+AsConstantBuffer' object has no attribute 'dtype'", pytorch/pytorch#182606; ETC's GPU test on an H200 failed so on a
+p made dynamic). Dynamo's graph is checked here on the CPU, for each model with a flex backend, as the runner
+compiles it (automatic dynamic shapes, after a second length): every captured value is a tensor or a bare symbol."""
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+from models import create_model, get_model_class, list_models
+from models.registry import Grid
+from tests.mixer_checks import captured_values_backend
+
+FLEX_MODELS = [name for name in list_models() if "flex" in getattr(get_model_class(name), "backends", ())]
+
+
+def lowerable(value) -> bool:
+    """What Inductor's FlexAttention lowering takes among a mod's captured values: a tensor, or a SymInt that is a
+    bare symbol (an input's size); an expression of symbols, or a constant, it cannot realise."""
+    return isinstance(value, torch.Tensor) or isinstance(value.node.expr, sympy.Symbol)
+
+
+def test_the_registry_has_flex_paths_to_check():
+    assert {"local", "longformer", "sparse", "bigbird", "etc", "deberta", "reformer", "image_local"} <= set(FLEX_MODELS)
+
+
+@pytest.mark.parametrize("name", FLEX_MODELS)
+def test_a_second_shape_compiles_the_flex_path_with_lowerable_captures(name):
+    """A second length (a trimmed batch) for the sequence models; for the 2-D ones, whose tasks are never trimmed
+    (the grid is the task's), a second batch size (evaluation's)."""
+    grid = getattr(get_model_class(name), "needs_grid", False)
+    dropout = 0.0 if grid else 0.1  # image_local's flex path takes no attention dropout (nor a key mask)
+    torch.manual_seed(0)
+    model = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=dropout, max_len=1024).train()
+    model.backend = "flex"
+    captured = []
+    compiled = torch.compile(model, backend=captured_values_backend(captured))  # dynamic=None, as the runner's
+    with torch.no_grad():  # the forward's graph (the CPU's FlexAttention has no backward to run)
+        if grid:
+            for batch in (2, 3):
+                compiled(torch.randn(batch, 256, 32), None, grid=Grid(16, 16))
+        else:
+            for n in (256, 400):  # the second length makes it symbolic
+                mask = torch.ones(2, n, dtype=torch.bool)
+                mask[1, n - 60:] = False  # key padding in the second example
+                compiled(torch.randn(2, n, 32), mask)
+    assert captured, f"{name}: no FlexAttention call was traced"
+    bad = [value for call in captured for value in call if not lowerable(value)]
+    assert not bad, f"{name}: captured {[str(v) for v in bad]}"
