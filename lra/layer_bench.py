@@ -62,10 +62,12 @@ class Timing(NamedTuple):
 
 def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,
                  warmup: int = 3, steps: int = 20, compile_layer: bool = False,
-                 profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
+                 profile_dir: Path | None = None, compile_mode: str = "default", parameters=()) -> Timing:
     """The ``Timing`` of ``layer``'s forward + backward on a (batch, n, D) input,
     through ``torch.compile`` with ``compile_layer`` (compiled during the warm-up, in ``compile_mode``: a mode of
-    ``engine.CUDA_GRAPH_MODES`` records CUDA graphs then, and the timed calls replay them). The one timing loop of this
+    ``engine.CUDA_GRAPH_MODES`` records CUDA graphs then, and the timed calls replay them; each call then drops the
+    gradients of the input and of ``parameters``, the layer's, as the runner's step does, since a gradient kept
+    from the last call lives in the graphs' memory, which the next replay overwrites). The one timing loop of this
     module: our mixers and the public packages are timed by the same code. ``profile_dir``: after the timed calls,
     as many more under torch.profiler, whose tables (``profile.txt``: kernels by device time on a GPU, operators
     and our own functions by host time) and trace go there; the timing does not include them."""
@@ -75,10 +77,13 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
     x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
     autocast = engine.autocast(engine.resolve_precision("auto", device), device)
     cuda_graphs = compile_layer and device.type == "cuda" and compile_mode in engine.CUDA_GRAPH_MODES
+    leaves = [x, *parameters]
 
     def step():
         if cuda_graphs:  # a new step: the graphs may reuse the last step's buffers (its outputs are dead)
             torch.compiler.cudagraph_mark_step_begin()
+            for leaf in leaves:  # no accumulation into a gradient the last replay left in the graphs' memory
+                leaf.grad = None
         with autocast():
             y = layer(x)  # (B, N, D)
         y.float().square().mean().backward()
@@ -123,7 +128,7 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
             raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
         extra["grid"] = Grid(side, side)
     return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps, compile_layer,
-                        profile_dir, compile_mode)
+                        profile_dir, compile_mode, list(mixer.parameters()))
 
 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
@@ -131,8 +136,9 @@ def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int 
               profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
     """``time_forward`` of a public package's layer (lra/peers.py), built for length n, at (batch, n)."""
     torch.manual_seed(0)
-    return time_forward(peer.build(n).to(device).train(), n, batch, device, warmup, steps, compile_layer,
-                        profile_dir, compile_mode)
+    layer = peer.build(n).to(device).train()
+    return time_forward(layer, n, batch, device, warmup, steps, compile_layer, profile_dir, compile_mode,
+                        list(layer.parameters()))
 
 
 def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -> Path | None:
