@@ -193,7 +193,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
         torch._dynamo.reset()  # one graph per case; otherwise the cache limit silently drops to eager
     mode = b.get("compile_mode", "default")
     fn = torch.compile(model, dynamic=False, mode=mode) if compile_ else model
-    cuda_graphs = compile_ and device.type == "cuda" and mode in engine.CUDA_GRAPH_MODES
+    cuda_graphs = engine.replays_cuda_graphs(compile_, device, mode)
     m = measure(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters(),
                 cuda_graphs=cuda_graphs)
     ms, row.ms_p10, row.ms_p90 = engine.median_and_spread([t * 1e3 for t in m["times"]])

@@ -42,6 +42,12 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes th
 GRAPH_WARMUP = 3  # warm-up calls a timing under CUDA graphs needs: compile, record, then replay
 
 
+def replays_cuda_graphs(compiled: bool, device: torch.device, mode: str) -> bool:
+    """Whether a model compiled (or not) in torch.compile's ``mode`` replays CUDA graphs on ``device``: then each
+    step must begin with ``torch.compiler.cudagraph_mark_step_begin()`` (the last step's outputs are dead)."""
+    return compiled and device.type == "cuda" and mode in CUDA_GRAPH_MODES
+
+
 def recorded_compile_mode(compiled: bool, mode: str) -> str:
     """A bench row's ``compile_mode``: torch.compile's mode where it is not the default; blank for the default mode
     (as in rows written before the column) and for eager rows."""

@@ -76,7 +76,7 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
         layer = torch.compile(layer, dynamic=False, mode=compile_mode)
     x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
     autocast = engine.autocast(engine.resolve_precision("auto", device), device)
-    cuda_graphs = compile_layer and device.type == "cuda" and compile_mode in engine.CUDA_GRAPH_MODES
+    cuda_graphs = engine.replays_cuda_graphs(compile_layer, device, compile_mode)
     leaves = [x, *parameters]
 
     def step():
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args.compile = args.compile or args.compile_mode is not None
     mode = args.compile_mode or "default"
     try:
-        engine.check_graph_warmup(mode if args.compile else "default", args.warmup, "--warmup")
+        engine.check_graph_warmup(mode, args.warmup, "--warmup")  # mode: "default" unless --compile-mode
     except ValueError as error:
         parser.error(str(error))
     device = engine.resolve_device(args.device)

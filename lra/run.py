@@ -390,7 +390,7 @@ class Trainer:
     @property
     def cuda_graphs(self) -> bool:
         """Whether the compiled graphs replay as CUDA graphs (``trainer.compile_mode``; off once running eagerly)."""
-        return self.compiled and self.device.type == "cuda" and self.cfg.trainer.compile_mode in engine.CUDA_GRAPH_MODES
+        return engine.replays_cuda_graphs(self.compiled, self.device, self.cfg.trainer.compile_mode)
 
     @property
     def eval_compiled(self) -> bool:
