@@ -104,13 +104,18 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
     if not table.requires_grad:  # an inference graph would fuse it into the kernel's inputs (patterns.realized)
         table = realized(table)
     real_flat = realized(real.flatten())  # (B S,): a buffer of its own for the mask_mod (patterns.realized)
+    # Where each sample's keys and each (sample, head)'s table rows start, looked up rather than computed as b * S:
+    # with trimmed batches S is symbolic (the input's length plus CLS), and a mod closing over an expression of it
+    # cannot be lowered by Inductor (pytorch#182606; tests/test_flex_dynamic_shapes.py)
+    row_start = realized(torch.arange(B, device=q.device) * S)  # (B,)
+    table_start = realized(torch.arange(B * H, device=q.device) * (S * V))  # (B H,)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return ((q_idx < G) | (kv_idx < G) | ((q_idx - kv_idx).abs() <= r)) & real_flat[b * S + kv_idx]
+        return ((q_idx < G) | (kv_idx < G) | ((q_idx - kv_idx).abs() <= r)) & real_flat[row_start[b] + kv_idx]
 
     def score_mod(score, b, h, q_idx, kv_idx):  # score: q . k / sqrt(Dh), fp32
         label = torch.where(kv_idx < G, global_label, (kv_idx - q_idx).clamp(-kmax, kmax) + kmax)
-        relative = table[((b * H + h) * S + q_idx) * V + label]
+        relative = table[table_start[b * H + h] + q_idx * V + label]
         return score + torch.where(q_idx < G, 0.0, relative)  # a global query's row: one label, cancelled
 
     padded = -(-S // FLEX_BLOCK) * FLEX_BLOCK
