@@ -146,7 +146,8 @@ def sdpa_backend(event_names) -> str:
 def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str, warmup: int, steps: int,
             params, cuda_graphs: bool = False) -> dict:
     """Run ``warmup`` + ``steps`` training steps (the runner's step). Returns the timed step durations (s), the SDPA
-    backend seen in the last warm-up step, and the peak memory of the timed steps (MB) with its kind.
+    backend seen in the last warm-up step, and the peak memory (MB) with its kind: of the timed steps, or under CUDA
+    graphs of every step (a replay allocates nothing; the graphs' memory is allocated as they record).
     ``cuda_graphs``: the compiled model replays CUDA graphs, and each step begins a new one (as the runner's)."""
     device = tokens.device
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
@@ -158,8 +159,11 @@ def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str
         engine.train_step(model, opt, (tokens,), labels, autocast=autocast)
 
     out = dict(times=[], sdpa_backend="")
+    # the peak of the timed steps: steady state, AdamW's state exists, compilation and autotuning are done; under CUDA
+    # graphs from the first step, since a replay allocates nothing: the graphs' memory is allocated as they record
+    peak_from = 0 if cuda_graphs else warmup
     for i in range(warmup + steps):
-        if i == warmup:  # steady state from here: AdamW state exists, compilation and autotuning are done
+        if i == peak_from:
             out["mem_kind"] = engine.reset_peak_memory(device)
         if i == warmup - 1:  # the last warm-up step is profiled (the profiler's overhead stays untimed)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -70,7 +70,9 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
     from the last call lives in the graphs' memory, which the next replay overwrites). The one timing loop of this
     module: our mixers and the public packages are timed by the same code. ``profile_dir``: after the timed calls,
     as many more under torch.profiler, whose tables (``profile.txt``: kernels by device time on a GPU, operators
-    and our own functions by host time) and trace go there; the timing does not include them."""
+    and our own functions by host time) and trace go there; the timing does not include them. The peak is the timed
+    calls', or under CUDA graphs the warm-up's and theirs: a replay allocates nothing, its memory is the graphs' pool,
+    allocated when they were recorded (the timed calls' peak alone would be the inputs' and the weights')."""
     if compile_layer:  # a fresh, static graph per row, as a training run (one shape) compiles: otherwise the cache
         torch._dynamo.reset()  # of an earlier row's shape makes Dynamo compile this one with dynamic shapes
         layer = torch.compile(layer, dynamic=False, mode=compile_mode)
@@ -88,10 +90,13 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
             y = layer(x)  # (B, N, D)
         y.float().square().mean().backward()
 
+    if cuda_graphs:  # the graphs' memory is allocated as they are recorded (warm-up): replays allocate none
+        engine.reset_peak_memory(device)
     for _ in range(warmup):
         step()
     engine.synchronize(device)
-    engine.reset_peak_memory(device)
+    if not cuda_graphs:
+        engine.reset_peak_memory(device)
     times = []
     for _ in range(steps):
         start = time.perf_counter()

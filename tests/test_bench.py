@@ -310,3 +310,15 @@ def test_median_and_spread_of_timed_calls():
     median, _, p90 = engine.median_and_spread([4.0, 4.0, 4.0, 4.0, 40.0])
     assert median == 4.0 and p90 > 20  # one slow call moves the spread, not the median
     assert engine.median_and_spread([3.0]) == (3.0, 3.0, 3.0)  # a single call is its own spread
+
+
+@pytest.mark.gpu
+def test_under_cuda_graphs_the_peak_counts_the_graphs_memory(tmp_path):
+    """bench.compile_mode=reduce-overhead on a GPU: the row's peak counts the memory the graphs took as they were
+    recorded (in the warm-up), not the replays' alone, which allocate nothing: about the default mode's peak."""
+    peaks = {}
+    for mode in ("default", "reduce-overhead"):
+        cfg = make_cfg(tmp_path, ["transformer"], [1024], batch_size=16, compile="true", compile_mode=mode, warmup=3)
+        cfg.device = "cuda"
+        peaks[mode] = float(bench.run_bench(cfg)["peak_mem_mb"].iloc[0])
+    assert 0.7 * peaks["default"] < peaks["reduce-overhead"] < 2 * peaks["default"], peaks

@@ -318,4 +318,7 @@ def test_a_layer_is_timed_replaying_cuda_graphs():
     graphs = layer_bench.time_layer("transformer", 4096, 8, device, warmup=3, steps=10, compile_layer=True,
                                     compile_mode="reduce-overhead")
     default = layer_bench.time_layer("transformer", 4096, 8, device, warmup=3, steps=10, compile_layer=True)
-    assert 0 < graphs.ms_fwd_bwd < 1.5 * default.ms_fwd_bwd and graphs.peak_mb > 0
+    assert 0 < graphs.ms_fwd_bwd < 1.5 * default.ms_fwd_bwd
+    # the graphs' memory counts (allocated as they record): not the timed replays' alone, which allocate nothing (an
+    # H200 read 769 MB so for every layer and shape of a call, SDPA's at 4K x 32 too, whose default mode's is 1,350 MB)
+    assert 0.7 * default.peak_mb < graphs.peak_mb < 2 * default.peak_mb
