@@ -55,7 +55,8 @@ def best_sweep(rows: pd.DataFrame) -> pd.DataFrame | None:
     jobs beside it, to this one's. The sweep with the most lengths; on a tie the steadiest (its steps' spread),
     then the latest. None where no sweep has two lengths."""
     keys = [k for k in SWEEP if k in rows]
-    sweeps = [g for _, g in rows.groupby([rows[k].astype(str) for k in keys])]
+    # dropna=False: a blank (compile_mode in rows older than the column, the default mode) is a value, not a row to drop
+    sweeps = [g for _, g in rows.groupby([rows[k].astype(str) for k in keys], dropna=False)]
     latest = (lambda g: str(g["timestamp"].max())) if "timestamp" in rows else (lambda g: "")
     best = max(sweeps, key=lambda g: (g["seq_len"].nunique(), -_steadiness(g), latest(g)), default=None)
     return None if best is None or best["seq_len"].nunique() < 2 else best

@@ -87,3 +87,13 @@ def test_a_slope_never_joins_two_sweeps():
     assert "linear" not in exps
     assert exps["transformer"][0] == pytest.approx(2.0)
     assert exps["local"][0] == pytest.approx(math.log(3, 2))
+
+
+def test_rows_with_a_blank_protocol_column_form_a_sweep(tmp_path):
+    """A column that older rows lack (compile_mode, blank for the default mode) reads back as missing: those rows
+    are one sweep still, and a later row in another mode is not joined to them."""
+    rows = pd.DataFrame(bench("transformer", [1.0, 4.0, 16.0]) + bench("linear", [1.0, 2.0, 4.0]))
+    later = pd.DataFrame(bench("linear", [1.0], lengths=(8192,))).assign(compile_mode="reduce-overhead")
+    pd.concat([rows, later]).to_csv(tmp_path / "bench.csv", index=False)
+    exps = taxonomy.measured_exponents(pd.read_csv(tmp_path / "bench.csv"))
+    assert exps["transformer"][0] == pytest.approx(2.0) and exps["linear"][0] == pytest.approx(1.0)
