@@ -210,12 +210,16 @@ class ETC(MultiHeadMixer):
         band = dist.abs() <= self.radius  # (b, 3b)
         label = dist.clamp(-self.max_distance, self.max_distance) + self.max_distance  # (b, 3b)
 
-        q_rel = torch.einsum("bhnsd,hvd->bhnsv", qb, self.rel.to(qb.dtype))  # (B, H, NB, b, V): q . a_label
+        # the labels padded with zero embeddings to a multiple of 8, so that the products over them run cuBLAS's
+        # aligned kernels: with 2k + 2 = 26 they ran the SM75 align-1 ones, 22% of the 4K layer's device time
+        V = -(-self.rel.shape[1] // 8) * 8
+        rel = F.pad(self.rel, (0, 0, 0, V - self.rel.shape[1]))  # (H, V, Dh)
+        q_rel = torch.einsum("bhnsd,hvd->bhnsv", qb, rel.to(qb.dtype))  # (B, H, NB, b, V): q . a_label
         # q_rel looked up at each slot's label, as a product with the labels' one-hot (b, V, 3b), not a gather: a
         # gather's backward scatters, and with up to 3b - 2k - 1 slots of a row on the two clipped labels its atomic
         # adds contend (a gather took 78% of the layer's device time on an H200); the product's backward is one
         # more product. Exact: each output sums a single nonzero term
-        one_hot = F.one_hot(label, 2 * self.max_distance + 2).transpose(-1, -2).to(q_rel.dtype)  # (b, V, 3b)
+        one_hot = F.one_hot(label, V).transpose(-1, -2).to(q_rel.dtype)  # (b, V, 3b)
         win_rel = torch.einsum("bhnsv,svt->bhnst", q_rel, one_hot)  # (B, H, NB, b, 3b)
         see = torch.cat([g_real[:, None, None, :].expand(B, NB, b, G),
                          band & w_real[:, :, None, :]], dim=-1)  # (B, NB, b, G+3b)
@@ -236,10 +240,14 @@ class ETC(MultiHeadMixer):
                 scores = torch.cat([glob, win], dim=-1).masked_fill(~see[:, None], MASKED)  # (B, H, NB, b, G+3b)
                 o = softmax_values(scores, values, self.dropout_p, Dh**-0.5)  # (B, H, NB, b, Dh)
             else:
+                # Gp - G never-seen columns after the globals', so that the window's weights start at a multiple of 8
+                # of rows of Gp + 3b: sliced from rows of G + 3b = 265 they would feed cuBLAS's align-1 kernels
+                Gp = -(-G // 8) * 8
+                seen = torch.cat([see[..., :G], see.new_zeros(B, NB, b, Gp - G), see[..., G:]], dim=-1)  # Gp+3b
                 with torch.autocast(device_type=q.device.type, enabled=False):
-                    logits = torch.cat([glob, win], dim=-1).float() * Dh**-0.5  # (B, H, NB, b, G+3b)
-                    p = torch.softmax(logits.masked_fill(~see[:, None], MASKED), dim=-1)  # (B, H, NB, b, G+3b)
+                    logits = torch.cat([F.pad(glob, (0, Gp - G)), win], dim=-1).float() * Dh**-0.5  # (.., b, Gp+3b)
+                    p = torch.softmax(logits.masked_fill(~seen[:, None], MASKED), dim=-1)  # (B, H, NB, b, Gp+3b)
                 p = F.dropout(p.to(v.dtype), self.dropout_p, training=self.training)
                 o = (torch.einsum("bhnsg,bhgd->bhnsd", p[..., :G], gv)
-                     + torch.einsum("bhnst,bhntd->bhnsd", p[..., G:], vw))  # (B, H, NB, b, Dh)
+                     + torch.einsum("bhnst,bhntd->bhnsd", p[..., Gp:], vw))  # (B, H, NB, b, Dh)
         return o.reshape(B, H, NB * b, Dh)[:, :, :L]  # (B, H, L, Dh)
