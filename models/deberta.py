@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, pad_head_dim, takes_fused_path
-from .patterns import FLEX_BLOCK, flex_attend, flex_block_mask, flex_call
+from .patterns import flex_attend, flex_call, padding_block_mask
 from .registry import Taxonomy, register_model
 
 
@@ -164,17 +164,6 @@ def build_index(n: int, device: torch.device, buckets: int, max_relative: int):
 # Eager: one delta per (n, device, buckets) for every layer and step; a few lengths kept (8 n^2 bytes each, 2 GB at
 # n = 16K). Compiled code does not read it (see ``DeBERTa.index``).
 cached_index = functools.lru_cache(maxsize=4)(build_index)
-
-
-def padding_block_mask(mask: torch.Tensor):
-    """(B, N) key mask -> FlexAttention BlockMask: the key padding alone (every tile of the pattern allowed), through
-    the block-sparse models' ``flex_block_mask``: tiles whose keys are all real are computed whole, those of only
-    padding skipped, the rest look the mask up per key."""
-    N = mask.shape[1]
-    nt = -(-N // FLEX_BLOCK)
-    keep = F.pad(mask, (0, nt * FLEX_BLOCK - N))  # (B, nt * 128): no key past N
-    every_tile = torch.ones(1, nt, nt, dtype=torch.bool, device=mask.device)  # (1, nt, nt)
-    return flex_block_mask(every_tile, keep, FLEX_BLOCK, 0, lambda b, q_block, k_block: True, length=N)
 
 
 def _flex_attend(mixer: DeBERTa, q, k, v, mask):

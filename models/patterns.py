@@ -200,6 +200,17 @@ def flex_tiles(layout, keep, block: int, global_tokens: int, n: int) -> tuple[to
     return partial[:, None], full[:, None]
 
 
+def padding_block_mask(mask: torch.Tensor) -> BlockMask:
+    """(B, N) key mask -> FlexAttention BlockMask: the key padding alone (every tile of the pattern allowed), through
+    ``flex_block_mask``: tiles whose keys are all real are computed whole, those of only padding skipped, the rest
+    look the mask up per key. For the dense mixers' flex paths (DeBERTa, the synthesizer)."""
+    N = mask.shape[1]
+    nt = -(-N // FLEX_BLOCK)
+    keep = F.pad(mask, (0, nt * FLEX_BLOCK - N))  # (B, nt * 128): no key past N
+    every_tile = torch.ones(1, nt, nt, dtype=torch.bool, device=mask.device)  # (1, nt, nt)
+    return flex_block_mask(every_tile, keep, FLEX_BLOCK, 0, lambda b, q_block, k_block: True, length=N)
+
+
 def tile_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(B, H, nt, nt) bool tiles (``partial``: mask_mod decides inside; ``full``: computed whole) -> FlexAttention's
     eight tile lists: counts and indices of the partial and full tiles, kv-major, then q-major (for the backward

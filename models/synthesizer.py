@@ -31,7 +31,11 @@ efficient kernel; ``explicit`` forms the (B, H, N, N) logits itself (Q K^T from 
 and sums, as a fused kernel's), adds S, and applies an fp32 softmax, the dropout and the product with V as
 separate operations that ``torch.compile`` fuses, the same steps as the variants without the dot product; its
 memory is O(B H N^2) for the saved weights. A quadratic model either way; on an H200 the explicit one was the
-slower (1.12x at 4K, 1.30x at 16K, one layer) with about 4x the memory, hence ``auto`` = ``sdpa``.
+slower (1.12x at 4K, 1.30x at 16K, one layer) with about 4x the memory, hence ``auto`` = ``sdpa``. ``flex``
+(asked for by name) runs FlexAttention with a score_mod that adds S[h, i, j] to each score, read from the table
+itself (fp32; its gradient summed over the batch in the kernel's backward) and padded keys left out by a BlockMask:
+no (B, H, N, N) bias is built, where SDPA's float mask, once padding makes it per example, is one, and its
+gradient another, and the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``.
 
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
@@ -46,10 +50,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, chosen_backend
+from .patterns import flex_attend, flex_call, padding_block_mask, realized
 from .registry import Taxonomy, register_model
 
 VARIANTS = ("dense", "random", "factorized_random")
-BACKENDS = ("auto", "sdpa", "explicit")
+BACKENDS = ("auto", "sdpa", "explicit", "flex")
+
+
+def _flex_attend(mixer: Synthesizer, q, k, v, synthesized, mask) -> torch.Tensor:
+    """The dot-product variants' attention as one FlexAttention call: q, k, v (B, H, N, Dh), the synthesized logits
+    (1 or B, H, N, N), mask (B, N) or None -> (B, H, N, Dh)."""
+    # fp32: the kernel adds them to fp32 scores, and its backward sums their gradient over the batch by atomic adds
+    table = synthesized.float()  # (1 or B, H, N, N)
+    if not table.requires_grad:  # an inference graph would fuse it into the kernel's inputs (patterns.realized)
+        table = realized(table)
+    per_example = table.shape[0] > 1  # dense: one table per example; the random variants: one for the batch
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # score: q . k / sqrt(Dh), fp32
+        return score + table[b if per_example else 0, h, q_idx, kv_idx]
+
+    block_mask = None if mask is None else padding_block_mask(mask)
+    return flex_attend(q, k, v, block_mask, score_mod=score_mod, dropout_p=mixer.dropout_p)  # (B, H, N, Dh)
 
 
 @register_model
@@ -119,6 +140,9 @@ class Synthesizer(MultiHeadMixer):
                 # bf16 operands are exact in fp32 (and in TF32): fp32 products and sums, as a fused kernel's
                 s = q.float() @ k.float().transpose(-1, -2) * Dh**-0.5 + synthesized.float()  # (B, H, N, N)
             o = self.attend_explicitly(s, v, pad_keys)  # (B, H, N, Dh)
+        elif self.keep_dot_product and chosen_backend(self) == "flex":
+            q, k, v = self.project(x)  # each (B, H, N, Dh)
+            o = flex_call(_flex_attend, x.is_cuda, self, q, k, v, self.synthesized(x), mask)  # (B, H, N, Dh)
         elif self.keep_dot_product:
             q, k, v = self.project(x)  # each (B, H, N, Dh)
             bias = self.synthesized(x).to(q.dtype)  # (1 or B, H, N, N)

@@ -1,0 +1,90 @@
+"""The synthesizer's FlexAttention path (``backend = "flex"``): the synthesized logits added by a score_mod, padded
+keys left out by a BlockMask, computes what the SDPA path computes, outputs and every gradient (the table's summed
+over the batch by the kernel's backward), and drops weights by ``_flex_dropout``'s draws. The other synthesizer
+tests are in test_model_learned.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import create_model
+from models._flex_dropout import dense_draws
+from tests.mixer_checks import lengths_mask
+
+D = 32
+
+
+def build(variant: str, dropout: float = 0.0, max_len: int = 300, n_heads: int = 2, d: int = D):
+    torch.manual_seed(0)
+    return create_model("synthesizer", d_model=d, n_heads=n_heads, d_qkv=d, dropout=dropout, max_len=max_len,
+                        variant=variant, factor_rank=4)
+
+
+@pytest.mark.parametrize("variant", ["random", "factorized_random", "dense"])
+@pytest.mark.parametrize("masked", [True, False])
+def test_flex_equals_sdpa_with_gradients(variant, masked, flex_backward_on_cpu):
+    """Over two 128-key tiles and a part (260 keys), the second example padded from 150 on."""
+    model = build(variant).eval()
+    x = torch.randn(2, 260, D)
+    mask = lengths_mask([260, 150], 260) if masked else None
+    results = {}
+    for backend in ("sdpa", "flex"):
+        model.backend = backend
+        model.zero_grad()
+        y = model(x, mask)  # (B, N, D)
+        real = torch.ones_like(y, dtype=torch.bool) if mask is None else mask[..., None].expand_as(y)
+        (y.square() * real).sum().backward()  # padded queries' outputs are no result (flex: 0, SDPA: its own)
+        results[backend] = y[real], {name: p.grad.clone() for name, p in model.named_parameters()}
+    torch.testing.assert_close(results["flex"][0], results["sdpa"][0], atol=1e-5, rtol=1e-4)
+    for name, grad in results["sdpa"][1].items():
+        torch.testing.assert_close(results["flex"][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_flex_drops_weights_as_dense_attention_with_the_same_draws(flex_backward_on_cpu):
+    """In training the flex path's dropout equals softmax(QK^T / sqrt(d) + S) dropped by ``_flex_dropout``'s draws
+    and rescaled, in output and in the gradients of the table and the inputs."""
+    model = build("random", dropout=0.3).train()
+    model.backend = "flex"
+    x = torch.randn(2, 150, D, requires_grad=True)
+    mask = lengths_mask([150, 77], 150)
+    q, k, v = model.project(x)  # each (B, H, N, Dh)
+    torch.manual_seed(5)
+    got = model(x, mask)  # (B, N, D)
+    torch.manual_seed(5)  # the seed the flex call drew: its first use of the generator
+    seed = torch.randint(0, 2**31 - 1, (1,))
+    logits = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + model.synthesized(x)  # (B, H, N, N)
+    weights = torch.softmax(logits.masked_fill(~mask[:, None, None, :], float("-inf")), -1)  # (B, H, N, N)
+    o = (weights * dense_draws(seed, 0.3, weights.shape) / 0.7) @ v  # (B, H, N, Dh)
+    want = model.out(o.transpose(1, 2).reshape(2, 150, -1))  # (B, N, D)
+    real = mask[..., None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-4)
+    loss = torch.randn_like(got) * real
+    params = [x, model.R]
+    grads = [torch.autograd.grad((out * loss).sum(), params, retain_graph=True) for out in (got, want)]
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, batch", [(1024, 32), (4096, 8)])
+def test_on_cuda_compiled_flex_matches_sdpa_in_bf16_at_the_task_shapes(n, batch):
+    """At Pathfinder's and Text's lengths and LRA's width (d 256, 4 heads), compiled as a run compiles it, under bf16
+    autocast: outputs and gradients near the SDPA path's (bf16 rounding), and the compiled forward + backward finds
+    kernel configurations that fit the card (DeBERTa's flex backward, with captured tables too, did not)."""
+    device = torch.device("cuda")
+    model = build("random", max_len=n, n_heads=4, d=256).to(device).train()
+    torch.manual_seed(1)
+    x = torch.randn(batch, n, 256, device=device)
+    mask = torch.arange(n, device=device)[None] < torch.randint(n // 2, n + 1, (batch, 1), device=device)
+    results = {}
+    for backend in ("sdpa", "flex"):
+        model.backend = backend
+        model.zero_grad()
+        step = torch.compile(model, dynamic=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = step(x, mask).float()  # (B, N, D)
+        real = mask[..., None].expand_as(y)
+        (y.square() * real).sum().backward()
+        results[backend] = y[real], model.R.grad.clone(), model.qkv.weight.grad.clone()
+    for got, want in zip(results["flex"], results["sdpa"]):
+        assert (got - want).norm() <= 2e-2 * want.norm()
