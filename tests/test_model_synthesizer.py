@@ -1,7 +1,7 @@
-"""The synthesizer's FlexAttention path (``backend = "flex"``): the synthesized logits added by a score_mod, padded
-keys left out by a BlockMask, computes what the SDPA path computes, outputs and every gradient (the table's summed
-over the batch by the kernel's backward), and drops weights by ``_flex_dropout``'s draws. The other synthesizer
-tests are in test_model_learned.py."""
+"""The synthesizer's executions (``backend``) compute what its SDPA path computes: ``explicit`` (the N x N logits
+formed) and ``flex`` (the synthesized logits added by a score_mod, padded keys left out by a BlockMask), outputs and
+every gradient (flex: the table's summed over the batch by the kernel's backward), and each drops weights as it
+should. The synthesizer's other tests are in test_model_learned.py."""
 from __future__ import annotations
 
 import pytest
@@ -20,24 +20,48 @@ def build(variant: str, dropout: float = 0.0, max_len: int = 300, n_heads: int =
                         variant=variant, factor_rank=4)
 
 
+def assert_backend_equals_sdpa(model, backend: str, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """``backend``'s outputs at real positions and every parameter's gradient equal the SDPA path's (padded queries'
+    outputs are no result: flex gives 0, SDPA its own)."""
+    results = {}
+    for name in ("sdpa", backend):
+        model.backend = name
+        model.zero_grad()
+        y = model(x, mask)  # (B, N, D)
+        real = torch.ones_like(y, dtype=torch.bool) if mask is None else mask[..., None].expand_as(y)
+        (y.square() * real).sum().backward()
+        results[name] = y[real], {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.testing.assert_close(results[backend][0], results["sdpa"][0], atol=1e-5, rtol=1e-4)
+    for n, grad in results["sdpa"][1].items():
+        torch.testing.assert_close(results[backend][1][n], grad, atol=1e-4, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("variant", ["random", "factorized_random", "dense"])
+@pytest.mark.parametrize("masked", [True, False])
+def test_explicit_equals_sdpa_and_drops_as_sdpa(variant, masked):
+    """backend='explicit' (the N x N logits formed, fp32 softmax, then dropout and the product with V), with padding
+    and without; its dropout drops weights as SDPA's (same keep rate, rescaled: the mean output over many draws is
+    the output without dropout)."""
+    model = build(variant, max_len=40).eval()
+    x = torch.randn(2, 33, D)
+    mask = lengths_mask([33, 20], 33) if masked else None
+    assert_backend_equals_sdpa(model, "explicit", x, mask)
+    dropped = build(variant, dropout=0.3, max_len=40)
+    dropped.load_state_dict(model.state_dict())
+    dropped.backend = "explicit"
+    mean = torch.stack([dropped.train()(x, mask) for _ in range(2000)]).mean(0)
+    reference = dropped.eval()(x, mask)
+    assert not torch.allclose(dropped.train()(x, mask), reference)
+    # outputs reach 0.26: weights kept at 0.7 without the 1/0.7 rescale would be off by up to 0.08
+    torch.testing.assert_close(mean, reference, atol=0.005, rtol=0)
+
+
 @pytest.mark.parametrize("variant", ["random", "factorized_random", "dense"])
 @pytest.mark.parametrize("masked", [True, False])
 def test_flex_equals_sdpa_with_gradients(variant, masked, flex_backward_on_cpu):
     """Over two 128-key tiles and a part (260 keys), the second example padded from 150 on."""
-    model = build(variant).eval()
-    x = torch.randn(2, 260, D)
-    mask = lengths_mask([260, 150], 260) if masked else None
-    results = {}
-    for backend in ("sdpa", "flex"):
-        model.backend = backend
-        model.zero_grad()
-        y = model(x, mask)  # (B, N, D)
-        real = torch.ones_like(y, dtype=torch.bool) if mask is None else mask[..., None].expand_as(y)
-        (y.square() * real).sum().backward()  # padded queries' outputs are no result (flex: 0, SDPA: its own)
-        results[backend] = y[real], {name: p.grad.clone() for name, p in model.named_parameters()}
-    torch.testing.assert_close(results["flex"][0], results["sdpa"][0], atol=1e-5, rtol=1e-4)
-    for name, grad in results["sdpa"][1].items():
-        torch.testing.assert_close(results["flex"][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_backend_equals_sdpa(build(variant).eval(), "flex", torch.randn(2, 260, D),
+                               lengths_mask([260, 150], 260) if masked else None)
 
 
 def test_flex_drops_weights_as_dense_attention_with_the_same_draws(flex_backward_on_cpu):
