@@ -36,7 +36,7 @@ from lra import engine, plot
 from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig registers the bench schema
 from lra.data import get_task
 from lra.encoder import Classifier
-from lra.results import BENCH_COLUMNS, BenchRow, append_row, device_name, git_sha, now_iso
+from lra.results import BENCH_COLUMNS, BENCH_PROTOCOL, BenchRow, append_row, as_text, device_name, git_sha, now_iso
 from models import get_model_class, list_models
 from models.registry import unknown_options
 
@@ -211,9 +211,8 @@ def _earlier_baselines(path: Path, match: dict) -> dict:
         return {}
     df = pd.read_csv(path)
     df = df[(df["model"] == BASELINE) & (df["status"] == "ok")]
-    for k, v in match.items():  # a column older rows lack (compile_mode) reads blank
-        values = df[k] if k in df else pd.Series("", index=df.index)
-        df = df[values.fillna("").astype(str) == str(v)]
+    wanted = pd.Series({k: str(v) for k, v in match.items()})
+    df = df[as_text(df, match).eq(wanted).all(axis=1)]  # a column older rows lack (compile_mode) reads blank
     df = df.sort_values("timestamp")
     return {(int(r.seq_len), int(r.batch_size)): r._asdict() for r in df.itertuples(index=False)}
 
@@ -243,8 +242,7 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     common = dict(task=cfg.task.name, precision=precision, compiled=compile_, backbone=backbone_tag(cfg.backbone),
                   device=device_name(device), torch=torch.__version__, git_sha=git_sha(), warmup=b.warmup,
                   timed_steps=b.steps, compile_mode=engine.recorded_compile_mode(compile_, mode))
-    baselines = _earlier_baselines(out, {k: common[k] for k in ("task", "precision", "compiled", "backbone", "device",
-                                                                "compile_mode")})
+    baselines = _earlier_baselines(out, {k: common[k] for k in (*BENCH_PROTOCOL, "device")})
     models = [(n, n, {}) for n in names] + variant_cases(b.get("variants"))
     cases, all_lengths = [], [int(L) for L in b.lengths]
     for label, name, options in models:

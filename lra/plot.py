@@ -35,6 +35,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from lra.leaderboard import DEFAULT_RESULTS, TASKS5, pick_device, seed_accuracies
+from lra.results import BENCH_PROTOCOL, as_text
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
@@ -136,14 +137,9 @@ def _latest_at(rows: pd.DataFrame, length: int) -> pd.DataFrame:
     return chosen.drop_duplicates("model", keep="last")
 
 
-# What a bench row's speed depends on besides the model, the length and the device: rows that differ in any of these
-# were timed under different protocols (say, the whole model eager with attention dropout, or compiled without it)
-PROTOCOL = ["task", "precision", "compiled", "backbone", "compile_mode"]  # compile_mode: blank = default
-
-
 def _protocols(rows: pd.DataFrame) -> pd.DataFrame:
-    """Each row's ``PROTOCOL`` values as text ('' where a column is blank or absent, as in older rows)."""
-    return rows.reindex(columns=PROTOCOL).map(lambda v: "" if pd.isna(v) else str(v))
+    """Each row's ``BENCH_PROTOCOL`` values as text ('' where a column is blank or absent, as in older rows)."""
+    return as_text(rows, BENCH_PROTOCOL)
 
 
 def _protocol_key(rows: pd.DataFrame) -> pd.Series:
@@ -153,12 +149,12 @@ def _protocol_key(rows: pd.DataFrame) -> pd.Series:
 def _under(rows: pd.DataFrame, protocol: dict | None) -> pd.DataFrame:
     if protocol is None:
         return rows
-    return rows[_protocol_key(rows) == " | ".join(protocol[c] for c in PROTOCOL)]
+    return rows[_protocol_key(rows) == " | ".join(protocol[c] for c in BENCH_PROTOCOL)]
 
 
 def chart_protocol(bench: pd.DataFrame, length: int, device: str | None, models) -> dict | None:
-    """The protocol (``PROTOCOL``'s values) a chart's speeds come from, so that its bubbles compare like with like:
-    the one under which most of ``models`` have an ok row at ``length``; on a tie, the one measured last. None
+    """The protocol (``BENCH_PROTOCOL``'s values) a chart's speeds come from, so that its bubbles compare like with
+    like: the one under which most of ``models`` have an ok row at ``length``; on a tie, the one measured last. None
     without any ok row there."""
     ok = _ok_rows(bench, device)
     ok = ok[ok["seq_len"] == length]

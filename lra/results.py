@@ -109,6 +109,19 @@ LAYER_BENCH_COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd",
                        "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled", "ms_p10",
                        "ms_p90", "compile_mode"]
 SCHEMAS = {"runs.csv": RUN_COLUMNS, "bench.csv": BENCH_COLUMNS, "layer_bench.csv": LAYER_BENCH_COLUMNS}
+# What a bench row's speed depends on besides the model, the length, the batch and the device: rows that differ in any
+# of these were timed under different protocols (say, the whole model eager with attention dropout, or compiled
+# without it, or replaying CUDA graphs). compile_mode is blank for the default mode, as in rows older than the column
+BENCH_PROTOCOL = ("task", "precision", "compiled", "backbone", "compile_mode")
+
+
+def as_text(rows, columns):
+    """A DataFrame of ``rows``' ``columns`` as text, '' where a value is blank or the column absent (rows written
+    before it): read back from a CSV such a blank is NaN, which pandas' comparisons and groupby would otherwise drop
+    or never match."""
+    import pandas as pd
+
+    return rows.reindex(columns=list(columns)).map(lambda v: "" if pd.isna(v) else str(v))
 
 
 def schema_of(header: list[str], source: str | Path) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from lra.leaderboard import DEFAULT_RESULTS, pick_device
+from lra.results import BENCH_PROTOCOL, as_text
 from models import get_model_class, list_models
 from models.registry import CLASSES
 
@@ -37,7 +38,7 @@ def slope(lengths, values) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else float("nan")
 
 
-SWEEP = ("task", "backbone", "precision", "compiled", "compile_mode", "batch_size", "git_sha")  # one sweep's rows
+SWEEP = (*BENCH_PROTOCOL, "batch_size", "git_sha")  # one sweep's rows: one protocol, batch size and commit
 
 
 def _steadiness(rows: pd.DataFrame) -> float:
@@ -54,9 +55,8 @@ def best_sweep(rows: pd.DataFrame) -> pd.DataFrame | None:
     batch size and commit, so that a slope never joins rows of another dropout or batch, or of a call disturbed by
     jobs beside it, to this one's. The sweep with the most lengths; on a tie the steadiest (its steps' spread),
     then the latest. None where no sweep has two lengths."""
-    keys = [k for k in SWEEP if k in rows]
-    # dropna=False: a blank (compile_mode in rows older than the column, the default mode) is a value, not a row to drop
-    sweeps = [g for _, g in rows.groupby([rows[k].astype(str) for k in keys], dropna=False)]
+    keys = as_text(rows, SWEEP)  # a blank (compile_mode in rows older than the column) is a value, not a row to drop
+    sweeps = [g for _, g in rows.groupby([keys[k] for k in SWEEP])]
     latest = (lambda g: str(g["timestamp"].max())) if "timestamp" in rows else (lambda g: "")
     best = max(sweeps, key=lambda g: (g["seq_len"].nunique(), -_steadiness(g), latest(g)), default=None)
     return None if best is None or best["seq_len"].nunique() < 2 else best
