@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, chosen_backend, softmax_values
-from .patterns import FLEX_BLOCK, flex_attend, flex_call, realized, tile_block_mask
+from .patterns import FLEX_BLOCK, flex_attend, flex_call, realized, row_starts, score_table, tile_block_mask
 from .registry import Taxonomy, register_model
 
 MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
@@ -100,15 +100,11 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
     V = 2 * kmax + 2
     with torch.autocast(device_type=q.device.type, enabled=False):  # fp32: the backward sums by atomic adds
         table = torch.einsum("bhsd,hvd->bhsv", q.float(), mixer.rel.float()) * Dh**-0.5  # (B, H, S, V)
-    table = table.flatten()  # 1-D: an index computed from scalars is FlexAttention's fast lookup
-    if not table.requires_grad:  # an inference graph would fuse it into the kernel's inputs (patterns.realized)
-        table = realized(table)
+    table = score_table(table.flatten())  # 1-D: an index computed from scalars is FlexAttention's fast lookup
     real_flat = realized(real.flatten())  # (B S,): a buffer of its own for the mask_mod (patterns.realized)
-    # Where each sample's keys and each (sample, head)'s table rows start, looked up rather than computed as b * S:
-    # with trimmed batches S is symbolic (the input's length plus CLS), and a mod closing over an expression of it
-    # cannot be lowered by Inductor (pytorch#182606; tests/test_flex_dynamic_shapes.py)
-    row_start = realized(torch.arange(B, device=q.device) * S)  # (B,)
-    table_start = realized(torch.arange(B * H, device=q.device) * (S * V))  # (B H,)
+    # where each sample's keys and each (sample, head)'s table rows start: S is the input's length plus CLS
+    row_start = row_starts(B, S, q.device)  # (B,)
+    table_start = row_starts(B * H, S * V, q.device)  # (B H,)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return ((q_idx < G) | (kv_idx < G) | ((q_idx - kv_idx).abs() <= r)) & real_flat[row_start[b] + kv_idx]

@@ -138,6 +138,21 @@ def _ordered_tiles_shapes(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return dense.new_empty(dense.shape[:-1], dtype=torch.int32), dense.new_empty(dense.shape, dtype=torch.int32)
 
 
+def score_table(table: torch.Tensor) -> torch.Tensor:
+    """A table that a score_mod reads (and differentiates where it needs a gradient): in an inference graph Inductor
+    would fuse it into the kernel's inputs, so it is made a buffer of its own there (``realized``); a table that
+    takes a gradient stays as it is, for autograd to reach."""
+    return table if table.requires_grad else realized(table)
+
+
+def row_starts(rows: int, stride, device: torch.device) -> torch.Tensor:
+    """(rows,) int64: where each of ``rows`` rows of ``stride`` entries starts in a flat buffer, for a mod to look up
+    (``starts[b] + i``) rather than compute (``b * stride + i``): compiled with dynamic shapes (trimmed batches change
+    the length) the stride is an expression of the input's length, and a mod that closes over such a SymInt fails
+    Inductor's FlexAttention lowering (pytorch/pytorch#182606; tests/test_flex_dynamic_shapes.py)."""
+    return realized(torch.arange(rows, device=device) * stride)  # a buffer of its own for the mods (``realized``)
+
+
 def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: int | None = None,
                     key_padding: bool = True, kept: dict | None = None) -> BlockMask:
     """The pattern and the key padding mask as a FlexAttention BlockMask for sequences of ``length`` (default:
@@ -153,10 +168,7 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     n = Np if length is None else length
     lists = kept_tile_lists(kept, (n, keep.device), lambda: flex_tiles(layout, keep, block, global_tokens, n))
     keep_flat = realized(keep.reshape(-1)) if key_padding else None  # (B * Np,), a buffer for the mask_mod
-    # each sample's first position in keep_flat, looked up rather than computed from Np: compiled with dynamic shapes
-    # (trimmed batches change the length) Np is an expression of the input's length, and a mask_mod that closes over
-    # such a SymInt fails Inductor's FlexAttention lowering (pytorch/pytorch#182606)
-    row_start = realized(torch.arange(B, device=keep.device) * Np) if key_padding else None  # (B,)
+    row_start = row_starts(B, Np, keep.device) if key_padding else None  # (B,): each sample's first in keep_flat
 
     def mask_mod(b, h, q_idx, kv_idx):
         if B == 1:  # one mask for the whole batch (FlexAttention broadcasts it): look everything up in sample 0

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, chosen_backend
-from .patterns import flex_attend, flex_call, padding_block_mask, realized
+from .patterns import flex_attend, flex_call, padding_block_mask, score_table
 from .registry import Taxonomy, register_model
 
 VARIANTS = ("dense", "random", "factorized_random")
@@ -61,9 +61,7 @@ def _flex_attend(mixer: Synthesizer, q, k, v, synthesized, mask) -> torch.Tensor
     """The dot-product variants' attention as one FlexAttention call: q, k, v (B, H, N, Dh), the synthesized logits
     (1 or B, H, N, N), mask (B, N) or None -> (B, H, N, Dh)."""
     # fp32: the kernel adds them to fp32 scores, and its backward sums their gradient over the batch by atomic adds
-    table = synthesized.float()  # (1 or B, H, N, N)
-    if not table.requires_grad:  # an inference graph would fuse it into the kernel's inputs (patterns.realized)
-        table = realized(table)
+    table = score_table(synthesized.float())  # (1 or B, H, N, N)
     per_example = table.shape[0] > 1  # dense: one table per example; the random variants: one for the batch
 
     def score_mod(score, b, h, q_idx, kv_idx):  # score: q . k / sqrt(Dh), fp32
