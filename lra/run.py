@@ -384,8 +384,16 @@ class Trainer:
 
     def batch(self, rows: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The training examples ``rows`` on the device: (the model's inputs, the labels)."""
-        return device_batch(self.data.train, rows, self.device, self.packed, self.model.encoder.cls_token,
-                            self.trimmed)
+        inputs, labels = device_batch(self.data.train, rows, self.device, self.packed, self.model.encoder.cls_token,
+                                      self.trimmed)
+        if self.compiled and not self.packed:
+            # training batches are full: their size stays an int in the compiled graphs, though evaluation's last
+            # batch, a smaller one through the same code, makes torch.compile's automatic dynamic shapes treat the
+            # batch as a symbol from then on. A FlexAttention table's gradient must have int sizes
+            # (models/patterns.padded_to_bounds); packed batches vary in rows
+            for tensor in inputs:
+                torch._dynamo.mark_static(tensor, 0)
+        return inputs, labels
 
     @property
     def cuda_graphs(self) -> bool:

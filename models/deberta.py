@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, pad_head_dim, takes_fused_path
-from .patterns import flex_attend, flex_call, padding_block_mask
+from .patterns import flex_attend, flex_call, padded_to_bounds, padding_block_mask
 from .registry import Taxonomy, register_model
 
 
@@ -174,6 +174,8 @@ def _flex_attend(mixer: DeBERTa, q, k, v, mask):
     # adds, up to thousands per entry (every distance past the last bucket), which bf16 would round away
     dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32
     c2p, p2c = (t.to(dtype) for t in mixer.position_tables(q, k, scale))  # (B, H, N, 2k), (B, H, 2k, N)
+    # N padded to its bound under torch.compile (patterns.padded_to_bounds: a gradient's size must be an int)
+    c2p, p2c = padded_to_bounds(c2p, {2: mixer.max_len}), padded_to_bounds(p2c, {3: mixer.max_len})
     buckets, max_relative = mixer.buckets, mixer.max_relative
 
     def score_mod(score, b, h, q_idx, kv_idx):  # score: q_i . k_j * scale, fp32

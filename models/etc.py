@@ -51,13 +51,16 @@ where a key is not seen) to one fused SDPA call, which stores neither the probab
 H200 (one layer, compiled, d 256, batch 32 at 4K): explicit 7.73 ms and 1.90x SDPA's memory (0.77x its speed;
 32.6 ms before the one-hot lookup), sdpa 7.19 ms and 2.06x (its float mask), recompute 8.14 ms and 1.70x.
 ``auto`` = explicit: neither alternative meets a crossover target that explicit misses, and each pays for what it
-gains (memory or time).
+gains (memory or time). Since the labels (2k + 2 = 26) were padded to 32 and the global columns to a multiple of
+8 (exact: zero embeddings, never-seen columns), cuBLAS takes its aligned kernels: explicit runs 6.16 ms at 4K
+(0.97x SDPA) and 6.44 at 16K x 8 (2.98x).
 
 ``flex`` (asked for by name) runs the whole layer, global and long queries, as one FlexAttention call over the
 keys in order [learned globals, input positions] (the queries likewise, with zero queries in the learned globals'
 rows, whose outputs are dropped): a BlockMask of the band's diagonal tiles plus the globals' first row and column of
 tiles, padding-only key tiles skipped, and a ``score_mod`` that adds q . a[label] read from the (B, H, G + N, 2k +
-2) fp32 table of every query's relative terms. Nothing of size (3b + G) per query is stored: O(N (2k + 2)) for the
+2) fp32 table of every query's relative terms (under torch.compile padded to the longest length,
+``patterns.padded_to_bounds``, so that its gradient's size is an int whatever the batch's length). Nothing of size (3b + G) per query is stored: O(N (2k + 2)) for the
 table, the kernel's O(N) statistics. Attention dropout, which FlexAttention lacks, comes from ``_flex_dropout`` (a
 second call for the normaliser; the draws are a hash, not torch's Philox stream). On the H200 above it takes SDPA's
 memory (1.04x, against explicit's 1.90x) but runs 16.5 ms at 4K, 2.1x explicit's time (30.0 with dropout 0.1): at
@@ -73,7 +76,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, chosen_backend, softmax_values
-from .patterns import FLEX_BLOCK, flex_attend, flex_call, realized, row_starts, score_table, tile_block_mask
+from .patterns import (
+    FLEX_BLOCK,
+    flex_attend,
+    flex_call,
+    padded_to_bounds,
+    realized,
+    row_starts,
+    score_table,
+    tile_block_mask,
+)
 from .registry import Taxonomy, register_model
 
 MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
@@ -100,11 +112,14 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
     V = 2 * kmax + 2
     with torch.autocast(device_type=q.device.type, enabled=False):  # fp32: the backward sums by atomic adds
         table = torch.einsum("bhsd,hvd->bhsv", q.float(), mixer.rel.float()) * Dh**-0.5  # (B, H, S, V)
+    # (B, H, Sb, V): Sb = the longest S, under torch.compile (patterns.padded_to_bounds: a gradient's size)
+    table = padded_to_bounds(table, {2: mixer.max_len + mixer.learned_globals})
+    rows = table.shape[2]  # S, or its bound
     table = score_table(table.flatten())  # 1-D: an index computed from scalars is FlexAttention's fast lookup
     real_flat = realized(real.flatten())  # (B S,): a buffer of its own for the mask_mod (patterns.realized)
     # where each sample's keys and each (sample, head)'s table rows start: S is the input's length plus CLS
     row_start = row_starts(B, S, q.device)  # (B,)
-    table_start = row_starts(B * H, S * V, q.device)  # (B H,)
+    table_start = row_starts(B * H, rows * V, q.device)  # (B H,)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return ((q_idx < G) | (kv_idx < G) | ((q_idx - kv_idx).abs() <= r)) & real_flat[row_start[b] + kv_idx]

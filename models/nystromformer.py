@@ -21,14 +21,16 @@ at the ends, and computed as a sum of shifted copies of the values, which torch.
 
 Complexity: O(N m Dh + m^2 Dh + iterations m^3) time and O(N m) memory per head (F and B), plus the
 (N x m) segment-mean matrix shared by the heads; O(N Dh kernel) for the convolution.
-Precision (``backend``, an attribute: how it runs, not what it computes): ``fp32`` (``auto``) runs everything
+Precision (``backend``, an attribute: how it runs, not what it computes): ``fp32`` runs everything
 after the projections (landmarks, the three softmaxes, the pinv iteration and the products) in fp32 even under
 bf16 autocast. ``mixed`` runs the N-sized products (landmark means, F's and B's logits, B V, F W) with bf16
-operands when the projections come in bf16, as the public package runs all of its products, keeping the
+operands when the projections come in bf16 (``auto``), as the public package runs all of its products, keeping the
 softmaxes and the m-sized core (A, its pseudo-inverse and W = Z (B V)) in fp32: the iteration's Z can have
 large entries that cancel in W, which bf16 cannot carry. With fp32 inputs the two are one computation. The
-convolution follows autocast. ``auto`` = fp32: on an H200 (one layer, compiled) mixed won only with 128 landmarks
-(6.50 against 8.82 ms at 4K) and lost at LRA's 64 (7.54 against 6.09).
+convolution follows autocast. ``auto`` = mixed: on an H200 (one layer, compiled, replayed as CUDA graphs, which
+leaves the device's own time) it took 4.40 against fp32's 5.98 ms at 4K x 32 and 4.30 against 5.92 at 16K x 8,
+1.34x and 4.40x SDPA's time (results/layer_bench.csv). Launched kernel by kernel (torch.compile's default mode) the
+layer is bound by the host's launches, and the two took 6 to 10 ms from one lease to the next either way.
 Padding (exact, and never NaN): segments are laid over each example's REAL tokens (token i is the r-th real
 one; it belongs to segment floor(r m' / L) of L real tokens, m' = min(m, L)), so appending padding moves no
 segment boundary and padded tokens enter no landmark mean. An example with fewer real tokens than m gets one
@@ -57,7 +59,7 @@ from torch import nn
 from .base import MultiHeadMixer, chosen_backend, product_dtype, upcast
 from .registry import Taxonomy, register_model
 
-BACKENDS = ("auto", "fp32", "mixed")  # auto = fp32 (module docstring: measured)
+BACKENDS = ("auto", "fp32", "mixed")  # auto = mixed (module docstring: measured)
 
 
 def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +172,7 @@ class Nystromformer(MultiHeadMixer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=q.device.type, enabled=False):
             o = nystrom_attention(q, k, v, mask, self.n_landmarks, self.pinv_iterations,
-                                  mixed=chosen_backend(self) == "mixed").to(q.dtype)
+                                  mixed=chosen_backend(self) != "fp32").to(q.dtype)
         if self.conv is not None:  # padded values are zeroed first
             o = o + depthwise_skip(v * mask[:, None, :, None].to(v.dtype), self.conv.weight)  # (B, H, N, Dh)
         return o  # (B, H, N, Dh)

@@ -145,6 +145,23 @@ def score_table(table: torch.Tensor) -> torch.Tensor:
     return table if table.requires_grad else realized(table)
 
 
+def padded_to_bounds(table: torch.Tensor, bounds: dict[int, int]) -> torch.Tensor:
+    """A score_mod's table, zero-padded at the end of each dim of ``bounds`` to its bound (the longest length the
+    mixer takes) when traced by torch.compile. A table that takes a gradient must have sizes that are ints: traced
+    with a symbolic length (trimmed batches), its gradient buffer is sized by a ``sym_size`` in the kernel's backward
+    subgraph, which Inductor's lowering cannot take (torch 2.11 on an H200: "int() argument must be a string, a
+    bytes-like object or a real number, not 'tuple'"; tests/test_flex_dynamic_shapes.py finds such nodes on the
+    CPU). Padded, the size is the bound whatever the length: n + (bound - n) folds to it. An untrimmed batch is at
+    the bound already; eagerly every size is an int, and nothing is padded. The batch size stays an int: training
+    batches are full, and the runner marks their size static."""
+    if not torch.compiler.is_compiling():
+        return table
+    pad = []
+    for dim in reversed(range(table.dim())):  # F.pad's order: the last dim first
+        pad += [0, bounds[dim] - table.shape[dim]] if dim in bounds else [0, 0]
+    return F.pad(table, pad)
+
+
 def row_starts(rows: int, stride, device: torch.device) -> torch.Tensor:
     """(rows,) int64: where each of ``rows`` rows of ``stride`` entries starts in a flat buffer, for a mod to look up
     (``starts[b] + i``) rather than compute (``b * stride + i``): compiled with dynamic shapes (trimmed batches change
@@ -266,16 +283,18 @@ SMALL_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
 
 
 def flex_attend(q, k, v, block_mask: BlockMask | None, small_tiles: bool = False, score_mod=None,
-                scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+                scale: float | None = None, dropout_p: float = 0.0, kernel_options: dict | None = None) -> torch.Tensor:
     """FlexAttention over the pattern's BlockMask (eager unless traced by torch.compile, see
     ``BlockSparseMixer``). q, k, v (B, H, N, Dh) at their own length: the kernel bounds-checks the last tile, so
     they are not padded to it. ``small_tiles``: the forward kernel works in 64 x 64 tiles (on CUDA), for masks
     whose partial tiles look tensors up (``SMALL_FORWARD_TILES``); the result is the same. ``score_mod`` and
     ``scale`` (default Dh^-0.5, of the true head size) go to the kernel; ``dropout_p``: attention dropout, which
-    FlexAttention lacks, through ``_flex_dropout``."""
+    FlexAttention lacks, through ``_flex_dropout``; ``kernel_options``: more of Inductor's kernel options (on CUDA).
+    """
     Dh = q.shape[-1]
     q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16))
-    options = SMALL_FORWARD_TILES if small_tiles and q.is_cuda else None
+    options = {**(SMALL_FORWARD_TILES if small_tiles else {}), **(kernel_options or {})} if q.is_cuda else {}
+    options = options or None
     out = flex_attention_dropout(q, k, v, dropout_p, score_mod=score_mod, block_mask=block_mask,
                                  scale=Dh**-0.5 if scale is None else scale,
                                  kernel_options=options)  # (B, H, N, max(Dh, 16))

@@ -50,25 +50,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, chosen_backend
-from .patterns import flex_attend, flex_call, padding_block_mask, score_table
+from .patterns import flex_attend, flex_call, padded_to_bounds, padding_block_mask, score_table
 from .registry import Taxonomy, register_model
 
 VARIANTS = ("dense", "random", "factorized_random")
 BACKENDS = ("auto", "sdpa", "explicit", "flex")
 
 
+# The table's tiles are loaded like the keys' (contiguous rows), so Triton stages them through shared memory, once
+# per pipeline stage. Inductor's forward default for bf16 and heads of 64 on Hopper is 128 x 128 tiles in 3 stages:
+# 3 x 64 KiB of fp32 table plus 48 KiB of q, k and v, 245,760 bytes asked of the H200's 232,448 (no kernel
+# compiled). The forward takes 64 x 64 tiles (patterns.SMALL_FORWARD_TILES: 72 KiB), the backward 2 stages of its
+# own default tiles instead of 3.
+TABLE_BACKWARD = {"bwd_num_stages": 2}
+
+
 def _flex_attend(mixer: Synthesizer, q, k, v, synthesized, mask) -> torch.Tensor:
     """The dot-product variants' attention as one FlexAttention call: q, k, v (B, H, N, Dh), the synthesized logits
     (1 or B, H, N, N), mask (B, N) or None -> (B, H, N, Dh)."""
     # fp32: the kernel adds them to fp32 scores, and its backward sums their gradient over the batch by atomic adds
-    table = score_table(synthesized.float())  # (1 or B, H, N, N)
+    # N padded to its bound under torch.compile (patterns.padded_to_bounds: a gradient's size must be an int)
+    L = mixer.max_len
+    table = score_table(padded_to_bounds(synthesized.float(), {2: L, 3: L}))  # (1 or B, H, N, N)
     per_example = table.shape[0] > 1  # dense: one table per example; the random variants: one for the batch
 
     def score_mod(score, b, h, q_idx, kv_idx):  # score: q . k / sqrt(Dh), fp32
         return score + table[b if per_example else 0, h, q_idx, kv_idx]
 
     block_mask = None if mask is None else padding_block_mask(mask)
-    return flex_attend(q, k, v, block_mask, score_mod=score_mod, dropout_p=mixer.dropout_p)  # (B, H, N, Dh)
+    # (B, H, N, Dh); tiles whose loads of the table fit the card's shared memory (TABLE_BACKWARD)
+    return flex_attend(q, k, v, block_mask, small_tiles=True, score_mod=score_mod, dropout_p=mixer.dropout_p,
+                       kernel_options=TABLE_BACKWARD)
 
 
 @register_model

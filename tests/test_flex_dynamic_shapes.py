@@ -6,12 +6,16 @@ AsConstantBuffer' object has no attribute 'dtype'", pytorch/pytorch#182606; ETC'
 p made dynamic). Dynamo's graph is checked here on the CPU, for each model with a flex backend, as the runner
 compiles it (automatic dynamic shapes, after a second length, and with a CLS slot in front as the encoder adds one,
 so that the mixer's length is an expression, s + 1, as in a run; trimmed ListOps on an H200 failed so in ETC's flex
-path, whose mods closed over that length): every captured value is a tensor or a bare symbol."""
+path, whose mods closed over that length): every captured value is a tensor or a bare symbol. The backward's graphs
+are checked too: a score_mod table's gradient buffer sized by a symbol is a ``sym_size`` in the kernel's backward
+subgraph, which Inductor cannot lower (ETC's trimmed run on an H200), so a mixer with such tables leaves its flex
+path while a symbolic length takes a gradient (``patterns.table_gradient_lowers``)."""
 from __future__ import annotations
 
 import pytest
 import sympy
 import torch
+from torch._dynamo.backends.common import aot_autograd
 
 from models import create_model, get_model_class, list_models
 from models.registry import Grid
@@ -68,3 +72,45 @@ def test_a_second_shape_compiles_the_flex_path_with_lowerable_captures(name):
     assert captured, f"{name}: no FlexAttention call was traced"
     bad = [value for call in captured for value in call if not lowerable(value)]
     assert not bad, f"{name}: captured {[str(v) for v in bad]}"
+
+
+def flex_backward_subgraphs(graph: torch.fx.GraphModule) -> list[torch.fx.Graph]:
+    """The score_mod and mask_mod subgraphs of each FlexAttention backward in an AOT backward graph."""
+    return [getattr(graph, arg.target).graph for node in graph.graph.nodes
+            if node.op == "call_function" and "flex_attention_backward" in str(node.target)
+            for arg in node.args if isinstance(arg, torch.fx.Node) and arg.op == "get_attr"]
+
+
+SEQUENCE_FLEX_MODELS = [name for name in FLEX_MODELS if not getattr(get_model_class(name), "needs_grid", False)]
+
+
+@pytest.mark.parametrize("name", SEQUENCE_FLEX_MODELS)
+def test_no_flex_backward_sizes_a_buffer_by_a_symbol(name, flex_backward_on_cpu):
+    """Training at a first length, then a second (trimmed batches): each FlexAttention backward traced has no
+    ``sym_size`` in its subgraphs, and the first length's training step did go through FlexAttention."""
+    backward_graphs = []  # per compiled graph: its flex backwards' subgraphs
+
+    class NotRun(Exception):
+        """The backward graphs are inspected, not run (eager flex backwards on the CPU are not all implemented)."""
+
+    def record(graph, example_inputs):
+        backward_graphs.append(flex_backward_subgraphs(graph))
+
+        def not_run(*args):
+            raise NotRun
+        return not_run
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=1024).train()
+    model.backend = "flex"
+    compiled = torch.compile(WithClsSlot(model), backend=aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=record))
+    for n in (256, 400):  # the second length makes it symbolic
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, n - 60:] = False
+        with pytest.raises(NotRun):
+            compiled(torch.randn(2, n, 32, requires_grad=True), mask).sum().backward()
+    assert backward_graphs and backward_graphs[0], f"{name}: the first length's backward has no FlexAttention"
+    sized = [str(node) for graphs in backward_graphs for graph in graphs for node in graph.nodes
+             if node.op == "call_function" and node.target == torch.ops.aten.sym_size.int]
+    assert not sized, f"{name}: a flex backward sizes a buffer by a symbol: {sized}"

@@ -81,7 +81,7 @@ def test_bf16_autocast_keeps_the_core_in_fp32():
 
 
 def test_mixed_backend_runs_the_long_products_in_bf16_and_stays_close():
-    """backend=mixed: with fp32 inputs the same computation as fp32 (bit for bit); under bf16 autocast its
+    """backend=mixed (auto's): with fp32 inputs the same computation as fp32 (bit for bit); under bf16 autocast its
     N-sized products take bf16 operands (so it differs from the fp32 backend) yet stays within bf16's error of
     the fp32 model, padding included, and real outputs ignore appended padding."""
     torch.manual_seed(0)
@@ -97,7 +97,10 @@ def test_mixed_backend_runs_the_long_products_in_bf16_and_stays_close():
         full = model(x, mask).float()
         model.backend = "mixed"
         alone = model(x[1:, :37], mask[1:, :37]).float()
+        model.backend = "auto"
+        auto = model(x, mask).float()
     assert not torch.equal(mixed, full)
+    assert torch.equal(auto, mixed)  # auto = mixed (the module docstring's measurement)
     for got in (mixed, full):
         torch.testing.assert_close(got[0], reference[0], atol=0.01, rtol=0.01)
         torch.testing.assert_close(got[1, :37], reference[1, :37], atol=0.01, rtol=0.01)

@@ -416,3 +416,27 @@ def test_on_cuda_the_varlen_path_trains_as_the_jagged_one():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(*(t.cuda() for t in model_inputs(tokens, True, cls_token=True))).float().sum().backward()
     assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+
+
+def test_compiled_trimmed_training_keeps_the_batch_size_an_int(smoke_cfg, monkeypatch):
+    """Evaluated after the first step (batches of another size, through the same code), then trained at a new
+    length: torch.compile recompiles the training graph with the length a symbol, and the batch size must stay an
+    int there (a FlexAttention table's gradient needs int sizes: models/patterns.padded_to_bounds)."""
+    batch_dims = []  # per training graph: the token ids' (batch size, length) as traced
+
+    def recording(graph, example_inputs):
+        if torch.is_grad_enabled():
+            traced = [node.meta["example_value"] for node in graph.graph.nodes if node.op == "placeholder"]
+            ids = [t for t in traced if isinstance(t, torch.Tensor) and t.dtype == torch.long and t.dim() == 2]
+            batch_dims.append((ids[0].shape[0], ids[0].shape[1]))
+        return graph.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(runner.engine, "resolve_compile", lambda flag, device: True)
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: real_compile(model, backend=recording))
+    row = runner.run(smoke_cfg(*TINY, "trainer.trim=true", "trainer.compile=true", "schedule.steps=12",
+                               "schedule.batching=length_grouped",
+                               "schedule.eval_every=1"))
+    assert row["status"] == "ok" and row["compiled"]
+    assert any(type(length) is not int for _, length in batch_dims), batch_dims  # a graph with a symbolic length
+    assert all(type(batch) is int for batch, _ in batch_dims), batch_dims
