@@ -60,12 +60,13 @@ keys in order [learned globals, input positions] (the queries likewise, with zer
 rows, whose outputs are dropped): a BlockMask of the band's diagonal tiles plus the globals' first row and column of
 tiles, padding-only key tiles skipped, and a ``score_mod`` that adds q . a[label] read from the (B, H, G + N, 2k +
 2) fp32 table of every query's relative terms (under torch.compile padded to the longest length,
-``patterns.padded_to_bounds``, so that its gradient's size is an int whatever the batch's length). Nothing of size (3b + G) per query is stored: O(N (2k + 2)) for the
-table, the kernel's O(N) statistics. Attention dropout, which FlexAttention lacks, comes from ``_flex_dropout`` (a
-second call for the normaliser; the draws are a hash, not torch's Philox stream). On the H200 above it takes SDPA's
-memory (1.04x, against explicit's 1.90x) but runs 16.5 ms at 4K, 2.1x explicit's time (30.0 with dropout 0.1): at
-r = 84 a 128-query tile's window spans three 128-key tiles plus the globals' tile, 512 keys scored per query against
-explicit's 3b + G = 265, each through the table's lookup. ``auto`` stays explicit.
+``patterns.padded_to_bounds``, so that its gradient's size is an int whatever the batch's length). Nothing of size
+(3b + G) per query is stored: O(N (2k + 2)) for the table, the kernel's O(N) statistics. Attention dropout, which
+FlexAttention lacks, comes from ``_flex_dropout`` (a second call for the normaliser; the draws are a hash, not
+torch's Philox stream). On the H200 above it takes SDPA's memory (1.04x, against explicit's 1.90x) but runs 16.5 ms
+at 4K, 2.1x explicit's time (30.0 with dropout 0.1): at r = 84 a 128-query tile's window spans three 128-key tiles
+plus the globals' tile, 512 keys scored per query against explicit's 3b + G = 265, each through the table's
+lookup. ``auto`` stays explicit.
 """
 from __future__ import annotations
 
