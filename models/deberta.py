@@ -34,7 +34,8 @@ Two executions of the same score (``backend``, an attribute: how it runs, never 
   "auto" also keeps training steps on the dense path: the flex backward passes its GPU tests at small shapes, but
   at the bench's (batch 32, N = 1024, d 256, 4 heads, bf16, an H200) Inductor found no kernel configuration for
   the compiled forward + backward that fits the card's shared memory (442,368 bytes asked, 232,448 there), while
-  the forward alone compiles and runs at ListOps' shape in evaluation.
+  the forward alone compiles and runs at ListOps' shape in evaluation. It now asks for smaller tiles and one
+  backward stage (``TABLE_BACKWARD``), not yet compiled on a GPU at that shape.
   On the CPU it runs eagerly, forward only (torch refuses its CPU backward; the tests lift that check to compare
   gradients with the dense path's).
 
@@ -166,6 +167,14 @@ def build_index(n: int, device: torch.device, buckets: int, max_relative: int):
 cached_index = functools.lru_cache(maxsize=4)(build_index)
 
 
+# Triton stages each tile of the two fp32 tables through shared memory, once per pipeline stage. An H200 refused
+# the compiled forward + backward at the bench's shape (heads of 64, bf16) for 442,368 bytes, which is 3 stages x 2
+# tables x 64 KiB + 48 KiB of q, k and v: Inductor's 128 x 128 forward tiles, or its backward's two loops of 64 x
+# 128 and 128 x 64 tiles (32 KiB each) if their buffers add up. The forward takes 64 x 64 tiles
+# (patterns.SMALL_FORWARD_TILES) and the backward one stage: within 232,448 bytes either way.
+TABLE_BACKWARD = {"bwd_num_stages": 1}
+
+
 def _flex_attend(mixer: DeBERTa, q, k, v, mask):
     """The layer's attention as FlexAttention: q, k, v (B, H, N, Dh), mask (B, N) or None -> (B, H, N, Dh)."""
     d_head = q.shape[-1]
@@ -183,8 +192,10 @@ def _flex_attend(mixer: DeBERTa, q, k, v, mask):
         return score + (c2p[b, h, q_idx, row] + p2c[b, h, col, kv_idx])
 
     block_mask = None if mask is None else padding_block_mask(mask)
-    # (B, H, N, Dh); head sizes under the kernel's 16 are zero-padded and cut in flex_attend
-    return flex_attend(q, k, v, block_mask, score_mod=score_mod, scale=scale, dropout_p=mixer.dropout_p)
+    # (B, H, N, Dh); head sizes under the kernel's 16 are zero-padded and cut in flex_attend. Tiles whose loads of
+    # the two fp32 tables fit shared memory (TABLE_BACKWARD)
+    return flex_attend(q, k, v, block_mask, small_tiles=True, score_mod=score_mod, scale=scale,
+                       dropout_p=mixer.dropout_p, kernel_options=TABLE_BACKWARD)
 
 
 @register_model

@@ -57,11 +57,11 @@ VARIANTS = ("dense", "random", "factorized_random")
 BACKENDS = ("auto", "sdpa", "explicit", "flex")
 
 
-# The table's tiles are loaded like the keys' (contiguous rows), so Triton stages them through shared memory, once
-# per pipeline stage. Inductor's forward default for bf16 and heads of 64 on Hopper is 128 x 128 tiles in 3 stages:
-# 3 x 64 KiB of fp32 table plus 48 KiB of q, k and v, 245,760 bytes asked of the H200's 232,448 (no kernel
-# compiled). The forward takes 64 x 64 tiles (patterns.SMALL_FORWARD_TILES: 72 KiB), the backward 2 stages of its
-# own default tiles instead of 3.
+# Triton stages each tile of the fp32 table through shared memory, once per pipeline stage. An H200 found no kernel
+# for 245,760 bytes of its 232,448: 3 stages x 64 KiB of table + 48 KiB of q, k and v, Inductor's 128 x 128 forward
+# tiles for bf16 heads of 64 (the kernel named was the forward's). The forward takes 64 x 64 tiles
+# (patterns.SMALL_FORWARD_TILES: 72 KiB) and the backward 2 stages of its 64 x 128 and 128 x 64 tiles (176 KiB
+# even if its two loops' buffers add up).
 TABLE_BACKWARD = {"bwd_num_stages": 2}
 
 
