@@ -68,9 +68,9 @@ TABLE_BACKWARD = {"bwd_num_stages": 2}
 def _flex_attend(mixer: Synthesizer, q, k, v, synthesized, mask) -> torch.Tensor:
     """The dot-product variants' attention as one FlexAttention call: q, k, v (B, H, N, Dh), the synthesized logits
     (1 or B, H, N, N), mask (B, N) or None -> (B, H, N, Dh)."""
-    # fp32: the kernel adds them to fp32 scores, and its backward sums their gradient over the batch by atomic adds
-    # N padded to its bound under torch.compile (patterns.padded_to_bounds: a gradient's size must be an int)
     L = mixer.max_len
+    # fp32: the kernel adds them to fp32 scores, and its backward sums their gradient over the batch by atomic adds;
+    # N padded to its bound under torch.compile (patterns.padded_to_bounds: a gradient's size must be an int)
     table = score_table(padded_to_bounds(synthesized.float(), {2: L, 3: L}))  # (1 or B, H, N, N)
     per_example = table.shape[0] > 1  # dense: one table per example; the random variants: one for the batch
 

@@ -8,8 +8,8 @@ compiles it (automatic dynamic shapes, after a second length, and with a CLS slo
 so that the mixer's length is an expression, s + 1, as in a run; trimmed ListOps on an H200 failed so in ETC's flex
 path, whose mods closed over that length): every captured value is a tensor or a bare symbol. The backward's graphs
 are checked too: a score_mod table's gradient buffer sized by a symbol is a ``sym_size`` in the kernel's backward
-subgraph, which Inductor cannot lower (ETC's trimmed run on an H200), so a mixer with such tables leaves its flex
-path while a symbolic length takes a gradient (``patterns.table_gradient_lowers``)."""
+subgraph, which Inductor cannot lower (ETC's trimmed run on an H200), so such tables are padded to their mixer's
+longest length under torch.compile (``patterns.padded_to_bounds``)."""
 from __future__ import annotations
 
 import pytest
@@ -38,6 +38,22 @@ class WithClsSlot(torch.nn.Module):
 FLEX_MODELS = [name for name in list_models() if "flex" in getattr(get_model_class(name), "backends", ())]
 
 
+def flex_mixer(name: str, dropout: float) -> torch.nn.Module:
+    """A small mixer in training mode on its flex path."""
+    torch.manual_seed(0)
+    model = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=dropout, max_len=1024).train()
+    model.backend = "flex"
+    return model
+
+
+def two_lengths(requires_grad: bool = False):
+    """(x, mask) at two lengths, the second making the length symbolic, with key padding in the second example."""
+    for n in (256, 400):
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, n - 60:] = False
+        yield torch.randn(2, n, 32, requires_grad=requires_grad), mask
+
+
 def lowerable(value) -> bool:
     """What Inductor's FlexAttention lowering takes among a mod's captured values: a tensor, or a SymInt that is a
     bare symbol (an input's size); an expression of symbols, or a constant, it cannot realise."""
@@ -54,9 +70,7 @@ def test_a_second_shape_compiles_the_flex_path_with_lowerable_captures(name):
     (the grid is the task's), a second batch size (evaluation's)."""
     grid = getattr(get_model_class(name), "needs_grid", False)
     dropout = 0.0 if grid else 0.1  # image_local's flex path takes no attention dropout (nor a key mask)
-    torch.manual_seed(0)
-    model = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=dropout, max_len=1024).train()
-    model.backend = "flex"
+    model = flex_mixer(name, dropout)
     captured = []
     run = model if grid else WithClsSlot(model)
     compiled = torch.compile(run, backend=captured_values_backend(captured))  # dynamic=None, as the runner's
@@ -65,10 +79,8 @@ def test_a_second_shape_compiles_the_flex_path_with_lowerable_captures(name):
             for batch in (2, 3):
                 compiled(torch.randn(batch, 256, 32), None, grid=Grid(16, 16))
         else:
-            for n in (256, 400):  # the second length makes it symbolic
-                mask = torch.ones(2, n, dtype=torch.bool)
-                mask[1, n - 60:] = False  # key padding in the second example
-                compiled(torch.randn(2, n, 32), mask)
+            for x, mask in two_lengths():
+                compiled(x, mask)
     assert captured, f"{name}: no FlexAttention call was traced"
     bad = [value for call in captured for value in call if not lowerable(value)]
     assert not bad, f"{name}: captured {[str(v) for v in bad]}"
@@ -101,15 +113,11 @@ def test_no_flex_backward_sizes_a_buffer_by_a_symbol(name, flex_backward_on_cpu)
         return not_run
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = create_model(name, d_model=32, n_heads=2, d_qkv=32, dropout=0.1, max_len=1024).train()
-    model.backend = "flex"
+    model = flex_mixer(name, 0.1)
     compiled = torch.compile(WithClsSlot(model), backend=aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=record))
-    for n in (256, 400):  # the second length makes it symbolic
-        mask = torch.ones(2, n, dtype=torch.bool)
-        mask[1, n - 60:] = False
+    for x, mask in two_lengths(requires_grad=True):
         with pytest.raises(NotRun):
-            compiled(torch.randn(2, n, 32, requires_grad=True), mask).sum().backward()
+            compiled(x, mask).sum().backward()
     assert backward_graphs and backward_graphs[0], f"{name}: the first length's backward has no FlexAttention"
     sized = [str(node) for graphs in backward_graphs for graph in graphs for node in graph.nodes
              if node.op == "call_function" and node.target == torch.ops.aten.sym_size.int]
