@@ -390,7 +390,7 @@ class Trainer:
             # training batches are full: their size stays an int in the compiled graphs, though evaluation's last
             # batch, a smaller one through the same code, makes torch.compile's automatic dynamic shapes treat the
             # batch as a symbol from then on. A FlexAttention table's gradient must have int sizes
-            # (models/patterns.padded_to_bounds); packed batches vary in rows
+            # (models/patterns.score_table); packed batches vary in rows
             for tensor in inputs:
                 torch._dynamo.mark_static(tensor, 0)
         return inputs, labels

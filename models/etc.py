@@ -60,7 +60,7 @@ keys in order [learned globals, input positions] (the queries likewise, with zer
 rows, whose outputs are dropped): a BlockMask of the band's diagonal tiles plus the globals' first row and column of
 tiles, padding-only key tiles skipped, and a ``score_mod`` that adds q . a[label] read from the (B, H, G + N, 2k +
 2) fp32 table of every query's relative terms (under torch.compile padded to the longest length,
-``patterns.padded_to_bounds``, so that its gradient's size is an int whatever the batch's length). Nothing of size
+``patterns.score_table``, so that its gradient's size is an int whatever the batch's length). Nothing of size
 (3b + G) per query is stored: O(N (2k + 2)) for the table, the kernel's O(N) statistics. Attention dropout, which
 FlexAttention lacks, comes from ``_flex_dropout`` (a second call for the normaliser; the draws are a hash, not
 torch's Philox stream). On the H200 above it takes SDPA's memory (1.04x, against explicit's 1.90x) but runs 16.5 ms
@@ -81,7 +81,6 @@ from .patterns import (
     FLEX_BLOCK,
     flex_attend,
     flex_call,
-    padded_to_bounds,
     realized,
     row_starts,
     score_table,
@@ -113,10 +112,10 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
     V = 2 * kmax + 2
     with torch.autocast(device_type=q.device.type, enabled=False):  # fp32: the backward sums by atomic adds
         table = torch.einsum("bhsd,hvd->bhsv", q.float(), mixer.rel.float()) * Dh**-0.5  # (B, H, S, V)
-    # (B, H, Sb, V): Sb = the longest S, under torch.compile (patterns.padded_to_bounds: a gradient's size)
-    table = padded_to_bounds(table, {2: mixer.max_len + mixer.learned_globals})
-    rows = table.shape[2]  # S, or its bound
-    table = score_table(table.flatten())  # 1-D: an index computed from scalars is FlexAttention's fast lookup
+    # (B H Sb V,): 1-D, as an index computed from scalars is FlexAttention's fast lookup; Sb = S, or under
+    # torch.compile the longest S (patterns.score_table: a gradient's size must be an int)
+    table = score_table(table, {2: mixer.max_len + mixer.learned_globals}, flat=True)
+    rows = table.shape[0] // (B * H * V)  # Sb
     real_flat = realized(real.flatten())  # (B S,): a buffer of its own for the mask_mod (patterns.realized)
     # where each sample's keys and each (sample, head)'s table rows start: S is the input's length plus CLS
     row_start = row_starts(B, S, q.device)  # (B,)

@@ -127,6 +127,9 @@ def _realized_shape(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+realized.register_autograd(lambda ctx, grad: grad)  # a copy: its gradient is the output's (score_table's tables)
+
+
 def listed_tiles(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The inverse of ``ordered_tiles``: (B, H, R) counts and (B, H, R, C) indices -> (B, H, R, C) bool tiles."""
     listed = torch.arange(index.shape[-1], device=index.device) < count[..., None]  # the first `count` are real
@@ -138,28 +141,30 @@ def _ordered_tiles_shapes(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return dense.new_empty(dense.shape[:-1], dtype=torch.int32), dense.new_empty(dense.shape, dtype=torch.int32)
 
 
-def score_table(table: torch.Tensor) -> torch.Tensor:
-    """A table that a score_mod reads (and differentiates where it needs a gradient): in an inference graph Inductor
-    would fuse it into the kernel's inputs, so it is made a buffer of its own there (``realized``); a table that
-    takes a gradient stays as it is, for autograd to reach."""
-    return table if table.requires_grad else realized(table)
+def score_table(table: torch.Tensor, bounds: dict[int, int] | None = None, flat: bool = False) -> torch.Tensor:
+    """A table that a score_mod reads (and differentiates where it takes a gradient), as torch.compile must give it to
+    FlexAttention: a buffer of its own (``realized``, through which the gradient passes), zero-padded at the end of
+    each dim of ``bounds`` to its bound (the longest length the mixer takes). Eagerly the table itself.
 
-
-def padded_to_bounds(table: torch.Tensor, bounds: dict[int, int]) -> torch.Tensor:
-    """A score_mod's table, zero-padded at the end of each dim of ``bounds`` to its bound (the longest length the
-    mixer takes) when traced by torch.compile. A table that takes a gradient must have sizes that are ints: traced
-    with a symbolic length (trimmed batches), its gradient buffer is sized by a ``sym_size`` in the kernel's backward
-    subgraph, which Inductor's lowering cannot take (torch 2.11 on an H200: "int() argument must be a string, a
-    bytes-like object or a real number, not 'tuple'"; tests/test_flex_dynamic_shapes.py finds such nodes on the
-    CPU). Padded, the size is the bound whatever the length: n + (bound - n) folds to it. An untrimmed batch is at
-    the bound already; eagerly every size is an int, and nothing is padded. The batch size stays an int: training
-    batches are full, and the runner marks their size static."""
+    Realised: otherwise Inductor inlines the table's last operation into the kernel's score_mod, and the kernel's
+    code generator cannot emit every operation there: in an inference graph it fused a table computed from the input
+    into the kernel's inputs, and the padding below, a masked load, failed the lowering of DeBERTa's trimmed training
+    run (torch 2.11 on an H200: "'function' object has no attribute 'graph'").
+    Padded: a table that takes a gradient must have sizes that are ints. Traced with a symbolic length (trimmed
+    batches), its gradient buffer is sized by a ``sym_size`` in the kernel's backward subgraph, which Inductor's
+    lowering cannot take (torch 2.11 on an H200: "int() argument must be a string, a bytes-like object or a real
+    number, not 'tuple'"). Padded, the size is the bound whatever the length: n + (bound - n) folds to it; an
+    untrimmed batch is at the bound already. The batch size stays an int: training batches are full, and the runner
+    marks their size static. tests/test_flex_dynamic_shapes.py checks both on the CPU. ``flat``: the table 1-D (after
+    padding), the buffer itself and not a view of it (the CPU's kernel template takes no view)."""
     if not torch.compiler.is_compiling():
-        return table
-    pad = []
-    for dim in reversed(range(table.dim())):  # F.pad's order: the last dim first
-        pad += [0, bounds[dim] - table.shape[dim]] if dim in bounds else [0, 0]
-    return F.pad(table, pad)
+        return table.flatten() if flat else table
+    if bounds:
+        pad = []
+        for dim in reversed(range(table.dim())):  # F.pad's order: the last dim first
+            pad += [0, bounds[dim] - table.shape[dim]] if dim in bounds else [0, 0]
+        table = F.pad(table, pad)
+    return realized(table.flatten() if flat else table)
 
 
 def row_starts(rows: int, stride, device: torch.device) -> torch.Tensor:

@@ -35,7 +35,9 @@ slower (1.12x at 4K, 1.30x at 16K, one layer) with about 4x the memory, hence ``
 (asked for by name) runs FlexAttention with a score_mod that adds S[h, i, j] to each score, read from the table
 itself (fp32; its gradient summed over the batch in the kernel's backward) and padded keys left out by a BlockMask:
 no (B, H, N, N) bias is built, where SDPA's float mask, once padding makes it per example, is one, and its
-gradient another, and the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``.
+gradient another, and the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``. On an
+H200 one layer (batch 32, heads of 64, bf16, compiled) ran 1.19x faster than ``sdpa`` at 1K and 1.57x at 4K in 0.32x
+its memory; ``auto`` stays ``sdpa`` until whole training steps are timed at each task's shape (results/README.md).
 
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MultiHeadMixer, chosen_backend
-from .patterns import flex_attend, flex_call, padded_to_bounds, padding_block_mask, score_table
+from .patterns import flex_attend, flex_call, padding_block_mask, score_table
 from .registry import Taxonomy, register_model
 
 VARIANTS = ("dense", "random", "factorized_random")
@@ -70,8 +72,8 @@ def _flex_attend(mixer: Synthesizer, q, k, v, synthesized, mask) -> torch.Tensor
     (1 or B, H, N, N), mask (B, N) or None -> (B, H, N, Dh)."""
     L = mixer.max_len
     # fp32: the kernel adds them to fp32 scores, and its backward sums their gradient over the batch by atomic adds;
-    # N padded to its bound under torch.compile (patterns.padded_to_bounds: a gradient's size must be an int)
-    table = score_table(padded_to_bounds(synthesized.float(), {2: L, 3: L}))  # (1 or B, H, N, N)
+    # N padded to its bound under torch.compile (patterns.score_table: a gradient's size must be an int)
+    table = score_table(synthesized.float(), {2: L, 3: L})  # (1 or B, H, N, N)
     per_example = table.shape[0] > 1  # dense: one table per example; the random variants: one for the batch
 
     def score_mod(score, b, h, q_idx, kv_idx):  # score: q . k / sqrt(Dh), fp32

@@ -9,7 +9,7 @@ so that the mixer's length is an expression, s + 1, as in a run; trimmed ListOps
 path, whose mods closed over that length): every captured value is a tensor or a bare symbol. The backward's graphs
 are checked too: a score_mod table's gradient buffer sized by a symbol is a ``sym_size`` in the kernel's backward
 subgraph, which Inductor cannot lower (ETC's trimmed run on an H200), so such tables are padded to their mixer's
-longest length under torch.compile (``patterns.padded_to_bounds``)."""
+longest length under torch.compile (``patterns.score_table``)."""
 from __future__ import annotations
 
 import pytest
@@ -36,6 +36,7 @@ class WithClsSlot(torch.nn.Module):
 
 
 FLEX_MODELS = [name for name in list_models() if "flex" in getattr(get_model_class(name), "backends", ())]
+TABLE_MODELS = ["deberta", "etc", "synthesizer"]  # the flex paths whose score_mod reads a floating-point table
 
 
 def flex_mixer(name: str, dropout: float) -> torch.nn.Module:
@@ -62,6 +63,7 @@ def lowerable(value) -> bool:
 
 def test_the_registry_has_flex_paths_to_check():
     assert {"local", "longformer", "sparse", "bigbird", "etc", "deberta", "reformer", "image_local"} <= set(FLEX_MODELS)
+    assert set(TABLE_MODELS) <= set(FLEX_MODELS)
 
 
 @pytest.mark.parametrize("name", FLEX_MODELS)
@@ -122,3 +124,48 @@ def test_no_flex_backward_sizes_a_buffer_by_a_symbol(name, flex_backward_on_cpu)
     sized = [str(node) for graphs in backward_graphs for graph in graphs for node in graph.nodes
              if node.op == "call_function" and node.target == torch.ops.aten.sym_size.int]
     assert not sized, f"{name}: a flex backward sizes a buffer by a symbol: {sized}"
+
+
+VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "slice", "select", "unsqueeze",
+         "squeeze", "alias", "as_strided"}
+
+
+def producer(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that computes ``node``'s data: through views (a view of a buffer is that buffer to Inductor)."""
+    def is_view(node: torch.fx.Node) -> bool:
+        namespace, _, op = str(node.target).partition(".")
+        return node.op == "call_function" and namespace == "aten" and op.split(".")[0] in VIEWS
+
+    while is_view(node):
+        node = node.args[0]
+    return node
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "evaluation"])
+@pytest.mark.parametrize("name", TABLE_MODELS)
+def test_every_table_a_score_mod_reads_is_a_buffer_of_its_own(name, training, flex_backward_on_cpu):
+    """At a second length (trimmed batches), every floating-point tensor that a FlexAttention call's mods read is an
+    input or the output of ``patterns.realized``, in the ATen graph that Inductor lowers. Otherwise Inductor inlines
+    its last operation into the kernel's score_mod: DeBERTa's table, zero-padded to its bound (a masked load), failed
+    the lowering of its trimmed training run on an H200 ("'function' object has no attribute 'graph'")."""
+    read = []  # (op, target) of the producer of each floating-point tensor a forward flex call captures
+
+    def record(graph, example_inputs):
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and str(node.target).endswith("flex_attention"):
+                for arg in (*node.args[7], *node.args[8]):  # score_mod's and mask_mod's captured tensors
+                    value = arg.meta["val"] if isinstance(arg, torch.fx.Node) else None
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        source = producer(arg)
+                        read.append((source.op, str(source.target)))
+        return graph
+
+    torch._dynamo.reset()
+    model = flex_mixer(name, 0.1).train(training)
+    compiled = torch.compile(WithClsSlot(model), backend=aot_autograd(fw_compiler=record))
+    with torch.set_grad_enabled(training):
+        for x, mask in two_lengths(requires_grad=training):
+            compiled(x, mask)  # training: the joint graph is traced here; its backward is not run
+    assert read, f"{name}: no FlexAttention call read a floating-point table"
+    inlined = [source for source in read if source[0] != "placeholder" and "realized" not in source[1]]
+    assert not inlined, f"{name}: a mod reads a tensor computed in the graph, not realised: {sorted(set(inlined))}"

@@ -421,7 +421,7 @@ def test_on_cuda_the_varlen_path_trains_as_the_jagged_one():
 def test_compiled_trimmed_training_keeps_the_batch_size_an_int(smoke_cfg, monkeypatch):
     """Evaluated after the first step (batches of another size, through the same code), then trained at a new
     length: torch.compile recompiles the training graph with the length a symbol, and the batch size must stay an
-    int there (a FlexAttention table's gradient needs int sizes: models/patterns.padded_to_bounds)."""
+    int there (a FlexAttention table's gradient needs int sizes: models/patterns.score_table)."""
     batch_dims = []  # per training graph: the token ids' (batch size, length) as traced
 
     def recording(graph, example_inputs):
