@@ -298,11 +298,10 @@ def flex_attend(q, k, v, block_mask: BlockMask | None, small_tiles: bool = False
     """
     Dh = q.shape[-1]
     q, k, v = pad_head_dim(MIN_FLEX_HEAD_DIM, q, k, v)  # (B, H, N, max(Dh, 16))
-    options = {**(SMALL_FORWARD_TILES if small_tiles else {}), **(kernel_options or {})} if q.is_cuda else {}
-    options = options or None
+    options = {**(SMALL_FORWARD_TILES if small_tiles else {}), **(kernel_options or {})}  # Inductor's, on CUDA
     out = flex_attention_dropout(q, k, v, dropout_p, score_mod=score_mod, block_mask=block_mask,
                                  scale=Dh**-0.5 if scale is None else scale,
-                                 kernel_options=options)  # (B, H, N, max(Dh, 16))
+                                 kernel_options=options if q.is_cuda and options else None)  # (B, H, N, max(Dh, 16))
     return out[..., :Dh]
 
 

@@ -163,14 +163,18 @@ def assert_reset_scan_equals_separate_pieces(q, k, v, g, reset, chunk: int, scal
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def flex_captures(graph: torch.fx.GraphModule) -> list[tuple]:
+    """For each FlexAttention forward call in ``graph`` (Dynamo's, or AOT autograd's), the arguments its score_mod
+    and mask_mod capture: what Inductor's lowering receives as buffers."""
+    return [(*node.args[7], *node.args[8]) for node in graph.graph.nodes
+            if node.op == "call_function" and str(node.target) == "flex_attention"]
+
+
 def captured_values_backend(captured: list):
     """A torch.compile backend that runs the graph as traced and appends to ``captured``, for each flex_attention
-    call traced, the tuple of values it captures for its score_mod and mask_mod (what Inductor's lowering receives
-    as buffers)."""
+    call traced, the tuple of values it captures for its score_mod and mask_mod (``flex_captures``)."""
     def backend(graph, example_inputs):
-        for node in graph.graph.nodes:
-            if node.op == "call_function" and "flex_attention" in str(node.target):
-                captured.append(tuple(arg.meta["example_value"] for arg in (*node.args[7], *node.args[8])))
+        captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
         return graph
 
     torch._dynamo.reset()

@@ -19,7 +19,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from models import create_model, get_model_class, list_models
 from models.registry import Grid
-from tests.mixer_checks import captured_values_backend
+from tests.mixer_checks import captured_values_backend, flex_captures
 
 
 class WithClsSlot(torch.nn.Module):
@@ -151,13 +151,11 @@ def test_every_table_a_score_mod_reads_is_a_buffer_of_its_own(name, training, fl
     read = []  # (op, target) of the producer of each floating-point tensor a forward flex call captures
 
     def record(graph, example_inputs):
-        for node in graph.graph.nodes:
-            if node.op == "call_function" and str(node.target).endswith("flex_attention"):
-                for arg in (*node.args[7], *node.args[8]):  # score_mod's and mask_mod's captured tensors
-                    value = arg.meta["val"] if isinstance(arg, torch.fx.Node) else None
-                    if isinstance(value, torch.Tensor) and value.is_floating_point():
-                        source = producer(arg)
-                        read.append((source.op, str(source.target)))
+        for arg in (arg for call in flex_captures(graph) for arg in call):  # the mods' captured values
+            value = arg.meta["val"] if isinstance(arg, torch.fx.Node) else None
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                source = producer(arg)
+                read.append((source.op, str(source.target)))
         return graph
 
     torch._dynamo.reset()
