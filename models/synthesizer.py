@@ -25,19 +25,20 @@ without a transpose (scrambling heads and positions); we transpose. Init: R ~ N(
 R2 scaled so R1 R2^T has the same variance (LRA: lecun-normal). Text configs that asked for
 factorized_random were silently run as random in LRA (its config key was never read); both are available here.
 
-Two executions of the dot-product variants (``backend``, an attribute: how it runs, never what it computes):
-``sdpa`` (``auto``) passes the synthesized logits to fused SDPA as a float mask, which leaves SDPA its memory-
-efficient kernel; ``explicit`` forms the (B, H, N, N) logits itself (Q K^T from bf16 operands with fp32 products
-and sums, as a fused kernel's), adds S, and applies an fp32 softmax, the dropout and the product with V as
-separate operations that ``torch.compile`` fuses, the same steps as the variants without the dot product; its
-memory is O(B H N^2) for the saved weights. A quadratic model either way; on an H200 the explicit one was the
-slower (1.12x at 4K, 1.30x at 16K, one layer) with about 4x the memory, hence ``auto`` = ``sdpa``. ``flex``
-(asked for by name) runs FlexAttention with a score_mod that adds S[h, i, j] to each score, read from the table
-itself (fp32; its gradient summed over the batch in the kernel's backward) and padded keys left out by a BlockMask:
-no (B, H, N, N) bias is built, where SDPA's float mask, once padding makes it per example, is one, and its
-gradient another, and the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``. On an
-H200 one layer (batch 32, heads of 64, bf16, compiled) ran 1.19x faster than ``sdpa`` at 1K and 1.57x at 4K in 0.32x
-its memory; ``auto`` stays ``sdpa`` until whole training steps are timed at each task's shape (results/README.md).
+Three executions of the dot-product variants (``backend``, an attribute: how it runs, never what it computes):
+``sdpa`` passes the synthesized logits to fused SDPA as a float mask, which leaves SDPA its memory-efficient
+kernel; ``explicit`` forms the (B, H, N, N) logits itself (Q K^T from bf16 operands with fp32 products and sums, as
+a fused kernel's), adds S, and applies an fp32 softmax, the dropout and the product with V as separate operations
+that ``torch.compile`` fuses, the same steps as the variants without the dot product; its memory is O(B H N^2) for
+the saved weights (on an H200 1.12x slower than ``sdpa`` at 4K, 1.30x at 16K, one layer, with about 4x the memory).
+``flex`` runs FlexAttention with a score_mod that adds S[h, i, j] to each score, read from the table itself (fp32;
+its gradient summed over the batch in the kernel's backward) and padded keys left out by a BlockMask: no (B, H, N,
+N) bias is built, where SDPA's float mask, once padding makes it per example, is one, and its gradient another, and
+the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``. On an H200 one layer (batch
+32, heads of 64, bf16, compiled) ran 1.19x faster than ``sdpa`` at 1K and 1.57x at 4K in 0.32x its memory, and
+LRA's Text run (padded, attention dropout) trained 5.1 steps/s in 10.4 GB against 2.7 in 29.0 GB
+(results/README.md). ``auto`` is ``flex`` on a CUDA device whose shared memory holds its tiles (``flex_fits``:
+Hopper's 228 KiB do, an A100's 164 do not), else ``sdpa``.
 
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer, chosen_backend
+from .base import MultiHeadMixer, chosen_backend, takes_fused_path
 from .patterns import flex_attend, flex_call, padding_block_mask, score_table
 from .registry import Taxonomy, register_model
 
@@ -65,6 +66,17 @@ BACKENDS = ("auto", "sdpa", "explicit", "flex")
 # (patterns.SMALL_FORWARD_TILES: 72 KiB) and the backward 2 stages of its 64 x 128 and 128 x 64 tiles (176 KiB
 # even if its two loops' buffers add up).
 TABLE_BACKWARD = {"bwd_num_stages": 2}
+FLEX_SHARED_MEMORY = 176 * 1024  # bytes of shared memory per multiprocessor those tiles may ask for
+
+
+@torch.compiler.assume_constant_result
+def flex_fits(device: torch.device) -> bool:
+    """Whether ``auto`` runs ``flex`` on ``device``: a CUDA device whose multiprocessors hold FLEX_SHARED_MEMORY.
+    A constant to torch.compile (read once at trace time, not guarded on)."""
+    if device.type != "cuda":
+        return False
+    props = torch.cuda.get_device_properties(device.index or 0)
+    return props.shared_memory_per_multiprocessor >= FLEX_SHARED_MEMORY
 
 
 def _flex_attend(mixer: Synthesizer, q, k, v, synthesized, mask) -> torch.Tensor:
@@ -102,7 +114,7 @@ class Synthesizer(MultiHeadMixer):
         if variant == "factorized_random" and factor_rank < 1:
             raise ValueError(f"synthesizer: factor_rank must be >= 1, got {factor_rank}")
         self.variant, self.keep_dot_product = variant, keep_dot_product
-        self.backend = "auto"  # "sdpa" | "explicit" (the dot-product variants' attention); how it runs, not what
+        self.backend = "auto"  # "sdpa" | "explicit" | "flex" (the dot-product variants' attention); how, not what
         if not keep_dot_product:
             self.qkv = nn.Linear(d_model, d_qkv, bias=False)  # values only: Q and K would get no gradient
         H, L = n_heads, max_len
@@ -152,7 +164,7 @@ class Synthesizer(MultiHeadMixer):
                 # bf16 operands are exact in fp32 (and in TF32): fp32 products and sums, as a fused kernel's
                 s = q.float() @ k.float().transpose(-1, -2) * Dh**-0.5 + synthesized.float()  # (B, H, N, N)
             o = self.attend_explicitly(s, v, pad_keys)  # (B, H, N, Dh)
-        elif self.keep_dot_product and chosen_backend(self) == "flex":
+        elif self.keep_dot_product and takes_fused_path(self, "flex", flex_fits(x.device)):
             q, k, v = self.project(x)  # each (B, H, N, Dh)
             o = flex_call(_flex_attend, x.is_cuda, self, q, k, v, self.synthesized(x), mask)  # (B, H, N, Dh)
         elif self.keep_dot_product:

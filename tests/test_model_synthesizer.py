@@ -112,3 +112,35 @@ def test_on_cuda_compiled_flex_matches_sdpa_in_bf16_at_the_task_shapes(n, batch)
         results[backend] = y[real], model.R.grad.clone(), model.qkv.weight.grad.clone()
     for got, want in zip(results["flex"], results["sdpa"]):
         assert (got - want).norm() <= 2e-2 * want.norm()
+
+
+
+@pytest.mark.parametrize(("device", "shared_kib", "fits"), [
+    ("cuda:0", 228, True),  # Hopper (H100, H200)
+    ("cuda:0", 164, False),  # A100: the table's tiles (synthesizer.FLEX_SHARED_MEMORY) would not fit
+    ("cpu", 228, False),
+])
+def test_flex_fits_only_a_gpu_whose_shared_memory_holds_its_tiles(monkeypatch, device, shared_kib, fits):
+    from types import SimpleNamespace
+
+    from models import synthesizer
+
+    props = SimpleNamespace(shared_memory_per_multiprocessor=shared_kib * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    assert synthesizer.flex_fits(torch.device(device)) is fits
+
+
+@pytest.mark.parametrize(("backend", "fits", "expected"), [
+    ("auto", True, "flex"), ("auto", False, "sdpa"), ("sdpa", True, "sdpa"), ("flex", False, "flex"),
+])
+def test_auto_takes_flex_where_it_fits_and_a_named_backend_always(monkeypatch, backend, fits, expected):
+    from models import synthesizer
+
+    model = build("random")
+    model.backend = backend
+    taken = []
+    monkeypatch.setattr(synthesizer, "flex_fits", lambda device: fits)
+    monkeypatch.setattr(synthesizer, "flex_call", lambda fn, on_cuda, *args: taken.append("flex") or args[3])
+    monkeypatch.setattr(synthesizer.F, "scaled_dot_product_attention", lambda q, k, v, **kw: taken.append("sdpa") or v)
+    model(torch.randn(2, 16, D), None)
+    assert taken == [expected]
