@@ -15,7 +15,8 @@ Initialisation of A (``init``), C ~ complex N(0, 1), D ~ N(0, 1):
 * ``legs`` (default; the published S4D-LegS LRA numbers): the eigenvalues of the normal part of HiPPO-LegS,
   S = A_LegS + P P^T with P_n = sqrt(n + 1/2), which is -1/2 I plus a skew-symmetric matrix: A_n = -1/2 + i w_n,
   the N/2 eigenvalues with w_n > 0. B is HiPPO-derived, B = V^* B_LegS (V the unit eigenvectors, B_LegS_n =
-  sqrt(2n + 1)), which is what the S4 repository's diagonal mode does with ``init: legs``.
+  sqrt(2n + 1)) with its imaginary part clipped to [-2, 2] (``HIPPO_B_CLIP``), which is what the S4 repository's
+  diagonal mode does with ``init: legs``.
 * ``lin`` (S4D-Lin): A_n = -1/2 + i pi n; B = 1.        * ``inv`` (S4D-Inv): A_n = -1/2 + i (N/pi)(N/(2n+1) - 1); B = 1.
 
 The layer, as S4's: SSM (with the D skip) -> GELU -> dropout -> output projection, ``glu: true`` = Linear(H, 2H)
@@ -68,6 +69,25 @@ def legs_normal_part(N: int) -> torch.Tensor:
     return lower.T - lower - 0.5 * torch.eye(N, dtype=torch.float64)
 
 
+# S4's clip of S4D-LegS's B (hippo.nplr's B_clip, which its diagonal mode uses with ``init: legs``): the imaginary
+# part of V^* B_LegS, in eigh's phases, to [-2, 2]. Unclipped, |B| grows with the mode's frequency to 40.75 at N = 64,
+# and the fastest modes, aliased where dt w > pi, start as long pseudo-random filters carrying 16% of the kernels'
+# energy (0.9% clipped); B trains at ssm_lr without weight decay, so it keeps that scale.
+HIPPO_B_CLIP = 2.0
+
+
+def legs_diagonal(N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """S4D-LegS's unclipped modes as S4's hippo.nplr forms them: (w, B), float64 (N/2,) and complex128 (N/2,), the
+    normal part S of HiPPO-LegS having eigenvalues -1/2 + i w with w < 0 (ascending), B = V^* B_LegS with V their
+    unit eigenvectors in eigh's phases and B_LegS_n = sqrt(2n + 1)."""
+    S = legs_normal_part(N)
+    # S + I/2 is real skew-symmetric, so -i (S + I/2) is Hermitian: eigh gives its real spectrum w and unitary V;
+    # S v = (-1/2 + i w) v. S4 keeps the w < 0 half (the other half are their conjugates).
+    w, V = torch.linalg.eigh(-1j * (S + 0.5 * torch.eye(N, dtype=torch.float64)))  # (N,), (N, N): w ascending
+    w, V = w[: N // 2], V[:, : N // 2]  # (N/2,), (N, N/2)
+    return w, V.conj().T @ torch.sqrt(2 * torch.arange(N, dtype=torch.float64) + 1).to(V.dtype)  # V^* B_LegS
+
+
 def init_diagonal(init: str, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The N/2 kept modes: (A, B), each complex128 (N/2,), Re A = -1/2 and Im A > 0 (or 0 for Lin's n = 0)."""
     n = torch.arange(N // 2, dtype=torch.float64)
@@ -77,12 +97,11 @@ def init_diagonal(init: str, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     elif init == "inv":
         imag = (N / math.pi) * (N / (2 * n + 1) - 1)
     elif init == "legs":
-        S = legs_normal_part(N)
-        # S + I/2 is real skew-symmetric, so -i (S + I/2) is Hermitian: eigh gives its real spectrum w and
-        # unitary V; S v = (-1/2 + i w) v. The w > 0 half is kept (the w < 0 half are the conjugates).
-        w, V = torch.linalg.eigh(-1j * (S + 0.5 * torch.eye(N, dtype=torch.float64)))  # (N,), (N, N)
-        imag, V = w[N // 2:], V[:, N // 2:]  # ascending: the positive half, (N/2,), (N, N/2)
-        B = V.conj().T @ torch.sqrt(2 * torch.arange(N, dtype=torch.float64) + 1).to(V.dtype)  # V^* B_LegS
+        w, B = legs_diagonal(N)
+        B = torch.complex(B.real, B.imag.clamp(-HIPPO_B_CLIP, HIPPO_B_CLIP))  # (N/2,): S4's clip
+        # the conjugate modes, Im A > 0 as the other inits: with C ~ CN(0, 1) (as likely as its conjugate) the
+        # kernel 2 Re(C B exp(k dt A)) has the same distribution
+        imag, B = -w.flip(0), B.flip(0).conj()  # ascending Im A
     else:
         raise ValueError(f"init must be legs, lin or inv, got {init!r}")
     return torch.complex(torch.full_like(imag, -0.5), imag), B

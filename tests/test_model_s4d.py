@@ -12,7 +12,7 @@ import torch
 
 import models.base as base
 from models import create_model
-from models.s4d import fft_conv, vandermonde
+from models.s4d import fft_conv, legs_diagonal, vandermonde
 
 BACKBONE = {"n_heads": 2, "d_qkv": 8, "dropout": 0.0, "max_len": 512}
 SSM_PARAMS = {"log_dt", "log_A_real", "A_imag", "B"}
@@ -183,11 +183,18 @@ def test_legs_is_the_spectrum_of_the_normal_part_of_hippo_legs():
     np.testing.assert_allclose(A[0].real.numpy(), -0.5, atol=1e-6)
     np.testing.assert_allclose(np.sort(A[0].imag.numpy()), eig.imag, rtol=1e-5)
     np.testing.assert_allclose(eig.real, -0.5, atol=1e-8)
-    # B = V^* b: the diagonal system must reproduce b^T exp(S t) b = 2 Re sum_n |B_n|^2 exp(A_n t) of the dense one
+    # the unclipped B = V^* b: the diagonal system must reproduce b^T exp(S t) b = 2 Re sum_n |B_n|^2 exp(A_n t) of
+    # the dense one (the w < 0 half S4 keeps: conjugate modes, the same sum)
+    w, hippo_b = legs_diagonal(N)
     for t in (0.0, 0.003, 0.02, 0.1):
         dense = b @ torch.linalg.matrix_exp(torch.from_numpy(normal * t)).numpy() @ b
-        diagonal = 2 * (B[0].abs() ** 2 * torch.exp(A[0] * t)).sum().real.item()
-        assert abs(diagonal - dense) <= 1e-5 * abs(b @ b), t
+        diagonal = 2 * (hippo_b.abs() ** 2 * torch.exp(torch.complex(torch.full_like(w, -0.5), w) * t)).sum().real
+        assert abs(diagonal.item() - dense) <= 1e-5 * abs(b @ b), t
+    # the model's B: S4's clip of its imaginary part to [-2, 2] (in eigh's phases), on the conjugate modes
+    clipped = torch.complex(hippo_b.real, hippo_b.imag.clamp(-2, 2)).conj().flip(0)
+    torch.testing.assert_close(B[0], clipped.to(B.dtype), rtol=1e-6, atol=1e-6)
+    assert (hippo_b.imag.abs() > 2).sum() == 11 and hippo_b.abs().max() > 40  # what the clip bounds (N = 64)
+    assert B[0].abs().max() < 2.01 and torch.allclose(B[0].abs()[:4], hippo_b.abs().flip(0)[:4], rtol=1e-6)
 
 
 def test_ssm_lr_puts_optim_exactly_on_the_ssm_parameters():
