@@ -322,3 +322,38 @@ def test_fla_path_on_packed_rows_equals_the_reference_on_cuda():
     torch.manual_seed(0)
     m = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).cuda()
     assert_fast_scan_on_packed_rows_matches_chunked(m, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("scan", "compiled"), [("chunked", False), ("chunked", True), ("auto", True)])
+def test_on_cuda_the_gradients_where_steps_forget_fast_are_cpu_fp64s(scan, compiled):
+    """Mamba's Image run on an H200 collapsed with its reversed pass's dt gradients ~1e8 times the exact ones (its
+    Adam state at step 18,986), where dt had grown to thousands (A dt ~ -1e5 a step) and its input's RMS to 10; every
+    CPU execution (eager or compiled, fp32 or bf16) gave the exact ones. Here that state, made up: the mixer on
+    CUDA in bf16 autocast, as training runs it, against CPU fp64, a CLS-like loss on the first position."""
+    torch.manual_seed(0)
+    m = create_model("mamba", d_model=128, n_heads=8, d_qkv=128, dropout=0.0, max_len=1025, scan=scan)
+    with torch.no_grad():
+        m.dt_bias[1].fill_(7.0)  # the reversed pass: dt = softplus(raw + 7) up to thousands with the rows below
+        rows = m.in_proj.weight[-m.n_heads :]  # the reversed pass's dt rows (the last of in_proj's outputs)
+        rows.mul_(50 / rows.norm(dim=1, keepdim=True))
+    u = torch.randn(4, 1025, 128, dtype=torch.float64) * 10  # (B, N, D)
+    w = torch.randn(128, dtype=torch.float64)
+
+    def grads(model, x, **autocast):
+        model.zero_grad()
+        x = x.clone().requires_grad_()
+        fn = torch.compile(model) if compiled and x.is_cuda else model
+        with torch.autocast(device_type=x.device.type, enabled=bool(autocast), **autocast):
+            loss = (fn(x, None)[:, 0].float() @ w.to(x.device, torch.float32)).sum()  # the first position, as CLS
+        loss.backward()
+        return {"input": x.grad.double().cpu(), **{n: p.grad.double().cpu() for n, p in model.named_parameters()}}
+
+    ref = grads(m.double(), u)
+    got = grads(m.float().cuda(), u.float().cuda(), dtype=torch.bfloat16)
+    # errors relative to each gradient, floored at 1e-4 of the largest: where the decays forget everything (A_log's
+    # gradient is ~1e-30 here) bf16's rounding is all there is
+    floor = 1e-4 * max(g.norm() for g in ref.values())
+    for name, g in ref.items():
+        err = (got[name] - g).norm() / max(g.norm(), floor)
+        assert err < 0.3, f"{name}: |g| {got[name].norm():.3e} on CUDA, {g.norm():.3e} in fp64 (rel. err {err:.2e})"
