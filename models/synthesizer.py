@@ -37,8 +37,9 @@ N) bias is built, where SDPA's float mask, once padding makes it per example, is
 the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``. On an H200 one layer (batch
 32, heads of 64, bf16, compiled) ran 1.19x faster than ``sdpa`` at 1K and 1.57x at 4K in 0.32x its memory, and
 LRA's Text run (padded, attention dropout) trained 5.1 steps/s in 10.4 GB against 2.7 in 29.0 GB
-(results/README.md). ``auto`` is ``flex`` on a CUDA device whose shared memory holds its tiles (``flex_fits``:
-Hopper's 228 KiB do, an A100's 164 do not), else ``sdpa``.
+(results/README.md). ``auto`` is ``flex`` for the random variants (one table for the batch, as measured) on a CUDA
+device whose shared memory holds its tiles (``flex_fits``: Hopper's 228 KiB do, an A100's 164 do not), else
+``sdpa`` (``dense``'s per-example fp32 tables would double SDPA's bf16 bias).
 
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
@@ -164,7 +165,7 @@ class Synthesizer(MultiHeadMixer):
                 # bf16 operands are exact in fp32 (and in TF32): fp32 products and sums, as a fused kernel's
                 s = q.float() @ k.float().transpose(-1, -2) * Dh**-0.5 + synthesized.float()  # (B, H, N, N)
             o = self.attend_explicitly(s, v, pad_keys)  # (B, H, N, Dh)
-        elif self.keep_dot_product and takes_fused_path(self, "flex", flex_fits(x.device)):
+        elif self.keep_dot_product and takes_fused_path(self, "flex", self.variant != "dense" and flex_fits(x.device)):
             q, k, v = self.project(x)  # each (B, H, N, Dh)
             o = flex_call(_flex_attend, x.is_cuda, self, q, k, v, self.synthesized(x), mask)  # (B, H, N, Dh)
         elif self.keep_dot_product:

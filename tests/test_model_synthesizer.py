@@ -130,13 +130,14 @@ def test_flex_fits_only_a_gpu_whose_shared_memory_holds_its_tiles(monkeypatch, d
     assert synthesizer.flex_fits(torch.device(device)) is fits
 
 
-@pytest.mark.parametrize(("backend", "fits", "expected"), [
-    ("auto", True, "flex"), ("auto", False, "sdpa"), ("sdpa", True, "sdpa"), ("flex", False, "flex"),
+@pytest.mark.parametrize(("variant", "backend", "fits", "expected"), [
+    ("random", "auto", True, "flex"), ("factorized_random", "auto", True, "flex"), ("random", "auto", False, "sdpa"),
+    ("dense", "auto", True, "sdpa"), ("random", "sdpa", True, "sdpa"), ("dense", "flex", False, "flex"),
 ])
-def test_auto_takes_flex_where_it_fits_and_a_named_backend_always(monkeypatch, backend, fits, expected):
+def test_auto_takes_flex_where_it_fits_and_a_named_backend_always(monkeypatch, variant, backend, fits, expected):
     from models import synthesizer
 
-    model = build("random")
+    model = build(variant)
     model.backend = backend
     taken = []
     monkeypatch.setattr(synthesizer, "flex_fits", lambda device: fits)
