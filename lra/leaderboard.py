@@ -11,7 +11,9 @@ Table 1. Rules:
   seed has no ok run, and never averaged either;
 * per (experiment, model, task, seed) the ok run with the best validation accuracy (a re-run of the same seed
   replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
-  1 point of the validation split's majority-class share: it still counts, and ``n_stalled`` says so;
+  1 point of the validation split's majority-class share: it still counts, and ``n_stalled`` says so; it
+  *collapsed* when it learned (not stalled) but its final weights' validation accuracy is back within that point:
+  its best-validation checkpoint still counts, and the note says so (the final weights' test is beside it);
 * per (experiment, model, task) the mean and sample std over seeds of the best-validation checkpoint's test
   accuracy (``test_acc``) and of the final weights' (``final_test_acc``, LRA's own protocol), and ``n_seeds``;
 * where the validation split is the test set (a row's ``val_is_test``: Text, whose IMDb has no validation set, as
@@ -121,7 +123,9 @@ def select_runs(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFr
     best = best.drop_duplicates(["experiment", "model", "task", "seed"], keep="last")
     runs = runs.assign(best=runs.index.isin(best.index))
     majority = runs["val_majority"] if "val_majority" in runs else pd.Series(float("nan"), index=runs.index)
-    return runs.assign(stalled=runs["best"] & (runs["val_acc"] <= majority + STALL_BAND))
+    stalled = runs["best"] & (runs["val_acc"] <= majority + STALL_BAND)
+    final_val = runs["final_val_acc"] if "final_val_acc" in runs else pd.Series(float("nan"), index=runs.index)
+    return runs.assign(stalled=stalled, collapsed=runs["best"] & ~stalled & (final_val <= majority + STALL_BAND))
 
 
 def headline(best: pd.DataFrame) -> pd.Series:
@@ -166,6 +170,9 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     if row["n_stalled"]:
         notes.append(f"{row['n_stalled']} of {n} seeds stalled (best val within {STALL_BAND:g} point of the "
                      f"majority class)")
+    if best["collapsed"].any():
+        notes.append(f"{int(best['collapsed'].sum())} of {n} seeds collapsed (final val back within {STALL_BAND:g} "
+                     f"point of the majority class; the best-val checkpoint counts)")
     if task == "pathx" and n and abs(row["test_acc"] - PATHX_CHANCE) <= PATHX_FAIL_BAND:
         notes.append("FAIL (50 +- 1 %)")
     row["note"] = "; ".join(notes)

@@ -107,6 +107,19 @@ def test_stalled_runs_count_and_are_flagged():
     assert "~1" in leaderboard.format_leaderboard(lb)
 
 
+def test_a_run_that_learned_then_fell_back_to_the_majority_class_is_flagged_as_collapsed():
+    rows = [run("listops", "m", 0, 37.0, 36.5, final=18.6, majority=18.3),  # best at step 100, then the prior
+            run("listops", "m", 1, 38.0, 37.0, majority=18.3),
+            run("listops", "m", 2, 18.5, 18.0, final=18.0, majority=18.3)]  # stalled, not collapsed
+    finals = [18.4, 37.5, 18.2]
+    runs = pd.DataFrame([{**r, "final_val_acc": f} for r, f in zip(rows, finals, strict=True)]).reindex(
+        columns=RUN_COLUMNS)
+    lb = leaderboard.build_leaderboard(runs)
+    note = cell(lb, "m", "listops", "note")
+    assert "1 of 3 seeds collapsed" in note and "1 of 3 seeds stalled" in note
+    assert cell(lb, "m", "listops") == pytest.approx((36.5 + 37.0 + 18.0) / 3)  # still counted, as the checkpoint
+
+
 def test_a_run_stopped_early_is_named_with_its_accuracy_but_never_averaged_or_failed():
     runs = pd.DataFrame([run("text", "s4d", 0, 70.0, 71.0, status="stopped: at step 10,000 of 50,000"),
                          run("text", "s4d", 0, 80.0, 81.0, ts="2026-01-02T00:00:00Z",
