@@ -122,10 +122,11 @@ def select_runs(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFr
     best = ok.sort_values(order, na_position="first", kind="stable")
     best = best.drop_duplicates(["experiment", "model", "task", "seed"], keep="last")
     runs = runs.assign(best=runs.index.isin(best.index))
-    majority = runs["val_majority"] if "val_majority" in runs else pd.Series(float("nan"), index=runs.index)
-    stalled = runs["best"] & (runs["val_acc"] <= majority + STALL_BAND)
-    final_val = runs["final_val_acc"] if "final_val_acc" in runs else pd.Series(float("nan"), index=runs.index)
-    return runs.assign(stalled=stalled, collapsed=runs["best"] & ~stalled & (final_val <= majority + STALL_BAND))
+    unknown = pd.Series(float("nan"), index=runs.index)  # older rows without the column: never flagged
+    at_majority = runs.get("val_majority", unknown) + STALL_BAND  # within the band: no better than the prior
+    stalled = runs["best"] & (runs["val_acc"] <= at_majority)
+    return runs.assign(stalled=stalled,
+                       collapsed=runs["best"] & ~stalled & (runs.get("final_val_acc", unknown) <= at_majority))
 
 
 def headline(best: pd.DataFrame) -> pd.Series:
