@@ -104,6 +104,10 @@ class TrainerConfig:
     # torch.compile's mode: default | reduce-overhead (CUDA graphs: one launch per graph, for models whose step is
     # launch-bound, e.g. Pathfinder's) | max-autotune | max-autotune-no-cudagraphs
     compile_mode: str = "default"
+    # before the first step, a few training rows' gradients through the compiled model against the eager model's:
+    # auto (on CUDA, where the model is compiled) | true | false. Where they differ, compile=auto trains eagerly
+    # and compile=true stops (lra.run's check_compiled_gradients)
+    compile_check: str = "auto"
     # how the model's mixers run: their ``backend`` attribute (e.g. flex, dense, explicit, sdpa: each mixer's
     # docstring names its own); null: each mixer's auto. Never what they compute, so a run resumes under another
     mixer_backend: Optional[str] = None
@@ -300,6 +304,7 @@ CHOICES = {
     "trainer.precision": ("auto", "bf16", "fp32"),
     "trainer.compile": ("auto", "true", "false"),
     "trainer.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    "trainer.compile_check": ("auto", "true", "false"),
     "trainer.pack": ("false", "auto", "true"),
     "schedule.batching": ("random", "length_grouped"),
     "resume": ("auto", "true", "false"),

@@ -102,6 +102,39 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float(), labels)
 
 
+# How far a compiled model's gradients may stray from the eager model's: TF32 products and another order of the
+# reductions move them by ~1e-3 of their size. Inductor's CUDA code once gave Mamba dt gradients 0.5x to 2.6e4x
+# their size where eager CUDA, aot_eager and the CPU were exact (results/README.md).
+GRADIENT_TOLERANCE = 2e-2
+
+
+def gradient_disagreement(model: torch.nn.Module, compiled, inputs: tuple[torch.Tensor, ...],
+                          labels: torch.Tensor) -> tuple[str, float, float, float]:
+    """The parameter whose loss gradient differs most between ``model`` run eagerly and ``compiled`` (the same model
+    through torch.compile): (its name, |g_compiled - g_eager| / |g_eager|, |g_compiled|, |g_eager|), the norm below
+    floored at 1e-3 of the largest eager gradient's (a gradient near 0 is all rounding). One batch, in eval mode
+    (nothing random differs between the two calls) and without autocast; the model is left as it was found, its
+    gradients cleared."""
+    was_training = model.training
+    model.eval()
+    grads = []
+    try:
+        for fn in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(inputs[0].device.type, enabled=False):
+                classification_loss(fn(*inputs), labels).backward()
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    eager, other = grads
+    floor = 1e-3 * max(g.norm() for g in eager.values())
+    zero = torch.zeros((), device=inputs[0].device)
+    errors = {n: ((other.get(n, zero) - g).norm() / torch.maximum(g.norm(), floor)).item() for n, g in eager.items()}
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst], other.get(worst, zero).norm().item(), eager[worst].norm().item()
+
+
 def train_step(model, optimizer, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, *, autocast, grad_clip=None,
                scheduler=None, loss_weight: float = 1.0) -> torch.Tensor:
     """One optimisation step: forward, loss, backward, clip, AdamW, schedule. ``inputs``: the model's arguments

@@ -7,7 +7,7 @@ import json
 
 # Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
-NOT_HASHED_TRAINER = ("compile", "compile_mode", "mixer_backend", "pack", "trim", "devices", "threads",
+NOT_HASHED_TRAINER = ("compile", "compile_mode", "compile_check", "mixer_backend", "pack", "trim", "devices", "threads",
                       "eval_batch_size", "ckpt_every", "timing_warmup", "progress", "profile_steps")
 # Where a run stops is not what it computes: the steps it does run are the full schedule's (its row says it stopped).
 NOT_HASHED_SCHEDULE = ("stop_at",)

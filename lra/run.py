@@ -43,6 +43,7 @@ from models.registry import get_model_class
 log = logging.getLogger("lra")
 STOP_CHECK_EVERY = 10  # steps between the data-parallel ranks' agreement on a stop request
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
+COMPILE_CHECK_ROWS = 4  # training rows whose gradients check the compiled model (check_compiled_gradients)
 
 
 class RunInterrupted(Exception):
@@ -433,6 +434,7 @@ class Trainer:
                                        self.files.dir) if world.is_main else None
         self.timer, self.logger = timer, start_logger(cfg, self.files.dir) if world.is_main else None
         loss_sum, n_loss, warned = torch.zeros((), device=device), 0, False
+        self.check_compiled_gradients()
         engine.reset_peak_memory(device)
         self.model.train()
         bar = tqdm(total=steps, initial=state["step"], desc=f"{cfg.task.name}/{cfg.model.name}",
@@ -521,10 +523,57 @@ class Trainer:
         if evaluation:
             self.eval_fn = self.model
         else:
-            torch._dynamo.reset()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
+            self.run_eagerly()
         return work()  # the lambdas read self.train_fn / self.eval_fn, now the eager ones
+
+    def run_eagerly(self) -> None:
+        """Training and evaluation run the eager model from here on (the row says compiled=False)."""
+        torch._dynamo.reset()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
+
+    def check_compiled_gradients(self) -> None:
+        """``trainer.compile_check`` (auto: on CUDA, where the model is compiled): before this process's first step,
+        the loss gradients of the first ``COMPILE_CHECK_ROWS`` training rows (unpacked) through torch.compile against
+        the eager model's, in fp32 and eval mode (``engine.gradient_disagreement``). Where one differs by more than
+        ``engine.GRADIENT_TOLERANCE`` of its size, the compiled model computes something else: with
+        ``trainer.compile=auto`` the run trains eagerly (the log and ``compile_error.txt`` say why; the row says
+        compiled=False), with ``true`` it stops, saying so. Costs one more compilation (of the check's graphs, dropped
+        after it); a check that fails to compile is left to the training step's own fallback."""
+        cfg = self.cfg
+        if not self.compiled or cfg.trainer.compile_check == "false" or (
+                cfg.trainer.compile_check == "auto" and self.device.type != "cuda"):
+            return
+        rows = torch.arange(min(COMPILE_CHECK_ROWS, len(self.data.train)))
+        inputs, labels = device_batch(self.data.train, rows, self.device, False, self.model.encoder.cls_token,
+                                      self.trimmed)
+        try:
+            name, error, got, want = engine.gradient_disagreement(self.model, torch.compile(self.model), inputs, labels)
+        except Exception as e:
+            if not is_compile_error(e):
+                raise
+            log.info("compile check: torch.compile failed on it (%s); the training step's compilation decides",
+                     type(e).__name__)
+            return
+        finally:
+            torch._dynamo.reset()  # the check's graphs go; training compiles its own
+        differs = self.world.any(torch.tensor([float(error > engine.GRADIENT_TOLERANCE)], device=self.device))[0] > 0
+        if not differs:
+            log.info("compile check: the compiled gradients are the eager ones (largest difference %.1e of %s's)",
+                     error, name)
+            return
+        report = (f"torch.compile gives {cfg.model.name} other gradients than the eager model: {name}'s differs by "
+                  f"{error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
+                  f"{engine.GRADIENT_TOLERANCE:g}) on {len(rows)} training rows in fp32")
+        if cfg.trainer.compile != "auto":
+            raise RuntimeError(f"{report}. trainer.compile=auto trains eagerly instead; trainer.compile_check=false "
+                               f"trains compiled regardless")
+        trace = self.files.dir / "compile_error.txt"
+        if self.world.is_main:
+            with trace.open("a") as f:
+                f.write(f"compile check: {report}\n")
+        log.warning("%s; training it eagerly (%s)", report, trace)
+        self.run_eagerly()
 
     def finite(self, loss_sum: torch.Tensor) -> bool:
         bad = torch.stack([torch.zeros((), device=self.device), (~torch.isfinite(loss_sum)).float()])

@@ -415,6 +415,55 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, 
                              "resume=false"))
 
 
+class Scaled(torch.nn.Module):
+    """What a miscompiled model looks like: the right shapes, other numbers (logits x2, so other gradients)."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kw):
+        return 2.0 * self.model(*args, **kw)
+
+
+def test_gradient_disagreement_is_rounding_for_a_compiled_model_and_large_for_a_wrong_one():
+    """The compile check's measure: a model through torch.compile (here Inductor's CPU code) has its eager gradients
+    to rounding; a model whose compiled numbers are wrong is named with the parameter that differs most."""
+    from lra.encoder import Classifier, Encoder
+
+    torch.manual_seed(0)
+    enc = Encoder("transformer", {}, vocab_size=20, seq_len=32, n_layers=1, d_model=16, n_heads=2, d_qkv=16,
+                  d_ff=16, dropout=0.1, attn_dropout=0.1, positions="learned", cls_token=True)
+    model = Classifier(enc, 16, 16, 3, "cls").train()
+    tokens, labels = torch.randint(1, 20, (4, 32)), torch.tensor([0, 1, 2, 1])
+    torch._dynamo.reset()
+    name, error, got, want = engine.gradient_disagreement(model, torch.compile(model), (tokens,), labels)
+    assert error < 1e-4 and model.training and all(p.grad is None for p in model.parameters())  # left as found
+    name, error, got, want = engine.gradient_disagreement(model, Scaled(model), (tokens,), labels)
+    assert error > engine.GRADIENT_TOLERANCE and got != want and name in dict(model.named_parameters())
+
+
+def test_a_model_compiled_to_other_gradients_trains_eagerly_with_auto_and_stops_with_true(smoke_cfg, monkeypatch,
+                                                                                            caplog):
+    """trainer.compile_check: before the first step, the compiled model's gradients against the eager model's.
+    Wrong ones (as Inductor's CUDA code gave Mamba) make a compile=auto run train eagerly, saying so, and stop a
+    compile=true run with the parameter and the way out; right ones leave the run compiled."""
+    monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)
+    monkeypatch.setattr(torch, "compile", Scaled)
+    args = (*TINY, "schedule.steps=2", "schedule.eval_every=2", "trainer.compile_check=true")
+    row = runner.run(smoke_cfg(*args, "trainer.compile=auto"))
+    assert row["status"] == "ok" and row["compiled"] is False
+    assert "other gradients than the eager model" in caplog.text and "training it eagerly" in caplog.text
+    assert "compile check: torch.compile gives" in (Path(row["run_dir"]) / "compile_error.txt").read_text()
+    with pytest.raises(RuntimeError, match="other gradients .* trainer.compile=auto trains eagerly instead"):
+        runner.run(smoke_cfg(*args, "trainer.compile=true", "resume=false"))
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # compiled to the same numbers
+    caplog.clear()
+    caplog.set_level(logging.INFO)
+    row = runner.run(smoke_cfg(*args, "trainer.compile=true", "resume=false"))
+    assert row["compiled"] is True and "the compiled gradients are the eager ones" in caplog.text
+
+
 def test_an_evaluation_torch_compile_cannot_compile_runs_eagerly_alone_with_auto(smoke_cfg, monkeypatch, caplog):
     """Training compiles but evaluation (no autograd, another graph) does not, as ETC's on CUDA with torch 2.11:
     evaluation goes on eagerly, the training steps stay compiled, and the row says compiled (its timing is theirs)."""
