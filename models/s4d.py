@@ -18,6 +18,8 @@ Initialisation of A (``init``), C ~ complex N(0, 1), D ~ N(0, 1):
   sqrt(2n + 1)) with its imaginary part clipped to [-2, 2] (``HIPPO_B_CLIP``), which is what the S4 repository's
   diagonal mode does with ``init: legs``.
 * ``lin`` (S4D-Lin): A_n = -1/2 + i pi n; B = 1.        * ``inv`` (S4D-Inv): A_n = -1/2 + i (N/pi)(N/(2n+1) - 1); B = 1.
+``c_times_b: true`` starts C as CN(0, 1) times B, as S4 v3's diagonal mode (the S4D paper's code) did, whose kernel
+multiplies by B again: C B^2 at init, where S4 v4 and the default keep C random (C B).
 
 The layer, as S4's: SSM (with the D skip) -> GELU -> dropout -> output projection, ``glu: true`` = Linear(H, 2H)
 + GLU (S4's default), else Linear(H, H). The backbone's ``dropout`` (the attention-dropout slot) is this dropout;
@@ -205,6 +207,7 @@ class S4D(nn.Module):
         dt_lr: Literal["ssm", "base"] = "ssm",
         n_ssm: int | None = None,
         tie_dropout: bool = False,
+        c_times_b: bool = False,
     ):
         super().__init__()
         if d_state < 2 or d_state % 2:
@@ -228,7 +231,8 @@ class S4D(nn.Module):
         self.A_imag = nn.Parameter(A.imag.float().repeat(n_ssm, 1))  # (n_ssm, n)
         self.B = nn.Parameter(torch.view_as_real(B.to(torch.complex64)).repeat(n_ssm, 1, 1))  # (n_ssm, n, 2): re, im
         channels = 2 if self.bidirectional else 1  # past (and future) kernels share A, B, dt; each has its C
-        self.C = nn.Parameter(torch.view_as_real(torch.randn(channels, H, n, dtype=torch.complex64)))  # (c, H, n, 2)
+        C = torch.randn(channels, H, n, dtype=torch.complex64)  # (c, H, n)
+        self.C = nn.Parameter(torch.view_as_real(C * B.to(C.dtype) if c_times_b else C))  # (c, H, n, 2): re, im
         self.D = nn.Parameter(torch.randn(H))
         if ssm_lr is not None:
             for p in (self.log_A_real, self.A_imag, self.B) + ((self.log_dt,) if dt_lr == "ssm" else ()):

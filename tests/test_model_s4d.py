@@ -197,6 +197,17 @@ def test_legs_is_the_spectrum_of_the_normal_part_of_hippo_legs():
     assert B[0].abs().max() < 2.01 and torch.allclose(B[0].abs()[:4], hippo_b.abs().flip(0)[:4], rtol=1e-6)
 
 
+def test_c_times_b_starts_c_as_s4_v3_did():
+    """c_times_b: C starts as the same random draw times B (S4 v3's diagonal mode), so the kernel's C B starts as
+    C B^2; B itself and everything else are unchanged."""
+    plain, v3 = make(d_model=3, init="legs"), make(d_model=3, init="legs", c_times_b=True)  # make seeds both alike
+    C, C_v3 = (torch.view_as_complex(m.C.detach()) for m in (plain, v3))
+    B = torch.view_as_complex(plain.B.detach())[0]  # (n,): every copy alike at init
+    torch.testing.assert_close(C_v3, C * B)
+    torch.testing.assert_close(v3.B, plain.B)
+    assert not torch.allclose(C_v3, C)
+
+
 def test_ssm_lr_puts_optim_exactly_on_the_ssm_parameters():
     model = make(ssm_lr=0.002)
     tagged = {name: p._optim for name, p in model.named_parameters() if hasattr(p, "_optim")}
