@@ -547,6 +547,7 @@ class Trainer:
         rows = torch.arange(min(COMPILE_CHECK_ROWS, len(self.data.train)))
         inputs, labels = device_batch(self.data.train, rows, self.device, False, self.model.encoder.cls_token,
                                       self.trimmed)
+        name, error, got, want = None, 0.0, 0.0, 0.0
         try:
             name, error, got, want = engine.gradient_disagreement(self.model, torch.compile(self.model), inputs, labels)
         except Exception as e:
@@ -554,17 +555,19 @@ class Trainer:
                 raise
             log.info("compile check: torch.compile failed on it (%s); the training step's compilation decides",
                      type(e).__name__)
-            return
         finally:
             torch._dynamo.reset()  # the check's graphs go; training compiles its own
+        # every rank reaches this agreement (a data-parallel rank waits for the others here), whatever it found
         differs = self.world.any(torch.tensor([float(error > engine.GRADIENT_TOLERANCE)], device=self.device))[0] > 0
         if not differs:
-            log.info("compile check: the compiled gradients are the eager ones (largest difference %.1e of %s's)",
-                     error, name)
+            if name is not None:
+                log.info("compile check: the compiled gradients are the eager ones (largest difference %.1e of %s's)",
+                         error, name)
             return
-        report = (f"torch.compile gives {cfg.model.name} other gradients than the eager model: {name}'s differs by "
-                  f"{error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
-                  f"{engine.GRADIENT_TOLERANCE:g}) on {len(rows)} training rows in fp32")
+        found = (f"{name}'s differs by {error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
+                 f"{engine.GRADIENT_TOLERANCE:g})" if error > engine.GRADIENT_TOLERANCE else "on another rank")
+        report = (f"torch.compile gives {cfg.model.name} other gradients than the eager model: {found}, on "
+                  f"{len(rows)} training rows in fp32")
         if cfg.trainer.compile != "auto":
             raise RuntimeError(f"{report}. trainer.compile=auto trains eagerly instead; trainer.compile_check=false "
                                f"trains compiled regardless")

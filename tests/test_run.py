@@ -406,8 +406,11 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_with_auto(smoke_cfg, 
 
     monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)
     monkeypatch.setattr(torch, "compile", broken_compile)
-    row = runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=auto"))
+    caplog.set_level(logging.INFO)
+    row = runner.run(smoke_cfg(*TINY, "schedule.steps=4", "schedule.eval_every=2", "trainer.compile=auto",
+                               "trainer.compile_check=true"))
     assert row["status"] == "ok" and row["compiled"] is False and "running it eagerly" in caplog.text
+    assert "compile check: torch.compile failed on it" in caplog.text  # the check leaves it to the training step
     trace = Path(row["run_dir"]) / "compile_error.txt"  # the traceback is kept beside the run, named in the log
     assert str(trace) in caplog.text and "LoweringException: cannot lower this" in trace.read_text()
     with pytest.raises(InductorError):  # asked for explicitly: the failure is the user's to see
