@@ -513,10 +513,9 @@ class Trainer:
             compiled = self.eval_compiled if evaluation else self.compiled
             if not (compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
                 raise
-            trace = self.files.dir / "compile_error.txt"  # the whole story, for a bug report; the log gets a line
-            if self.world.is_main:
-                with trace.open("a") as f:  # an evaluation's failure, then a training step's: both kept
-                    f.write(f"torch.compile failed in {part}:\n" + "".join(traceback.format_exception(error)))
+            # the whole story, for a bug report; the log gets a line
+            trace = self.record_compile_error(f"torch.compile failed in {part}:\n"
+                                              + "".join(traceback.format_exception(error)))
             log.warning("torch.compile failed for %s in %s (%s: %s); running %s eagerly (traceback: %s)",
                         cfg.model.name, part, type(error).__name__, str(error).splitlines()[0][:200],
                         "evaluation" if evaluation else "it", trace)
@@ -525,6 +524,15 @@ class Trainer:
         else:
             self.run_eagerly()
         return work()  # the lambdas read self.train_fn / self.eval_fn, now the eager ones
+
+    def record_compile_error(self, text: str) -> Path:
+        """Appends ``text`` to the run folder's ``compile_error.txt`` (the main rank writes; every failure kept, an
+        evaluation's, then a training step's or the compile check's) and returns its path, for the log line."""
+        trace = self.files.dir / "compile_error.txt"
+        if self.world.is_main:
+            with trace.open("a") as f:
+                f.write(text)
+        return trace
 
     def run_eagerly(self) -> None:
         """Training and evaluation run the eager model from here on (the row says compiled=False)."""
@@ -571,10 +579,7 @@ class Trainer:
         if cfg.trainer.compile != "auto":
             raise RuntimeError(f"{report}. trainer.compile=auto trains eagerly instead; trainer.compile_check=false "
                                f"trains compiled regardless")
-        trace = self.files.dir / "compile_error.txt"
-        if self.world.is_main:
-            with trace.open("a") as f:
-                f.write(f"compile check: {report}\n")
+        trace = self.record_compile_error(f"compile check: {report}\n")
         log.warning("%s; training it eagerly (%s)", report, trace)
         self.run_eagerly()
 
