@@ -43,6 +43,11 @@ no real position's convolution sees their content) and their dt is 0, so exp(A d
 the state unchanged. Flipping a right-padded row puts the padding first, where it is a no-op too, so both
 passes over a padded row equal the passes over its real tokens alone (a hole inside a row reads as a zero input
 to its neighbours' convolution taps). Padded positions get outputs the encoder ignores.
+The mixer runs over whole chunks: a row of N steps gets padded steps at its end up to the next multiple of
+``chunk_size`` (no-ops, as above), and its outputs are cut back to N. Why: on an H200 (torch 2.11), Inductor's
+CUDA code for the scan's inputs at an odd length (Image's 1,025 with the CLS token) gave dt_bias gradients up to
+1e4 times the eager ones, and Mamba's Image and ListOps runs collapsed; padded to 1,088, the compiled gradients
+are the eager ones to 3e-6 (results/README.md). At most chunk_size - 1 steps more.
 Packed rows (``segments``, ``lra.packing``): two operations cross positions, and both keep the examples apart,
 in each pass's own order (the reversed pass's first step of an example is its last position). The convolution's
 taps read only positions of their own example (a tap on another example reads a zero, as before a row's start:
@@ -171,9 +176,16 @@ class Mamba(nn.Module):
 
     def forward(self, u: torch.Tensor, mask: torch.Tensor | None = None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        z, xbcdt = self.project(u)  # (B, N, E), (2, B, N, E + 2S + H)
-        if segments is not None:  # (B, N) example ids, then (2, B, N) in each pass's order
-            mask = segments != 0 if mask is None else mask
+        N = u.shape[1]
+        if segments is not None and mask is None:  # (B, N) example ids, 0 for padding
+            mask = segments != 0
+        pad = -N % self.chunk_size
+        if pad:  # whole chunks (the docstring says why): appended no-op steps, cut off at the end
+            mask = torch.ones(u.shape[:2], dtype=torch.bool, device=u.device) if mask is None else mask
+            u, mask = F.pad(u, (0, 0, 0, pad)), F.pad(mask, (0, pad))  # (B, N + pad, D), (B, N + pad)
+            segments = None if segments is None else F.pad(segments, (0, pad))  # id 0: padding
+        z, xbcdt = self.project(u)  # (B, N', E), (2, B, N', E + 2S + H), N' = N + pad
+        if segments is not None:  # (2, B, N') example ids in each pass's order
             segments = orient(segments.expand(2, *segments.shape))
         # in the projections' dtype: 0 and 1 multiply exactly in any, and an fp32 mask would make (and keep for the
         # backward) an fp32 copy of the bf16 projections under autocast
@@ -182,4 +194,4 @@ class Mamba(nn.Module):
         # no-op steps there too.
         y = orient(self.ssm(orient(xbcdt), keep, segments)).sum(0)  # (B, N, E): forward + reversed pass, in place
         y = self.norm(y * F.silu(upcast(z)))  # (B, N, E): Mamba-2's gated RMSNorm, norm after the gate
-        return self.out_proj(y)  # (B, N, D): autocast casts y down, if on
+        return self.out_proj(y[:, :N])  # (B, N, D): autocast casts y down, if on

@@ -104,6 +104,25 @@ def test_chunked_equals_the_recurrence_in_both_directions_with_padding(chunk):
         torch.testing.assert_close(out, m(u, mask), rtol=1e-10, atol=1e-10)
 
 
+def test_the_mixer_runs_over_whole_chunks_and_returns_its_own_length(monkeypatch):
+    """Inductor's CUDA code gave wrong dt_bias gradients at an odd length (results/README.md): the mixer pads a
+    row to whole chunks (29 steps -> 32) and cuts its outputs back; the padded steps change no real output, on
+    ragged and on packed rows (segments, no mask)."""
+    lengths = []
+    scan = _scan.scan
+    monkeypatch.setattr(_scan, "scan", lambda q, *a, **kw: lengths.append(q.shape[2]) or scan(q, *a, **kw))
+    m = make(chunk_size=8)
+    u = torch.randn(4, 29, 16, dtype=torch.float64)
+    segments = packed_layout(PACKED_ROWS, 29)  # padding gaps and a padded tail
+    got = m(u, ragged([29, 20, 9, 29], 29)), m(u, None, segments)
+    assert lengths == [32, 32] and all(out.shape == (4, 29, 16) for out in got)
+    m.chunk_size = 1  # a whole number of chunks already: no padding
+    torch.testing.assert_close(got[0], m(u, ragged([29, 20, 9, 29], 29)), rtol=1e-10, atol=1e-10)
+    real = segments != 0
+    torch.testing.assert_close(got[1][real], m(u, None, segments)[real], rtol=1e-10, atol=1e-10)
+    assert lengths[2:] == [29, 29]
+
+
 def test_reversed_pass_runs_over_real_tokens_only():
     """Flipping a padded row puts the padding first; the reversed pass must equal one over the reversed real
     tokens alone, and see the future only."""
@@ -347,7 +366,9 @@ def test_on_cuda_the_gradients_where_steps_forget_fast_are_cpu_fp64s(scan, compi
         with torch.autocast(device_type=x.device.type, enabled=bool(autocast), **autocast):
             loss = (fn(x, None)[:, 0].float() @ w.to(x.device, torch.float32)).sum()  # the first position, as CLS
         loss.backward()
-        return {"input": x.grad.double().cpu(), **{n: p.grad.double().cpu() for n, p in model.named_parameters()}}
+        # copies: the fp64 reference's grads would otherwise be the very tensors that .float().cuda() moves next
+        grads = {"input": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+        return {n: g.to("cpu", torch.float64, copy=True) for n, g in grads.items()}
 
     ref = grads(m.double(), u)
     got = grads(m.float().cuda(), u.float().cuda(), dtype=torch.bfloat16)
