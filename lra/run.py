@@ -547,7 +547,9 @@ class Trainer:
         ``engine.GRADIENT_TOLERANCE`` of its size, the compiled model computes something else: with
         ``trainer.compile=auto`` the run trains eagerly (the log and ``compile_error.txt`` say why; the row says
         compiled=False), with ``true`` it stops, saying so. Costs one more compilation (of the check's graphs, dropped
-        after it); a check that fails to compile is left to the training step's own fallback."""
+        after it). Where the fp32 graphs fail to compile (DeBERTa's on CUDA) and the run trains in bf16, the check
+        runs under its autocast (``engine.GRADIENT_TOLERANCE_BF16``); where no graph compiles, it says the gradients
+        are unchecked and leaves the failure to the training step's own fallback."""
         cfg = self.cfg
         if not self.compiled or cfg.trainer.compile_check == "false" or (
                 cfg.trainer.compile_check == "auto" and self.device.type != "cuda"):
@@ -556,26 +558,33 @@ class Trainer:
         inputs, labels = device_batch(self.data.train, rows, self.device, False, self.model.encoder.cls_token,
                                       self.trimmed)
         name, error, got, want = None, 0.0, 0.0, 0.0
-        try:
-            name, error, got, want = engine.gradient_disagreement(self.model, torch.compile(self.model), inputs, labels)
-        except Exception as e:
-            if not is_compile_error(e):
-                raise
-            log.info("compile check: torch.compile failed on it (%s); the training step's compilation decides",
-                     type(e).__name__)
-        finally:
-            torch._dynamo.reset()  # the check's graphs go; training compiles its own
+        for precision in ("fp32", "bf16") if self.precision == "bf16" else ("fp32",):
+            autocast = self.autocast if precision == "bf16" else None  # None: the check's own fp32
+            try:
+                name, error, got, want = engine.gradient_disagreement(self.model, torch.compile(self.model), inputs,
+                                                                      labels, autocast)
+                break
+            except Exception as e:
+                if not is_compile_error(e):
+                    raise
+                log.info("compile check: torch.compile failed on it in %s (%s)", precision, type(e).__name__)
+            finally:
+                torch._dynamo.reset()  # the check's graphs go; training compiles its own
+        else:
+            log.warning("compile check: no graph of the check compiled, so the compiled gradients are unchecked; the "
+                        "training step's compilation decides")
+        tolerance = engine.GRADIENT_TOLERANCE_BF16 if precision == "bf16" else engine.GRADIENT_TOLERANCE
         # every rank reaches this agreement (a data-parallel rank waits for the others here), whatever it found
-        differs = self.world.any(torch.tensor([float(error > engine.GRADIENT_TOLERANCE)], device=self.device))[0] > 0
+        differs = self.world.any(torch.tensor([float(error > tolerance)], device=self.device))[0] > 0
         if not differs:
             if name is not None:
-                log.info("compile check: the compiled gradients are the eager ones (largest difference %.1e of %s's)",
-                         error, name)
+                log.info("compile check: the compiled gradients are the eager ones in %s (largest difference %.1e of "
+                         "%s's)", precision, error, name)
             return
         found = (f"{name}'s differs by {error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
-                 f"{engine.GRADIENT_TOLERANCE:g})" if error > engine.GRADIENT_TOLERANCE else "on another rank")
+                 f"{tolerance:g})" if error > tolerance else "on another rank")
         report = (f"torch.compile gives {cfg.model.name} other gradients than the eager model: {found}, on "
-                  f"{len(rows)} training rows in fp32")
+                  f"{len(rows)} training rows in {precision}")
         if cfg.trainer.compile != "auto":
             raise RuntimeError(f"{report}. trainer.compile=auto trains eagerly instead; trainer.compile_check=false "
                                f"trains compiled regardless")

@@ -467,6 +467,38 @@ def test_a_model_compiled_to_other_gradients_trains_eagerly_with_auto_and_stops_
     assert row["compiled"] is True and "the compiled gradients are the eager ones" in caplog.text
 
 
+def test_the_check_runs_under_the_runs_bf16_where_its_fp32_graphs_do_not_compile(smoke_cfg, monkeypatch, caplog):
+    """DeBERTa's fp32 graphs fail to compile for CUDA where its bf16 training graphs compile: the check then runs
+    under the run's autocast, with bf16's tolerance, and decides as in fp32; where nothing compiles it says the
+    gradients are unchecked."""
+    sign = {"logits": -1.0}  # negated logits: other gradients by far more than bf16's tolerance
+
+    class CompilesUnderAutocastOnly(torch.nn.Module):
+        def __init__(self, model, **kwargs):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args, **kw):
+            if not torch.is_autocast_enabled("cpu"):
+                raise InductorError("LoweringException: cannot lower this")
+            return sign["logits"] * self.model(*args, **kw)
+
+    monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)
+    monkeypatch.setattr(torch, "compile", CompilesUnderAutocastOnly)
+    caplog.set_level(logging.INFO)
+    args = (*TINY, "schedule.steps=2", "schedule.eval_every=2", "trainer.compile_check=true", "trainer.compile=auto")
+    row = runner.run(smoke_cfg(*args, "trainer.precision=bf16"))
+    assert row["compiled"] is False and "compile check: torch.compile failed on it in fp32" in caplog.text
+    assert "training rows in bf16" in (Path(row["run_dir"]) / "compile_error.txt").read_text()
+    sign["logits"] = 1.1  # off by more than fp32's tolerance, within bf16's rounding
+    caplog.clear()
+    row = runner.run(smoke_cfg(*args, "trainer.precision=bf16", "resume=false"))
+    assert row["compiled"] is True and "the compiled gradients are the eager ones in bf16" in caplog.text
+    caplog.clear()
+    runner.run(smoke_cfg(*args, "trainer.precision=fp32", "resume=false"))  # compiles nowhere: training falls back
+    assert "the compiled gradients are unchecked" in caplog.text
+
+
 def test_an_evaluation_torch_compile_cannot_compile_runs_eagerly_alone_with_auto(smoke_cfg, monkeypatch, caplog):
     """Training compiles but evaluation (no autograd, another graph) does not, as ETC's on CUDA with torch 2.11:
     evaluation goes on eagerly, the training steps stay compiled, and the row says compiled (its timing is theirs)."""
