@@ -30,7 +30,7 @@ def is_stopped(status) -> bool:
 HASHED_ONLY_IF_NOT = {
     "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "head": "mlp", "embedding": "tokens",
                  "pixel_mean": 0.5, "pixel_std": 0.5, "tie_dropout": False, "embedding_dropout": None},
-    "model": {"tie_dropout": False, "dt_lr": "ssm", "n_ssm": None, "c_times_b": False},
+    "model": {"tie_dropout": False, "dt_lr": "ssm", "n_ssm": None, "c_times_b": False, "b_clip": 2.0},
     "schedule": {"batching": "random"},
 }
 

@@ -15,8 +15,8 @@ Initialisation of A (``init``), C ~ complex N(0, 1), D ~ N(0, 1):
 * ``legs`` (default; the published S4D-LegS LRA numbers): the eigenvalues of the normal part of HiPPO-LegS,
   S = A_LegS + P P^T with P_n = sqrt(n + 1/2), which is -1/2 I plus a skew-symmetric matrix: A_n = -1/2 + i w_n,
   the N/2 eigenvalues with w_n > 0. B is HiPPO-derived, B = V^* B_LegS (V the unit eigenvectors, B_LegS_n =
-  sqrt(2n + 1)) with its imaginary part clipped to [-2, 2] (``HIPPO_B_CLIP``), which is what the S4 repository's
-  diagonal mode does with ``init: legs``.
+  sqrt(2n + 1)) with its imaginary part clipped to [-2, 2] (``b_clip``, default ``HIPPO_B_CLIP``), as S4 v4's
+  diagonal mode does with ``init: legs``; v3 (the S4D paper's code) left it unclipped (``b_clip: null``).
 * ``lin`` (S4D-Lin): A_n = -1/2 + i pi n; B = 1.        * ``inv`` (S4D-Inv): A_n = -1/2 + i (N/pi)(N/(2n+1) - 1); B = 1.
 ``c_times_b: true`` starts C as CN(0, 1) times B, as S4 v3's diagonal mode (the S4D paper's code) did, whose kernel
 multiplies by B again: C B^2 at init, where S4 v4 and the default keep C random (C B).
@@ -71,10 +71,10 @@ def legs_normal_part(N: int) -> torch.Tensor:
     return lower.T - lower - 0.5 * torch.eye(N, dtype=torch.float64)
 
 
-# S4's clip of S4D-LegS's B (hippo.nplr's B_clip, which its diagonal mode uses with ``init: legs``): the imaginary
-# part of V^* B_LegS, in eigh's phases, to [-2, 2]. Unclipped, |B| grows with the mode's frequency to 40.75 at N = 64,
-# and the fastest modes, aliased where dt w > pi, start as long pseudo-random filters carrying 16% of the kernels'
-# energy (0.9% clipped); B trains at ssm_lr without weight decay, so it keeps that scale.
+# S4 v4's clip of S4D-LegS's B (hippo.nplr's B_clip, which its diagonal mode uses with ``init: legs``; v3 had none):
+# the imaginary part of V^* B_LegS, in eigh's phases, to [-2, 2]. Unclipped, |B| grows with the mode's frequency to
+# 40.75 at N = 64, and the fastest modes, aliased where dt w > pi, start as long pseudo-random filters carrying 16% of
+# the kernels' energy (0.9% clipped); B trains at ssm_lr without weight decay, so it keeps that scale.
 HIPPO_B_CLIP = 2.0
 
 
@@ -90,8 +90,9 @@ def legs_diagonal(N: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w, V.conj().T @ torch.sqrt(2 * torch.arange(N, dtype=torch.float64) + 1).to(V.dtype)  # V^* B_LegS
 
 
-def init_diagonal(init: str, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The N/2 kept modes: (A, B), each complex128 (N/2,), Re A = -1/2 and Im A > 0 (or 0 for Lin's n = 0)."""
+def init_diagonal(init: str, N: int, b_clip: float | None = HIPPO_B_CLIP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The N/2 kept modes: (A, B), each complex128 (N/2,), Re A = -1/2 and Im A > 0 (or 0 for Lin's n = 0);
+    LegS's B with its imaginary part clipped to [-b_clip, b_clip] (None: unclipped)."""
     n = torch.arange(N // 2, dtype=torch.float64)
     B = torch.ones(N // 2, dtype=torch.complex128)
     if init == "lin":
@@ -100,7 +101,8 @@ def init_diagonal(init: str, N: int) -> tuple[torch.Tensor, torch.Tensor]:
         imag = (N / math.pi) * (N / (2 * n + 1) - 1)
     elif init == "legs":
         w, B = legs_diagonal(N)
-        B = torch.complex(B.real, B.imag.clamp(-HIPPO_B_CLIP, HIPPO_B_CLIP))  # (N/2,): S4's clip
+        if b_clip is not None:
+            B = torch.complex(B.real, B.imag.clamp(-b_clip, b_clip))  # (N/2,): S4 v4's clip
         # the conjugate modes, Im A > 0 as the other inits: with C ~ CN(0, 1) (as likely as its conjugate) the
         # kernel 2 Re(C B exp(k dt A)) has the same distribution
         imag, B = -w.flip(0), B.flip(0).conj()  # ascending Im A
@@ -208,6 +210,7 @@ class S4D(nn.Module):
         n_ssm: int | None = None,
         tie_dropout: bool = False,
         c_times_b: bool = False,
+        b_clip: float | None = HIPPO_B_CLIP,
     ):
         super().__init__()
         if d_state < 2 or d_state % 2:
@@ -216,6 +219,9 @@ class S4D(nn.Module):
             raise ValueError(f"discretization must be zoh or bilinear, got {discretization!r}")
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
+        if b_clip is not None and not b_clip > 0:
+            raise ValueError(f"b_clip must be > 0 (init legs: B's imaginary part to [-b_clip, b_clip]) or null "
+                             f"(unclipped), got {b_clip}")
         if dt_lr not in ("ssm", "base"):
             raise ValueError(f"dt_lr must be ssm (ssm_lr, as A and B) or base (the optimiser's lr), got {dt_lr!r}")
         n_ssm = d_model if n_ssm is None else int(n_ssm)
@@ -224,7 +230,7 @@ class S4D(nn.Module):
                              f"got {n_ssm}")
         H, n = d_model, d_state // 2
         self.discretization, self.bidirectional, self.glu = discretization, bool(bidirectional), bool(glu)
-        A, B = init_diagonal(init, d_state)  # (n,), (n,)
+        A, B = init_diagonal(init, d_state, b_clip)  # (n,), (n,)
         self.log_dt = nn.Parameter(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         # n_ssm copies of A and B (H: one per channel); channel h uses copy h mod n_ssm, as S4's repeat
         self.log_A_real = nn.Parameter(torch.log(-A.real).float().repeat(n_ssm, 1))  # (n_ssm, n)

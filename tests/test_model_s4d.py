@@ -197,6 +197,19 @@ def test_legs_is_the_spectrum_of_the_normal_part_of_hippo_legs():
     assert B[0].abs().max() < 2.01 and torch.allclose(B[0].abs()[:4], hippo_b.abs().flip(0)[:4], rtol=1e-6)
 
 
+def test_b_clip_null_leaves_legs_b_as_s4_v3_did():
+    """b_clip: null keeps V^* B_LegS whole (S4 v3, the S4D paper's code; v4 clips its imaginary part to [-2, 2]):
+    the same B where the clip does not reach, the HiPPO projection's own size (|B| to 40.75 at N = 64) elsewhere."""
+    clipped, whole = make(d_model=3, init="legs"), make(d_model=3, init="legs", b_clip=None)
+    B, B_whole = (torch.view_as_complex(m.B.detach())[0] for m in (clipped, whole))  # (n,): copies alike at init
+    inside = B_whole.imag.abs() <= 2
+    assert 0 < inside.sum() < len(B) and torch.equal(B[inside], B_whole[inside])
+    assert B_whole.abs().max() > 40 and B.imag.abs().max() <= 2
+    torch.testing.assert_close(whole.A_imag, clipped.A_imag)
+    with pytest.raises(ValueError, match="b_clip must be > 0"):
+        make(b_clip=0.0)
+
+
 def test_c_times_b_starts_c_as_s4_v3_did():
     """c_times_b: C starts as the same random draw times B (S4 v3's diagonal mode), so the kernel's C B starts as
     C B^2; B itself and everything else are unchanged."""

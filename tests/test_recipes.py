@@ -244,11 +244,11 @@ def test_the_options_at_their_defaults_leave_the_config_hash_as_it_was():
                        ("pixel_std", 0.25), ("tie_dropout", True), ("embedding_dropout", 0.0)):
         assert config_hash({**cfg, "backbone": {**cfg["backbone"], key: value}}) != config_hash(cfg)
     s4d = OmegaConf.to_container(compose_cfg(["model=s4d", "run_dir=x"]), resolve=True)  # a mixer's option too
-    added = {"tie_dropout": False, "dt_lr": "ssm", "n_ssm": None}
+    added = {"tie_dropout": False, "dt_lr": "ssm", "n_ssm": None, "c_times_b": False, "b_clip": 2.0}
     assert {k: s4d["model"][k] for k in added} == added
     assert config_hash(s4d) == config_hash({**s4d, "model": {k: v for k, v in s4d["model"].items()
                                                              if k not in added}})
-    for key, value in (("tie_dropout", True), ("dt_lr", "base"), ("n_ssm", 2)):
+    for key, value in (("tie_dropout", True), ("dt_lr", "base"), ("n_ssm", 2), ("c_times_b", True), ("b_clip", None)):
         assert config_hash({**s4d, "model": {**s4d["model"], key: value}}) != config_hash(s4d)
 
 
