@@ -192,6 +192,6 @@ class Mamba(nn.Module):
         keep = None if mask is None else orient(mask[None, ..., None].to(xbcdt.dtype).expand(2, *mask.shape, 1))
         # The reversed pass runs the same causal code on the flipped rows, where right padding comes first:
         # no-op steps there too.
-        y = orient(self.ssm(orient(xbcdt), keep, segments)).sum(0)  # (B, N, E): forward + reversed pass, in place
-        y = self.norm(y * F.silu(upcast(z)))  # (B, N, E): Mamba-2's gated RMSNorm, norm after the gate
-        return self.out_proj(y[:, :N])  # (B, N, D): autocast casts y down, if on
+        y = orient(self.ssm(orient(xbcdt), keep, segments)).sum(0)  # (B, N', E): forward + reversed pass, in place
+        y = self.norm(y * F.silu(upcast(z)))  # (B, N', E): Mamba-2's gated RMSNorm, norm after the gate
+        return self.out_proj(y[:, :N])  # (B, N, D): the real steps; autocast casts y down, if on
