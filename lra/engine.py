@@ -140,6 +140,35 @@ def gradient_disagreement(model: torch.nn.Module, compiled, inputs: tuple[torch.
     return worst, errors[worst], other.get(worst, zero).norm().item(), eager[worst].norm().item()
 
 
+def is_compile_error(error: BaseException) -> bool:
+    """An error raised while torch.compile traced or compiled (Dynamo, Inductor), not by the model's own code."""
+    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def compiled_gradient_check(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor,
+                            bf16=None):
+    """The compile check (the runner's ``check_compiled_gradients``, and the GPU test over the registry):
+    ``gradient_disagreement`` between ``model`` and a fresh torch.compile of it in fp32; where those graphs do not
+    compile and ``bf16`` (the run's autocast factory) is given, under it, at ``GRADIENT_TOLERANCE_BF16``. Each
+    attempt's graphs are dropped after it. Returns (precision, tolerance, (worst, error, got, want)) of the attempt
+    that compiled, or (None, None, None) where none did, and the [(precision, error type)] that failed to compile;
+    any other error is raised."""
+    failed = []
+    for precision, autocast, tolerance in (("fp32", None, GRADIENT_TOLERANCE), ("bf16", bf16, GRADIENT_TOLERANCE_BF16)):
+        if precision == "bf16" and bf16 is None:
+            break
+        try:
+            found = gradient_disagreement(model, torch.compile(model), inputs, labels, autocast)
+            return precision, tolerance, found, failed
+        except Exception as e:
+            if not is_compile_error(e):
+                raise
+            failed.append((precision, type(e).__name__))
+        finally:
+            torch._dynamo.reset()  # the check's graphs go; training compiles its own
+    return None, None, None, failed
+
+
 def train_step(model, optimizer, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, *, autocast, grad_clip=None,
                scheduler=None, loss_weight: float = 1.0) -> torch.Tensor:
     """One optimisation step: forward, loss, backward, clip, AdamW, schedule. ``inputs``: the model's arguments

@@ -511,7 +511,7 @@ class Trainer:
         except Exception as error:
             cfg = self.cfg
             compiled = self.eval_compiled if evaluation else self.compiled
-            if not (compiled and cfg.trainer.compile == "auto" and is_compile_error(error)):
+            if not (compiled and cfg.trainer.compile == "auto" and engine.is_compile_error(error)):
                 raise
             # the whole story, for a bug report; the log gets a line
             trace = self.record_compile_error(f"torch.compile failed in {part}:\n"
@@ -557,34 +557,25 @@ class Trainer:
         rows = torch.arange(min(COMPILE_CHECK_ROWS, len(self.data.train)))
         inputs, labels = device_batch(self.data.train, rows, self.device, False, self.model.encoder.cls_token,
                                       self.trimmed)
-        name, error, got, want = None, 0.0, 0.0, 0.0
-        for precision in ("fp32", "bf16") if self.precision == "bf16" else ("fp32",):
-            autocast = self.autocast if precision == "bf16" else None  # None: the check's own fp32
-            try:
-                name, error, got, want = engine.gradient_disagreement(self.model, torch.compile(self.model), inputs,
-                                                                      labels, autocast)
-                break
-            except Exception as e:
-                if not is_compile_error(e):
-                    raise
-                log.info("compile check: torch.compile failed on it in %s (%s)", precision, type(e).__name__)
-            finally:
-                torch._dynamo.reset()  # the check's graphs go; training compiles its own
-        else:
+        bf16 = self.autocast if self.precision == "bf16" else None
+        precision, tolerance, found, failed = engine.compiled_gradient_check(self.model, inputs, labels, bf16)
+        for attempt, kind in failed:
+            log.info("compile check: torch.compile failed on it in %s (%s)", attempt, kind)
+        if found is None:
             log.warning("compile check: no graph of the check compiled, so the compiled gradients are unchecked; the "
                         "training step's compilation decides")
-        tolerance = engine.GRADIENT_TOLERANCE_BF16 if precision == "bf16" else engine.GRADIENT_TOLERANCE
+        name, error, got, want = found or (None, 0.0, 0.0, 0.0)
+        differs_here = found is not None and error > tolerance
         # every rank reaches this agreement (a data-parallel rank waits for the others here), whatever it found
-        differs = self.world.any(torch.tensor([float(error > tolerance)], device=self.device))[0] > 0
+        differs = self.world.any(torch.tensor([float(differs_here)], device=self.device))[0] > 0
         if not differs:
-            if name is not None:
+            if found is not None:
                 log.info("compile check: the compiled gradients are the eager ones in %s (largest difference %.1e of "
                          "%s's)", precision, error, name)
             return
-        found = (f"{name}'s differs by {error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
-                 f"{tolerance:g})" if error > tolerance else "on another rank")
-        report = (f"torch.compile gives {cfg.model.name} other gradients than the eager model: {found}, on "
-                  f"{len(rows)} training rows in {precision}")
+        where = (f"{name}'s differs by {error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
+                 f"{tolerance:g}), on {len(rows)} training rows in {precision}" if differs_here else "on another rank")
+        report = f"torch.compile gives {cfg.model.name} other gradients than the eager model: {where}"
         if cfg.trainer.compile != "auto":
             raise RuntimeError(f"{report}. trainer.compile=auto trains eagerly instead; trainer.compile_check=false "
                                f"trains compiled regardless")
@@ -716,11 +707,6 @@ def save_row(cfg: DictConfig, files: RunFiles, row: dict, history: list) -> None
     append_row(Path(cfg.results.dir) / "runs.csv", row, RUN_COLUMNS)
     write_curve(cfg.results.dir, row, history)
     files.write_result(row, history)
-
-
-def is_compile_error(error: BaseException) -> bool:
-    """An error raised while torch.compile traced or compiled (Dynamo, Inductor), not by the model's own code."""
-    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
 def _overrides() -> str:

@@ -195,11 +195,10 @@ def test_a_compiled_model_in_training_is_one_graph(name):
 def test_on_cuda_a_compiled_model_has_its_eager_gradients(name):
     """Inductor's CUDA code has given wrong gradients where eager CUDA, ``aot_eager`` and the CPU were exact (Mamba:
     its dt gradients 0.5x to 2.6e4x off in the whole model, at init, in fp32; results/README.md). Compiled on the
-    GPU, every model's gradients are its eager ones, by the runner's compile check (``engine.gradient_disagreement``:
-    fp32, eval mode, the training loss; under bf16 autocast where the fp32 graphs do not compile, as the check
-    does): one layer, an Image row (1,024 pixels and the CLS token: 1,025 positions)."""
+    GPU, every model's gradients are its eager ones, by the runner's compile check (``engine.compiled_gradient_check``:
+    fp32, eval mode, the training loss; under bf16 autocast where the fp32 graphs do not compile): one layer, an
+    Image row (1,024 pixels and the CLS token: 1,025 positions)."""
     from lra import engine
-    from lra.run import is_compile_error
 
     torch.manual_seed(0)
     enc = Encoder(name, {}, vocab_size=257, seq_len=1024, n_layers=1, d_model=64, n_heads=2, d_qkv=64, d_ff=64,
@@ -208,16 +207,10 @@ def test_on_cuda_a_compiled_model_has_its_eager_gradients(name):
     tokens = torch.randint(0, 257, (4, 1024), device="cuda")
     labels = torch.randint(0, 10, (4,), device="cuda")
     torch._dynamo.reset()
-    precision, tolerance = "fp32", engine.GRADIENT_TOLERANCE
-    try:
-        worst, error, got, want = engine.gradient_disagreement(model, torch.compile(model), (tokens,), labels)
-    except Exception as e:
-        if not is_compile_error(e):
-            raise
-        torch._dynamo.reset()
-        precision, tolerance = "bf16", engine.GRADIENT_TOLERANCE_BF16
-        worst, error, got, want = engine.gradient_disagreement(model, torch.compile(model), (tokens,), labels,
-                                                               engine.autocast("bf16", torch.device("cuda")))
+    bf16 = engine.autocast("bf16", torch.device("cuda"))
+    precision, tolerance, found, failed = engine.compiled_gradient_check(model, (tokens,), labels, bf16)
+    assert found is not None, f"{name}: torch.compile failed in {failed}"
+    worst, error, got, want = found
     assert error < tolerance, (f"{name}: {worst}'s compiled gradient is off by {error:.2e} of its size in "
                                f"{precision} (|g| {got:.3e} compiled, {want:.3e} eager)")
 

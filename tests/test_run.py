@@ -392,7 +392,7 @@ def test_sigusr2_checkpoints_then_hands_over_to_the_previous_handler(smoke_cfg, 
 
 
 class InductorError(RuntimeError):
-    """What torch raises when lowering fails (``lra.run.is_compile_error`` tells it by its module)."""
+    """What torch raises when lowering fails (``lra.engine.is_compile_error`` tells it by its module)."""
 
 
 InductorError.__module__ = "torch._inductor.exc"
