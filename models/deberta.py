@@ -127,8 +127,11 @@ class RelativeGather(torch.autograd.Function):
         dim = ctx.dim
         if dim == -2:  # (B, H, n, n) -> runs down the columns: the bounds' rows become columns
             starts, ends = starts.t(), ends.t()  # (T, n)
-        prefix = grad.to(torch.promote_types(grad.dtype, torch.float32)).cumsum(dim)  # (B, H, n, n): >= fp32
-        prefix = F.pad(prefix, (1, 0) if dim == -1 else (0, 0, 1, 0))  # a leading 0: S[k] = sum of the first k
+        # The leading 0 goes in before the prefix sum (S[k] = sum of the first k, n + 1 of them), not after: the
+        # sum of the n alone, padded, did not compile for CUDA in fp32 at n = 1,025 (Inductor's split-scan codegen
+        # failed), where this form compiles with the eager gradients (results/README.md).
+        grad = grad.to(torch.promote_types(grad.dtype, torch.float32))  # >= fp32
+        prefix = F.pad(grad, (1, 0) if dim == -1 else (0, 0, 1, 0)).cumsum(dim)  # (B, H, n + 1, n) or (B, H, n, n + 1)
         lead = grad.shape[:2]
         total = prefix.gather(dim, ends.expand(*lead, -1, -1)) - prefix.gather(dim, starts.expand(*lead, -1, -1))
         return total.to(ctx.table_dtype), None, None, None, None
