@@ -118,6 +118,9 @@ class TrainerConfig:
     threads: Optional[int] = None  # CPU threads of each process; null: this process's share of the host's cores
     eval_batch_size: Optional[int] = None  # null: the training batch, at least 128 (see eval_batch_size())
     ckpt_every: int = 500
+    # minutes of training (this process's loop) after which the run ends at that step as schedule.stop_at would:
+    # evaluated, checkpointed, tested, a `stopped: at step N of M` row; the same command goes on from there
+    time_limit: Optional[float] = None
     timing_warmup: int = 20
     progress: bool = True
 
@@ -384,6 +387,9 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)} is not valid: two numbers in [0, 1)")
     if not DEVICE.match(str(cfg.device)):
         raise ConfigError(f"device={cfg.device!r} is not valid: choose auto, cpu, cuda or cuda:N")
+    limit = cfg.trainer.get("time_limit")
+    if limit is not None and not limit > 0:
+        raise ConfigError(f"trainer.time_limit={limit} is not valid: minutes of training (> 0), or null for no limit")
     if cfg.trainer.threads is not None and cfg.trainer.threads < 1:
         raise ConfigError(f"trainer.threads={cfg.trainer.threads} is not valid: at least 1, or null for a share")
     b = cfg.backbone

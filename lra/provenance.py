@@ -8,19 +8,21 @@ import json
 # Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
 NOT_HASHED_TRAINER = ("compile", "compile_mode", "compile_check", "mixer_backend", "pack", "trim", "devices", "threads",
-                      "eval_batch_size", "ckpt_every", "timing_warmup", "progress", "profile_steps")
+                      "eval_batch_size", "ckpt_every", "time_limit", "timing_warmup", "progress",
+                      "profile_steps")
 # Where a run stops is not what it computes: the steps it does run are the full schedule's (its row says it stopped).
 NOT_HASHED_SCHEDULE = ("stop_at",)
-STOPPED = "stopped"  # the status of a run ended by schedule.stop_at, ``stopped_status``; a prefix to test for
+STOPPED = "stopped"  # a run ended by schedule.stop_at or trainer.time_limit (``stopped_status``); a prefix to test for
 
 
 def stopped_status(step: int, steps: int) -> str:
-    """The status of a run that ``schedule.stop_at`` ended at ``step`` of its ``steps``."""
+    """The status of a run that ``schedule.stop_at`` or ``trainer.time_limit`` ended at ``step`` of its ``steps``."""
     return f"{STOPPED}: at step {step:,} of {steps:,}"
 
 
 def is_stopped(status) -> bool:
-    """Whether a row's ``status`` (any value, a missing one included) is that of a run ``schedule.stop_at`` ended."""
+    """Whether a row's ``status`` (any value, a missing one included) is that of a run ended early
+    (``stopped_status``)."""
     return str(status).startswith(STOPPED)
 # Keys added after runs were recorded (the backbone's, a mixer's options, the schedule's), with the values that
 # computed what those runs computed: at these values they are left out of the hash, so a run recorded or

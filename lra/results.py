@@ -3,8 +3,9 @@ column list), documented in ``results/README.md``; atomic appends, and provenanc
 config hash). Leaderboards and charts are derived from these CSVs, never edited.
 
 Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the run), ``oom``,
-``error: <Type>: <message>``, or ``stopped: at step N of M`` (``schedule.stop_at``: a recipe run as far as device
-time allowed). Only ``ok`` and ``stopped`` rows carry accuracies or timings; only ``ok`` rows are ever averaged.
+``error: <Type>: <message>``, or ``stopped: at step N of M`` (``schedule.stop_at`` or ``trainer.time_limit``: a
+recipe run as far as device time allowed). Only ``ok`` and ``stopped`` rows carry accuracies or timings; only ``ok``
+rows are ever averaged.
 Each row's validation curve goes beside ``runs.csv``: ``curves/<task>_<model>_<experiment>_seed<seed>_<config
 hash>_<timestamp>.csv`` (``CURVE_COLUMNS``; ``curve_path``), the evaluations of the run up to that row.
 """

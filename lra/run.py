@@ -42,6 +42,7 @@ from models.registry import get_model_class
 
 log = logging.getLogger("lra")
 STOP_CHECK_EVERY = 10  # steps between the data-parallel ranks' agreement on a stop request
+clock = time.monotonic  # trainer.time_limit's clock (seconds); a test replaces it
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
 COMPILE_CHECK_ROWS = 4  # training rows whose gradients check the compiled model (check_compiled_gradients)
 
@@ -283,7 +284,10 @@ class Trainer:
             log.info("%s stopped at step %d already (schedule.stop_at=%d): no new row; raise or drop stop_at to "
                      "train on", files.dir, done["steps"], end)
             return {"row": done}
-        if done is not None and files.settled() is None:
+        if done is not None and is_stopped(done.get("status")):
+            log.info("%s %s: it goes on from its checkpoint", files.dir, done.get("status"))
+            done = None
+        elif done is not None and files.settled() is None:
             log.warning("%s ended with status %r: running it again (from its checkpoint when there is one)",
                         files.dir, done.get("status"))
             done = None
@@ -422,7 +426,8 @@ class Trainer:
         return BatchOrder(len(self.data.train), cfg.schedule.batch_size, cfg.seed, lengths)
 
     def train(self) -> str:
-        """The loop; returns ``ok``, ``diverged``, or ``stopped: at step N of M`` (``schedule.stop_at``)."""
+        """The loop; returns ``ok``, ``diverged``, or ``stopped: at step N of M`` (``schedule.stop_at``, or
+        ``trainer.time_limit``: the step it had reached when its minutes were up, evaluated and checkpointed)."""
         cfg, state, world, device = self.cfg, self.state, self.world, self.device
         steps, every = cfg.schedule.steps, cfg.schedule.eval_every
         end = cfg.schedule.stop_at or steps  # the learning rate follows `steps` whatever the end
@@ -439,9 +444,24 @@ class Trainer:
         self.model.train()
         bar = tqdm(total=steps, initial=state["step"], desc=f"{cfg.task.name}/{cfg.model.name}",
                    disable=not (cfg.trainer.progress and world.is_main), dynamic_ncols=True)
+        limit = cfg.trainer.time_limit
+        deadline = None if limit is None else clock() + 60 * limit
         with graceful_stop() as previous_handlers:
             while state["step"] < end:
-                if self.stop_agreed():
+                signalled, time_up = self.stop_agreed(deadline)
+                if time_up:
+                    log.info("trainer.time_limit=%g minutes reached at step %d of %d: the run ends here as stopped; "
+                             "the same command goes on from its checkpoint", limit, state["step"], steps)
+                    if n_loss and not self.finite(loss_sum):
+                        log.error("non-finite training loss by step %d: the run diverged (status=diverged)",
+                                  state["step"])
+                        return "diverged"
+                    if n_loss:  # the steps since the last evaluation: evaluate where the run ends
+                        timer.pause()
+                        self.validate_and_log(world.mean(loss_sum / n_loss, cfg.schedule.batch_size).item(), bar)
+                    self.checkpoint(timer)
+                    break
+                if signalled:
                     self.checkpoint(timer)
                     bar.close()
                     self.after_stop(previous_handlers)
@@ -477,17 +497,18 @@ class Trainer:
         return "ok" if state["step"] == steps else stopped_status(state["step"], steps)
 
     # -- pieces of the loop -------------------------------------------------------------------------------------
-    def stop_agreed(self) -> bool:
-        """Whether to stop before this step (a signal arrived). Alone: at once. Data-parallel: every rank must stop
-        at the same step, which takes an all-reduce and a device-to-host read; done every ``STOP_CHECK_EVERY`` steps
-        (the same steps on every rank), not every step, where that sync would stall the queue of GPU work each
-        step and cost the scaling across GPUs."""
+    def stop_agreed(self, deadline: float | None = None) -> tuple[bool, bool]:
+        """Whether to stop before this step: (a signal arrived, the ``deadline`` on ``clock`` has passed). Alone: at
+        once. Data-parallel: every rank must stop at the same step, which takes an all-reduce and a device-to-host
+        read; done every ``STOP_CHECK_EVERY`` steps (the same steps on every rank), not every step, where that sync
+        would stall the queue of GPU work each step and cost the scaling across GPUs."""
+        time_up = deadline is not None and clock() >= deadline
         if not self.world.distributed:
-            return STOP.requested
+            return STOP.requested, time_up
         if self.state["step"] % STOP_CHECK_EVERY:
-            return False
-        flags = torch.tensor([float(STOP.requested), 0.0], device=self.device)
-        return bool(self.world.any(flags)[0] > 0)
+            return False, False
+        flags = self.world.any(torch.tensor([float(STOP.requested), float(time_up)], device=self.device))
+        return bool(flags[0] > 0), bool(flags[1] > 0)
 
     def step(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         """One training step (eagerly from here on if torch.compile fails: ``eager_if_compile_fails``)."""

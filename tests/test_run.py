@@ -96,6 +96,37 @@ def test_stop_at_ends_a_run_early_as_stopped_and_it_resumes_to_the_full_run(smok
         runner.run(smoke_cfg(*overrides, "schedule.stop_at=13"))
 
 
+def test_time_limit_ends_a_run_where_its_minutes_run_out_as_stopped_and_the_same_command_goes_on(
+        smoke_cfg, tmp_path, monkeypatch):
+    """trainer.time_limit: the run ends at the step its minutes ran out, evaluated there (off the cadence too, as
+    stop_at), checkpointed and tested, in a `stopped` row; the same command trains another slice from there, and a
+    run without the limit ends with the weights of an uninterrupted run. The clock is a counter, a minute a reading
+    (one as the loop starts, one before each step): no wall-clock assert."""
+    overrides = (*TINY, "schedule.steps=12", "schedule.eval_every=4", "trainer.ckpt_every=100")
+    reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
+    readings = iter(range(10_000))
+    monkeypatch.setattr(runner, "clock", lambda: 60.0 * next(readings))
+    time.sleep(1)  # rows a second apart: curves are named by what ran and the row's time
+    first = runner.run(smoke_cfg(*overrides, "trainer.time_limit=6"))  # the 6th reading in the loop: before step 6
+    assert first["status"] == "stopped: at step 5 of 12" and first["steps"] == 5
+    assert 0 <= first["test_acc"] <= 1 and first["config_hash"] == reference["config_hash"]
+    assert pd.read_csv(curve_path(tmp_path / "results", first))["step"].tolist() == [4, 5]
+    time.sleep(1)
+    second = runner.run(smoke_cfg(*overrides, "trainer.time_limit=6"))  # from step 5, five more steps
+    assert second["status"] == "stopped: at step 10 of 12"
+    assert pd.read_csv(curve_path(tmp_path / "results", second))["step"].tolist() == [4, 5, 8, 10]
+    time.sleep(1)
+    finished = runner.run(smoke_cfg(*overrides))
+    assert finished["status"] == "ok" and finished["steps"] == 12 and len(rows(tmp_path)) == 4
+    for k in ("final_val_acc", "final_test_acc"):  # the same weights at the end: slices change no step
+        assert finished[k] == reference[k], k
+    curve = pd.read_csv(curve_path(tmp_path / "results", finished)).set_index("step")
+    want = pd.read_csv(curve_path(tmp_path / "results", reference)).set_index("step")
+    pd.testing.assert_frame_equal(curve.loc[[4, 8, 12], ["val_acc", "lr"]], want.loc[[4, 8, 12], ["val_acc", "lr"]])
+    with pytest.raises(ConfigError, match=r"trainer.time_limit=0.0 is not valid"):
+        runner.run(smoke_cfg(*overrides, "trainer.time_limit=0"))
+
+
 def stop_during_step(monkeypatch, n: int, signum: int | None = None) -> dict:
     """Make step ``n`` behave as if a signal arrived during it: the loop stops after it."""
     calls = {"n": 0}

@@ -351,11 +351,17 @@ def test_data_parallel_ranks_agree_on_a_stop_every_few_steps_not_every_step(monk
     stops = []
     for step in range(1, 2 * runner.STOP_CHECK_EVERY + 1):
         trainer.state["step"] = step
-        stops.append(trainer.stop_agreed())
+        stops.append(trainer.stop_agreed()[0])
     assert stops.index(True) == runner.STOP_CHECK_EVERY - 1 and len(reduced) == 2  # one agreement per cadence
+    monkeypatch.setattr(runner.STOP, "requested", False)
+    trainer.state["step"] = runner.STOP_CHECK_EVERY + 1
+    assert trainer.stop_agreed(deadline=runner.clock() - 1) == (False, False)  # trainer.time_limit: at the cadence
+    trainer.state["step"] = 2 * runner.STOP_CHECK_EVERY
+    assert trainer.stop_agreed(deadline=runner.clock() - 1) == (False, True)
+    monkeypatch.setattr(runner.STOP, "requested", True)
     trainer.world = runner.distributed.World()  # one process
     trainer.state["step"] = 1
-    assert trainer.stop_agreed()
+    assert trainer.stop_agreed() == (True, False)
 
 
 def slurm_available() -> str | None:
