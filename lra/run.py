@@ -14,6 +14,7 @@ data-parallel (``lra.distributed``).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -351,9 +352,12 @@ class Trainer:
             # broadcast_buffers=False: no broadcast of rank 0's buffers before every forward. They are constants
             # (positions, hash rotations) or BatchNorm statistics, which only evaluation reads: the ranks take rank
             # 0's before each evaluation (``evaluate``), rank 0 alone saves them, and its own evolve the same
-            # either way.
+            # either way. torch 2.13 names that forward_sync_buffers (broadcast_buffers is deprecated there); both
+            # leave the one sync at construction, of buffers the ranks built alike.
+            no_forward_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
+                DistributedDataParallel).parameters else {"broadcast_buffers": False}
             train_model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda"
-                                                  else None, gradient_as_bucket_view=True, broadcast_buffers=False)
+                                                  else None, gradient_as_bucket_view=True, **no_forward_sync)
         self.eager_train_fn = train_model
         mode = cfg.trainer.compile_mode
         self.train_fn = torch.compile(train_model, mode=mode) if self.compiled else train_model
