@@ -6,9 +6,9 @@ Table 1. Rules:
 * runs of the chosen experiments only (default ``lra``: LRA's protocol; smoke runs never count); other
   experiments (recipes, variants) are separate rows, labelled by their ``experiment``;
 * only ``status == ok`` rows carry a result; ``diverged``, ``oom`` and ``error`` runs are counted (``n_failed``)
-  while their seed has no ok run, and never averaged; a run ended early by ``schedule.stop_at`` (``stopped: at step
-  N of M``, a recipe longer than the device time it got) is named in the note with its accuracy so far, while its
-  seed has no ok run, and never averaged either;
+  while their seed has no ok run, and never averaged; a run ended early by ``schedule.stop_at`` or
+  ``trainer.time_limit`` (``stopped: at step N of M``, a recipe longer than the device time it got) is named in the
+  note with its accuracy so far, while its seed has no ok run, and never averaged either;
 * per (experiment, model, task, seed) the ok run with the best validation accuracy (a re-run of the same seed
   replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
   1 point of the validation split's majority-class share: it still counts, and ``n_stalled`` says so; it
@@ -148,7 +148,7 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     n = len(best)
     # a failed run counts while its seed has no ok run (a seed rerun to ok after an oom or a fixed error is a result)
     open_seed, ended_early = ~g["seed"].isin(best["seed"]), g["status"].map(is_stopped)  # no ok run yet
-    stopped = ended_early & open_seed  # schedule.stop_at
+    stopped = ended_early & open_seed  # schedule.stop_at, trainer.time_limit
     unresolved = (g["status"] != "ok") & ~ended_early & open_seed
     failed = int(unresolved.sum())
     row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
