@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -136,7 +137,6 @@ def test_job_states_from_the_run_folder(tmp_path):
 
 def _segfault() -> None:
     import faulthandler
-    import signal
 
     faulthandler.disable()  # pytest's handler would print every thread's stack for this deliberate crash
     os.kill(os.getpid(), signal.SIGSEGV)
@@ -155,6 +155,51 @@ def test_a_job_runs_in_a_process_of_its_own_and_a_crash_is_reported_not_spread()
     assert type(crash.value).__name__ == JobCrashed.__name__  # by name: Hydra's plugin scan re-executes the module
     with pytest.raises(RuntimeError, match="ValueError: a bad option"):
         run_isolated(_fail)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a job ends with its sweep through Linux's prctl")
+def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_jobs_with_a_checkpoint(tmp_path):
+    """`kill PID` of a sweep (or a container's stop: the signal reaches its first process alone) must not leave its
+    running job training on, orphaned, on a GPU the relaunch then waits for: the job finishes its step, checkpoints
+    and ends, and no other job starts. Its checkpoint can only come from the stop (ckpt_every past the schedule)."""
+    env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results"),
+           "LRA_GPU_LOCKS": str(tmp_path / "locks")}
+    args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=1", *FAST, "schedule.steps=100000",
+            "schedule.eval_every=100000", "trainer.ckpt_every=100000", "trainer.progress=false", "seed=0,1",
+            "sweep=stopped"]
+    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # its own group: nothing else gets it
+    jobs = tmp_path / "outputs" / "multirun" / "stopped" / "listops" / "transformer"
+    first, log = None, None
+    try:
+        for _ in range(600):  # until the first job trains
+            logs = list(jobs.glob("*seed=0*/__main__.log")) if jobs.exists() else []
+            if logs and "parameters" in logs[0].read_text():
+                first, log = logs[0].parent, logs[0]
+                break
+            time.sleep(0.5)
+        assert first is not None, "the sweep's first job did not start"
+        time.sleep(2)  # a few steps in
+        os.kill(sweep.pid, signal.SIGTERM)  # the sweep's own process only
+        sweep.wait(timeout=60)
+        for _ in range(240):
+            if (first / "checkpoint.pt").exists() and "SIGTERM" in log.read_text():
+                break
+            time.sleep(0.5)
+        assert "SIGTERM: finishing this step and saving a checkpoint" in log.read_text()
+        assert (first / "checkpoint.pt").exists()
+        assert not list(jobs.glob("*seed=1*")), "a job started after the sweep was stopped"
+    finally:
+        if _group_alive(sweep.pid):  # whatever is left of the sweep, on failure
+            os.killpg(sweep.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _crashing_task(cfg) -> None:

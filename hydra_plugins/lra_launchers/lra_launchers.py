@@ -171,12 +171,29 @@ def waiting(lock_dir: Path) -> list[tuple[int, int]]:
     return found
 
 
-def _send_result(conn, fn, args, env) -> None:
+def stop_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGTERM when its parent ends. A sweep stopped by a signal to its own process alone
+    (``kill PID``, a container's stop) would otherwise leave its running jobs training on, orphaned, on GPUs that a
+    relaunch then waits for; with it each job finishes its step, checkpoints and ends, as if signalled itself.
+    Elsewhere nothing (the signal still reaches a job sent to the whole process group, as a terminal's Ctrl-C)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # no libc with prctl (macOS, Windows)
+        return
+    if os.getppid() != parent:  # the parent ended before the line above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _send_result(conn, fn, args, env, parent: int) -> None:
     """In the job's own process: ``fn(*args)`` with ``env`` added to its environment, its result sent back pickled
     (an exception as a RuntimeError that names it, since not every exception pickles). Loky's pickler, as joblib's
     own workers use: Hydra runs this module outside ``sys.modules``, so its classes pickle by value."""
     from joblib.externals.loky.backend.reduction import dumps
 
+    stop_with_parent(parent)
     os.environ.update(env)
     try:
         result = fn(*args)
@@ -205,7 +222,7 @@ def run_isolated(fn, *args, env: dict[str, str] | None = None):
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_send_result, args=(send, fn, args, env or {}))
+    child = ctx.Process(target=_send_result, args=(send, fn, args, env or {}, os.getpid()))
     child.start()
     send.close()
     try:
