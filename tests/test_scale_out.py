@@ -28,13 +28,19 @@ FAST = ["experiment=smoke", "task.seq_len=200", "backbone.n_layers=1", "schedule
         "data.limit.train=32", "data.limit.val=8", "data.limit.test=8"]
 
 
-def lra_cli(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of an `lra` command run by a test: data, rows and GPU locks under ``tmp_path``, and none of
+    the sweep variables a parent sweep (the tests' own runner inside one) would pass down."""
     env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results"),
            "LRA_GPU_LOCKS": str(tmp_path / "locks")}
     env.pop("LRA_SWEEP_NAME", None)
     env.pop("LRA_SWEPT_KEYS", None)
-    proc = subprocess.run([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return env
+
+
+def lra_cli(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=cli_env(tmp_path),
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -162,13 +168,12 @@ def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_jobs_with_a_ch
     """`kill PID` of a sweep (or a container's stop: the signal reaches its first process alone) must not leave its
     running job training on, orphaned, on a GPU the relaunch then waits for: the job finishes its step, checkpoints
     and ends, and no other job starts. Its checkpoint can only come from the stop (ckpt_every past the schedule)."""
-    env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results"),
-           "LRA_GPU_LOCKS": str(tmp_path / "locks")}
     args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=1", *FAST, "schedule.steps=100000",
             "schedule.eval_every=100000", "trainer.ckpt_every=100000", "trainer.progress=false", "seed=0,1",
             "sweep=stopped"]
-    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)  # its own group: nothing else gets it
+    # its own process group: the signal below reaches nothing else, and the cleanup can end the whole group
+    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=cli_env(tmp_path),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     jobs = tmp_path / "outputs" / "multirun" / "stopped" / "listops" / "transformer"
     first, log = None, None
     try:
@@ -443,14 +448,11 @@ def test_a_slurm_job_signalled_before_its_end_checkpoints_is_requeued_and_resume
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must run the Slurm test: {reason}")
         pytest.skip(reason)
-    env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results")}
-    env.pop("LRA_SWEEP_NAME", None)
-    env.pop("LRA_SWEPT_KEYS", None)
     args = ["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
             "hydra.launcher.timeout_min=10", "hydra.launcher.name=lra-requeue-test", *FAST, "schedule.steps=3000",
             "schedule.eval_every=3000", "trainer.ckpt_every=100000", "sweep=requeue", "model=transformer"]
-    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=cli_env(tmp_path),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     job_log = None
     for _ in range(300):  # wait for training to start in the Slurm job
         logs = list((tmp_path / "outputs" / "multirun" / "requeue").rglob("__main__.log"))
