@@ -169,7 +169,7 @@ def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_jobs_with_a_ch
     running job training on, orphaned, on a GPU the relaunch then waits for: the job finishes its step, checkpoints
     and ends, and no other job starts. Its checkpoint can only come from the stop (ckpt_every past the schedule)."""
     args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=1", *FAST, "schedule.steps=100000",
-            "schedule.eval_every=100000", "trainer.ckpt_every=100000", "trainer.progress=false", "seed=0,1",
+            "schedule.eval_every=2", "trainer.ckpt_every=100000", "trainer.progress=false", "seed=0,1",
             "sweep=stopped"]
     # its own process group: the signal below reaches nothing else, and the cleanup can end the whole group
     sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=cli_env(tmp_path),
@@ -177,14 +177,13 @@ def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_jobs_with_a_ch
     jobs = tmp_path / "outputs" / "multirun" / "stopped" / "listops" / "transformer"
     first, log = None, None
     try:
-        for _ in range(600):  # until the first job trains
+        for _ in range(600):  # until the first job's loop runs (its first evaluation): its signal handlers are in
             logs = list(jobs.glob("*seed=0*/__main__.log")) if jobs.exists() else []
-            if logs and "parameters" in logs[0].read_text():
+            if logs and "step 2/100000" in logs[0].read_text():
                 first, log = logs[0].parent, logs[0]
                 break
             time.sleep(0.5)
         assert first is not None, "the sweep's first job did not start"
-        time.sleep(2)  # a few steps in
         os.kill(sweep.pid, signal.SIGTERM)  # the sweep's own process only
         sweep.wait(timeout=60)
         for _ in range(240):
