@@ -74,14 +74,26 @@ def autocast(precision: str, device: torch.device):
     return nullcontext
 
 
-def cpu_threads(requested: int | None, local_processes: int = 1) -> int:
+def host_gpus() -> int:
+    """The NVIDIA GPUs of this host, whichever of them ``CUDA_VISIBLE_DEVICES`` shows this process (the driver
+    lists each in /proc/driver/nvidia/gpus); torch's count where that listing is absent."""
+    listing = Path("/proc/driver/nvidia/gpus")
+    return max(1, len(list(listing.iterdir())) if listing.is_dir() else torch.cuda.device_count())
+
+
+def cpu_threads(requested: int | None, device: torch.device | None = None) -> int:
     """Threads for this process: ``requested``, else its share of the cores it may run on. Every process of a
     multi-GPU host otherwise takes all the cores (torch's default) and they thrash: four runs side by side ran at
-    half the speed of one alone. ``LRA_LOCAL_JOBS`` (set by the launcher) says how many jobs share the host."""
+    half the speed of one alone. ``LRA_LOCAL_JOBS`` (set by the launcher and the data-parallel ranks) says how many
+    jobs share the host; a process on a GPU takes at most one GPU's share of the cores, as runs started by hand,
+    one per GPU, share the host unknown to each other (seen on a 4 x H200 host: a 2-GPU run started by hand beside
+    two 1-GPU runs, every process taking all 64 cores, trained at a third of that run's speed alone)."""
     if requested:
         return int(requested)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    jobs = max(local_processes, float(os.environ.get("LRA_LOCAL_JOBS", "1") or 1))  # 4 GPU slots, a 3-GPU job: 4/3
+    jobs = float(os.environ.get("LRA_LOCAL_JOBS", "1") or 1)  # 4 GPU slots, a 3-GPU job: 4/3
+    if device is not None and device.type == "cuda":
+        jobs = max(jobs, host_gpus())
     return max(1, int(cores // jobs))
 
 

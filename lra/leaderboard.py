@@ -162,9 +162,10 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
                    headline="final" if final else "best_val")
         if final:
             notes.append("final weights: the validation split is the test set")
-    for _, run in g[stopped].drop_duplicates("seed", keep="last").iterrows():  # the furthest-trained is the latest
+    latest = g[stopped].drop_duplicates("seed", keep="last")  # the furthest-trained is the latest
+    for (_, run), so_far in zip(latest.iterrows(), headline(latest), strict=True):  # Text: its weights at the stop
         where = run["status"].replace(": ", " ", 1)  # stopped at step N of M
-        notes.append(f"seed {run['seed']} {where}, test {run['test_acc']:.2f} so far (not averaged)")
+        notes.append(f"seed {run['seed']} {where}, test {so_far:.2f} so far (not averaged)")
     if failed:
         kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()
         notes.append("failed: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))

@@ -133,6 +133,14 @@ def test_a_run_stopped_early_is_named_with_its_accuracy_but_never_averaged_or_fa
     assert cell(lb, "s4d", "image") == 87.0 and cell(lb, "s4d", "image", "note") == ""  # finished since: that counts
 
 
+def test_a_stopped_run_whose_validation_is_the_test_set_is_named_with_its_weights_at_the_stop():
+    """Its best validation accuracy was chosen on the test set: the note gives the final weights' test accuracy."""
+    runs = pd.DataFrame([dict(run("text", "s4d", 0, 85.8, 85.8, final=73.4, status="stopped: at step 28,431 of 49,984"),
+                              val_is_test=True)]).reindex(columns=RUN_COLUMNS)
+    note = leaderboard.build_leaderboard(runs).pipe(cell, "s4d", "text", "note")
+    assert note == "seed 0 stopped at step 28,431 of 49,984, test 73.40 so far (not averaged)"
+
+
 def test_where_validation_is_the_test_set_the_final_weights_of_the_latest_run_count(tmp_path):
     """Text validates on its test set (as LRA): choosing a checkpoint or a re-run by validation would choose on test."""
     text = dict(val_is_test=True, split="train=train, val=test, test=test")

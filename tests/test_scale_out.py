@@ -310,6 +310,20 @@ def test_a_job_is_placed_on_the_gpus_it_holds_with_its_share_of_the_cores(monkey
         assert cpu_threads(None) == threads
 
 
+def test_a_run_on_a_gpu_takes_one_gpus_share_of_the_cores_when_no_launcher_says_more(monkeypatch):
+    """Runs started by hand, one per GPU, do not know of each other: each takes its GPU's share of the host."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr("lra.engine.host_gpus", lambda: 4)
+    monkeypatch.delenv("LRA_LOCAL_JOBS", raising=False)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (cpu_threads(None, cuda), cpu_threads(None, cpu), cpu_threads(None)) == (16, 64, 64)
+    assert cpu_threads(3, cuda) == 3  # trainer.threads wins
+    monkeypatch.setenv("LRA_LOCAL_JOBS", "8")  # two jobs a GPU (the launcher's slots): their share, not the GPU's
+    assert cpu_threads(None, cuda) == 8
+    monkeypatch.setenv("LRA_LOCAL_JOBS", "2")  # a rank of a 2-GPU run started by hand
+    assert cpu_threads(None, cuda) == 16
+
+
 # a run small enough for two gloo processes, without dropout, so that one process and two compare exactly; evaluation
 # in batches of 3, spread over the ranks
 DDP_SMALL = ("task.seq_len=200", "backbone.n_layers=1", "backbone.dropout=0", "backbone.attn_dropout=0",
