@@ -77,8 +77,10 @@ def autocast(precision: str, device: torch.device):
 def host_gpus() -> int:
     """The NVIDIA GPUs of this host, whichever of them ``CUDA_VISIBLE_DEVICES`` shows this process (the driver
     lists each in /proc/driver/nvidia/gpus); torch's count where that listing is absent."""
-    listing = Path("/proc/driver/nvidia/gpus")
-    return max(1, len(list(listing.iterdir())) if listing.is_dir() else torch.cuda.device_count())
+    try:
+        return max(1, len(list(Path("/proc/driver/nvidia/gpus").iterdir())))
+    except OSError:  # no NVIDIA driver here, or its listing unreadable
+        return max(1, torch.cuda.device_count())
 
 
 def cpu_threads(requested: int | None, device: torch.device | None = None) -> int:
