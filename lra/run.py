@@ -456,13 +456,11 @@ class Trainer:
                 if time_up:
                     log.info("trainer.time_limit=%g minutes reached at step %d of %d: the run ends here as stopped; "
                              "the same command goes on from its checkpoint", limit, state["step"], steps)
-                    if n_loss and not self.finite(loss_sum):
-                        log.error("non-finite training loss by step %d: the run diverged (status=diverged)",
-                                  state["step"])
+                    if n_loss and self.diverged(loss_sum):
                         return "diverged"
                     if n_loss:  # the steps since the last evaluation: evaluate where the run ends
                         timer.pause()
-                        self.validate_and_log(world.mean(loss_sum / n_loss, cfg.schedule.batch_size).item(), bar)
+                        self.validate_and_log(loss_sum, n_loss, bar)
                     self.checkpoint(timer)
                     break
                 if signalled:
@@ -485,12 +483,11 @@ class Trainer:
                 step, last = state["step"], state["step"] == end
                 if not warned and device.type == "cpu" and timer.running()[0] >= 3 and cfg.experiment != "smoke":
                     warned = self.warn_cpu(timer, steps)
-                if (step % every == 0 or last or step % 100 == 0) and not self.finite(loss_sum):
-                    log.error("non-finite training loss by step %d: the run diverged (status=diverged)", step)
+                if (step % every == 0 or last or step % 100 == 0) and self.diverged(loss_sum):
                     return "diverged"
                 if step % every == 0 or last:
                     timer.pause()
-                    self.validate_and_log(world.mean(loss_sum / n_loss, cfg.schedule.batch_size).item(), bar)
+                    self.validate_and_log(loss_sum, n_loss, bar)
                     loss_sum.zero_()
                     n_loss = 0
                     engine.reset_peak_memory(device)
@@ -609,9 +606,13 @@ class Trainer:
         log.warning("%s; training it eagerly (%s)", report, trace)
         self.run_eagerly()
 
-    def finite(self, loss_sum: torch.Tensor) -> bool:
+    def diverged(self, loss_sum: torch.Tensor) -> bool:
+        """Whether the training loss summed since the last evaluation is non-finite on any rank (logged)."""
         bad = torch.stack([torch.zeros((), device=self.device), (~torch.isfinite(loss_sum)).float()])
-        return not bool(self.world.any(bad)[1] > 0)
+        if not bool(self.world.any(bad)[1] > 0):
+            return False
+        log.error("non-finite training loss by step %d: the run diverged (status=diverged)", self.state["step"])
+        return True
 
     def warn_cpu(self, timer: engine.StepTimer, steps: int) -> bool:
         done, seconds = timer.running()
@@ -623,8 +624,11 @@ class Trainer:
                         left / 3600)
         return True
 
-    def validate_and_log(self, train_loss: float, bar) -> None:
+    def validate_and_log(self, loss_sum: torch.Tensor, n_loss: int, bar) -> None:
+        """Evaluates on the validation split and logs it with the training loss of the ``n_loss`` steps since the
+        last evaluation (their sum ``loss_sum``, averaged over every rank's share of the batch)."""
         state, world = self.state, self.world
+        train_loss = world.mean(loss_sum / n_loss, self.cfg.schedule.batch_size).item()
         self.state["peak_mem_mb"] = max(state["peak_mem_mb"], engine.peak_memory_mb(self.device))
         val_acc = self.evaluate(self.data.val)  # every rank its share of the batches
         if world.is_main:
