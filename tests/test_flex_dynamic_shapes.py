@@ -66,26 +66,27 @@ def test_the_registry_has_flex_paths_to_check():
     assert set(TABLE_MODELS) <= set(FLEX_MODELS)
 
 
-@pytest.mark.parametrize("name", FLEX_MODELS)
-def test_a_second_shape_compiles_the_flex_path_with_lowerable_captures(name):
-    """A second length (a trimmed batch) for the sequence models; for the 2-D ones, whose tasks are never trimmed
-    (the grid is the task's), a second batch size (evaluation's)."""
-    grid = getattr(get_model_class(name), "needs_grid", False)
-    dropout = 0.0 if grid else 0.1  # image_local's flex path takes no attention dropout (nor a key mask)
-    model = flex_mixer(name, dropout)
-    captured = []
-    run = model if grid else WithClsSlot(model)
-    compiled = torch.compile(run, backend=captured_values_backend(captured))  # dynamic=None, as the runner's
-    with torch.no_grad():  # the forward's graph (the CPU's FlexAttention has no backward to run)
-        if grid:
-            for batch in (2, 3):
-                compiled(torch.randn(batch, 256, 32), None, grid=Grid(16, 16))
-        else:
-            for x, mask in two_lengths():
-                compiled(x, mask)
+def captures_not_lowerable(name: str, captured: list) -> list[str]:
     assert captured, f"{name}: no FlexAttention call was traced"
-    bad = [value for call in captured for value in call if not lowerable(value)]
-    assert not bad, f"{name}: captured {[str(v) for v in bad]}"
+    return [str(value) for call in captured for value in call if not lowerable(value)]
+
+
+GRID_FLEX_MODELS = [name for name in FLEX_MODELS if getattr(get_model_class(name), "needs_grid", False)]
+SEQUENCE_FLEX_MODELS = [name for name in FLEX_MODELS if name not in GRID_FLEX_MODELS]
+
+
+@pytest.mark.parametrize("name", GRID_FLEX_MODELS)
+def test_a_second_batch_size_compiles_the_2d_flex_path_with_lowerable_captures(name):
+    """The 2-D models' tasks are never trimmed (the grid is the task's): a second batch size (evaluation's) is what
+    makes their shapes symbolic. Their flex path takes no attention dropout (nor a key mask)."""
+    model = flex_mixer(name, 0.0)
+    captured = []
+    compiled = torch.compile(model, backend=captured_values_backend(captured))  # dynamic=None, as the runner's
+    with torch.no_grad():  # the forward's graph (the CPU's FlexAttention has no backward to run)
+        for batch in (2, 3):
+            compiled(torch.randn(batch, 256, 32), None, grid=Grid(16, 16))
+    bad = captures_not_lowerable(name, captured)
+    assert not bad, f"{name}: captured {bad}"
 
 
 def flex_backward_subgraphs(graph: torch.fx.GraphModule) -> list[torch.fx.Graph]:
@@ -93,37 +94,6 @@ def flex_backward_subgraphs(graph: torch.fx.GraphModule) -> list[torch.fx.Graph]
     return [getattr(graph, arg.target).graph for node in graph.graph.nodes
             if node.op == "call_function" and "flex_attention_backward" in str(node.target)
             for arg in node.args if isinstance(arg, torch.fx.Node) and arg.op == "get_attr"]
-
-
-SEQUENCE_FLEX_MODELS = [name for name in FLEX_MODELS if not getattr(get_model_class(name), "needs_grid", False)]
-
-
-@pytest.mark.parametrize("name", SEQUENCE_FLEX_MODELS)
-def test_no_flex_backward_sizes_a_buffer_by_a_symbol(name, flex_backward_on_cpu):
-    """Training at a first length, then a second (trimmed batches): each FlexAttention backward traced has no
-    ``sym_size`` in its subgraphs, and the first length's training step did go through FlexAttention."""
-    backward_graphs = []  # per compiled graph: its flex backwards' subgraphs
-
-    class NotRun(Exception):
-        """The backward graphs are inspected, not run (eager flex backwards on the CPU are not all implemented)."""
-
-    def record(graph, example_inputs):
-        backward_graphs.append(flex_backward_subgraphs(graph))
-
-        def not_run(*args):
-            raise NotRun
-        return not_run
-
-    torch._dynamo.reset()
-    model = flex_mixer(name, 0.1)
-    compiled = torch.compile(WithClsSlot(model), backend=aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=record))
-    for x, mask in two_lengths(requires_grad=True):
-        with pytest.raises(NotRun):
-            compiled(x, mask).sum().backward()
-    assert backward_graphs and backward_graphs[0], f"{name}: the first length's backward has no FlexAttention"
-    sized = [str(node) for graphs in backward_graphs for graph in graphs for node in graph.nodes
-             if node.op == "call_function" and node.target == torch.ops.aten.sym_size.int]
-    assert not sized, f"{name}: a flex backward sizes a buffer by a symbol: {sized}"
 
 
 VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "slice", "select", "unsqueeze",
@@ -141,29 +111,93 @@ def producer(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-@pytest.mark.parametrize("training", [True, False], ids=["training", "evaluation"])
-@pytest.mark.parametrize("name", TABLE_MODELS)
-def test_every_table_a_score_mod_reads_is_a_buffer_of_its_own(name, training, flex_backward_on_cpu):
-    """At a second length (trimmed batches), every floating-point tensor that a FlexAttention call's mods read is an
-    input or the output of ``patterns.realized``, in the ATen graph that Inductor lowers. Otherwise Inductor inlines
-    its last operation into the kernel's score_mod: DeBERTa's table, zero-padded to its bound (a masked load), failed
-    the lowering of its trimmed training run on an H200 ("'function' object has no attribute 'graph'")."""
-    read = []  # (op, target) of the producer of each floating-point tensor a forward flex call captures
+def table_reads(graph: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """(op, target) of the producer of each floating-point tensor a forward flex call of an ATen graph captures."""
+    reads = []
+    for arg in (arg for call in flex_captures(graph) for arg in call):  # the mods' captured values
+        value = arg.meta["val"] if isinstance(arg, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            source = producer(arg)
+            reads.append((source.op, str(source.target)))
+    return reads
 
-    def record(graph, example_inputs):
-        for arg in (arg for call in flex_captures(graph) for arg in call):  # the mods' captured values
-            value = arg.meta["val"] if isinstance(arg, torch.fx.Node) else None
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                source = producer(arg)
-                read.append((source.op, str(source.target)))
+
+def not_realised(name: str, reads: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    assert reads, f"{name}: no FlexAttention call read a floating-point table"
+    return sorted({source for source in reads if source[0] != "placeholder" and "realized" not in source[1]})
+
+
+@pytest.mark.parametrize("name", SEQUENCE_FLEX_MODELS)
+def test_training_at_a_second_length_compiles_every_flex_path_lowerably(name, flex_backward_on_cpu):
+    """Training at a first length, then a second (a trimmed batch), behind a CLS slot, compiled as the runner does
+    (automatic dynamic shapes). One trace per model checks, at each level Inductor's FlexAttention lowering reads:
+    - Dynamo's graph: every value a mod captures is a tensor or a bare symbol;
+    - the AOT backward graphs: no flex backward sizes a buffer by a symbol (``sym_size``), and the first length's
+      training step did go through FlexAttention;
+    - the AOT forward graph (the models whose score_mod reads a floating-point table): every such table is an input
+      or the output of ``patterns.realized``, not an operation Inductor would inline into the kernel's score_mod
+      (DeBERTa's table, zero-padded to its bound, a masked load, failed the lowering of its trimmed training run
+      on an H200: "'function' object has no attribute 'graph'")."""
+    captured, reads, backward_graphs = [], [], []  # backward_graphs: per compiled graph, its flex backwards' subgraphs
+
+    class NotRun(Exception):
+        """The backward graphs are inspected, not run (eager flex backwards on the CPU are not all implemented)."""
+
+    def record_forward(graph, example_inputs):
+        reads.extend(table_reads(graph))
         return graph
 
+    def record_backward(graph, example_inputs):
+        backward_graphs.append(flex_backward_subgraphs(graph))
+
+        def not_run(*args):
+            raise NotRun
+        return not_run
+
+    aot = aot_autograd(fw_compiler=record_forward, bw_compiler=record_backward)
+
+    def backend(graph, example_inputs):  # Dynamo's graph: its captures, then AOT autograd's forward and backward
+        captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
+        return aot(graph, example_inputs)
+
     torch._dynamo.reset()
-    model = flex_mixer(name, 0.1).train(training)
-    compiled = torch.compile(WithClsSlot(model), backend=aot_autograd(fw_compiler=record))
-    with torch.set_grad_enabled(training):
-        for x, mask in two_lengths(requires_grad=training):
-            compiled(x, mask)  # training: the joint graph is traced here; its backward is not run
-    assert read, f"{name}: no FlexAttention call read a floating-point table"
-    inlined = [source for source in read if source[0] != "placeholder" and "realized" not in source[1]]
-    assert not inlined, f"{name}: a mod reads a tensor computed in the graph, not realised: {sorted(set(inlined))}"
+    compiled = torch.compile(WithClsSlot(flex_mixer(name, 0.1)), backend=backend)
+    for x, mask in two_lengths(requires_grad=True):
+        with pytest.raises(NotRun):
+            compiled(x, mask).sum().backward()
+    bad = captures_not_lowerable(name, captured)
+    assert not bad, f"{name}: captured {bad}"
+    assert backward_graphs and backward_graphs[0], f"{name}: the first length's backward has no FlexAttention"
+    sized = [str(node) for graphs in backward_graphs for graph in graphs for node in graph.nodes
+             if node.op == "call_function" and node.target == torch.ops.aten.sym_size.int]
+    assert not sized, f"{name}: a flex backward sizes a buffer by a symbol: {sized}"
+    if name in TABLE_MODELS:
+        inlined = not_realised(name, reads)
+        assert not inlined, f"{name}: a mod reads a tensor computed in the graph, not realised: {inlined}"
+
+
+@pytest.mark.parametrize("name", TABLE_MODELS)
+def test_in_evaluation_every_table_a_score_mod_reads_is_a_buffer_of_its_own(name):
+    """The same as training's last check, for the evaluation graph (no autograd: another forward graph), at a
+    second length and with its captures lowerable."""
+    captured, reads = [], []
+
+    def record(graph, example_inputs):
+        reads.extend(table_reads(graph))
+        return graph
+
+    aot = aot_autograd(fw_compiler=record)
+
+    def backend(graph, example_inputs):
+        captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
+        return aot(graph, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(WithClsSlot(flex_mixer(name, 0.1).eval()), backend=backend)
+    with torch.no_grad():
+        for x, mask in two_lengths():
+            compiled(x, mask)
+    bad = captures_not_lowerable(name, captured)
+    assert not bad, f"{name}: captured {bad}"
+    inlined = not_realised(name, reads)
+    assert not inlined, f"{name}: a mod reads a tensor computed in the graph, not realised: {inlined}"
