@@ -20,8 +20,8 @@ def installed(tmp_path_factory):
     """``pip install --no-deps .`` (a built wheel, not editable) into a folder of its own."""
     target = tmp_path_factory.mktemp("site")
     src = tmp_path_factory.mktemp("src") / "lra"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "outputs", "*.egg-info", "__pycache__", "results",
-                                                              "notebooks", "tests", "build"))
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "outputs", "*.egg-info", "__pycache__", "results",
+                                                              "notebooks", "tests", "build"))  # .*: .git, caches
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                            "--target", str(target), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

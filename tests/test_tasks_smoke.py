@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.conftest import ROOT, SHARED_DATA
+from tests.conftest import SHARED_DATA
 from tests.test_data_tasks import write_aan_release, write_cifar_parquet, write_imdb_parquet
 
 SMOKE_BUDGET_S = 60
@@ -99,15 +99,3 @@ def test_documented_smoke_run_takes_under_a_minute(task, sources, tmp_path):
     """Wall time on a quiet 2-core machine; a busy one breaks it, hence ``slow`` (not in the default run)."""
     seconds = smoke_cli(task, sources[task], tmp_path)
     assert seconds < SMOKE_BUDGET_S, f"{task}: the smoke run took {seconds:.0f} s"
-
-
-def test_runs_from_another_folder_write_under_it(tmp_path):
-    """Outputs of an unconfigured run go to ./outputs of the folder it runs in, never into the project's results/."""
-    before = (ROOT / "results" / "runs.csv").read_bytes()
-    env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("LRA_RESULTS_DIR", None)
-    proc = subprocess.run([sys.executable, "-m", "lra", "experiment=smoke", "schedule.steps=2",
-                           "schedule.eval_every=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(pd.read_csv(tmp_path / "outputs" / "results" / "runs.csv")) == 1
-    assert (ROOT / "results" / "runs.csv").read_bytes() == before
