@@ -2,15 +2,17 @@
 line naming the key, the value and what is allowed; overrides and multirun work."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lra.config import ConfigError, eval_batch_size, validate
+from lra.config import ConfigError, TrainerConfig, eval_batch_size, validate
 from lra.data import list_tasks
 from models import list_models, model_options
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, started
@@ -36,6 +38,16 @@ def test_model_config_holds_only_its_own_options_with_the_constructor_defaults(m
     assert set(cfg) - {"name"} <= set(own), f"{model}.yaml sets options its constructor does not take"
     for key in set(cfg) - {"name"}:
         assert cfg[key] == own[key], f"{model}.yaml: {key}={cfg[key]!r} but the constructor says {own[key]!r}"
+
+
+def test_the_trainer_yaml_lists_every_trainer_setting_with_the_schemas_default():
+    """conf/trainer/default.yaml is where a user reads what a run's execution can be told: every field of the schema,
+    at the schema's default (compile_mode and compile_check were missing from it)."""
+    listed = yaml.safe_load((CONF / "trainer" / "default.yaml").read_text())
+    schema = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
+    assert sorted(listed) == sorted(schema)
+    assert all(str(listed[key]).lower() == str(default).lower() for key, default in schema.items()), \
+        {key: (listed[key], default) for key, default in schema.items() if str(listed[key]) != str(default)}
 
 
 @pytest.mark.parametrize("task", TASKS)
