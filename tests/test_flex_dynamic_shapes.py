@@ -67,6 +67,7 @@ def test_the_registry_has_flex_paths_to_check():
 
 
 def captures_not_lowerable(name: str, captured: list) -> list[str]:
+    """The values among ``captured`` (per flex call, its mods' captures) that Inductor's lowering cannot take."""
     assert captured, f"{name}: no FlexAttention call was traced"
     return [str(value) for call in captured for value in call if not lowerable(value)]
 
@@ -123,8 +124,18 @@ def table_reads(graph: torch.fx.GraphModule) -> list[tuple[str, str]]:
 
 
 def not_realised(name: str, reads: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The tables among ``reads`` that are neither an input nor ``patterns.realized``'s output."""
     assert reads, f"{name}: no FlexAttention call read a floating-point table"
     return sorted({source for source in reads if source[0] != "placeholder" and "realized" not in source[1]})
+
+
+def dynamo_then_aot(captured: list, aot):
+    """A torch.compile backend: Dynamo's graph's flex captures go to ``captured``, then ``aot`` (AOT autograd with
+    recording compilers) takes the graph."""
+    def backend(graph, example_inputs):
+        captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
+        return aot(graph, example_inputs)
+    return backend
 
 
 @pytest.mark.parametrize("name", SEQUENCE_FLEX_MODELS)
@@ -154,12 +165,7 @@ def test_training_at_a_second_length_compiles_every_flex_path_lowerably(name, fl
             raise NotRun
         return not_run
 
-    aot = aot_autograd(fw_compiler=record_forward, bw_compiler=record_backward)
-
-    def backend(graph, example_inputs):  # Dynamo's graph: its captures, then AOT autograd's forward and backward
-        captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
-        return aot(graph, example_inputs)
-
+    backend = dynamo_then_aot(captured, aot_autograd(fw_compiler=record_forward, bw_compiler=record_backward))
     torch._dynamo.reset()
     compiled = torch.compile(WithClsSlot(flex_mixer(name, 0.1)), backend=backend)
     for x, mask in two_lengths(requires_grad=True):
@@ -186,14 +192,9 @@ def test_in_evaluation_every_table_a_score_mod_reads_is_a_buffer_of_its_own(name
         reads.extend(table_reads(graph))
         return graph
 
-    aot = aot_autograd(fw_compiler=record)
-
-    def backend(graph, example_inputs):
-        captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
-        return aot(graph, example_inputs)
-
     torch._dynamo.reset()
-    compiled = torch.compile(WithClsSlot(flex_mixer(name, 0.1).eval()), backend=backend)
+    compiled = torch.compile(WithClsSlot(flex_mixer(name, 0.1).eval()),
+                             backend=dynamo_then_aot(captured, aot_autograd(fw_compiler=record)))
     with torch.no_grad():
         for x, mask in two_lengths():
             compiled(x, mask)
