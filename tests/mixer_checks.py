@@ -173,12 +173,13 @@ def flex_captures(graph: torch.fx.GraphModule) -> list[tuple]:
             if node.op == "call_function" and str(node.target) == "flex_attention"]
 
 
-def captured_values_backend(captured: list):
-    """A torch.compile backend that runs the graph as traced and appends to ``captured``, for each flex_attention
-    call traced, the tuple of values it captures for its score_mod and mask_mod (``flex_captures``)."""
+def captured_values_backend(captured: list, then=None):
+    """A torch.compile backend that appends to ``captured``, for each flex_attention call in Dynamo's graph, the
+    tuple of values it captures for its score_mod and mask_mod (``flex_captures``), then runs the graph as traced,
+    or hands it to the backend ``then`` (e.g. AOT autograd with recording compilers)."""
     def backend(graph, example_inputs):
         captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
-        return graph
+        return graph if then is None else then(graph, example_inputs)
 
     torch._dynamo.reset()
     return backend

@@ -129,15 +129,6 @@ def not_realised(name: str, reads: list[tuple[str, str]]) -> list[tuple[str, str
     return sorted({source for source in reads if source[0] != "placeholder" and "realized" not in source[1]})
 
 
-def dynamo_then_aot(captured: list, aot):
-    """A torch.compile backend: Dynamo's graph's flex captures go to ``captured``, then ``aot`` (AOT autograd with
-    recording compilers) takes the graph."""
-    def backend(graph, example_inputs):
-        captured.extend(tuple(arg.meta["example_value"] for arg in call) for call in flex_captures(graph))
-        return aot(graph, example_inputs)
-    return backend
-
-
 @pytest.mark.parametrize("name", SEQUENCE_FLEX_MODELS)
 def test_training_at_a_second_length_compiles_every_flex_path_lowerably(name, flex_backward_on_cpu):
     """Training at a first length, then a second (a trimmed batch), behind a CLS slot, compiled as the runner does
@@ -165,8 +156,7 @@ def test_training_at_a_second_length_compiles_every_flex_path_lowerably(name, fl
             raise NotRun
         return not_run
 
-    backend = dynamo_then_aot(captured, aot_autograd(fw_compiler=record_forward, bw_compiler=record_backward))
-    torch._dynamo.reset()
+    backend = captured_values_backend(captured, aot_autograd(fw_compiler=record_forward, bw_compiler=record_backward))
     compiled = torch.compile(WithClsSlot(flex_mixer(name, 0.1)), backend=backend)
     for x, mask in two_lengths(requires_grad=True):
         with pytest.raises(NotRun):
@@ -192,9 +182,8 @@ def test_in_evaluation_every_table_a_score_mod_reads_is_a_buffer_of_its_own(name
         reads.extend(table_reads(graph))
         return graph
 
-    torch._dynamo.reset()
     compiled = torch.compile(WithClsSlot(flex_mixer(name, 0.1).eval()),
-                             backend=dynamo_then_aot(captured, aot_autograd(fw_compiler=record)))
+                             backend=captured_values_backend(captured, aot_autograd(fw_compiler=record)))
     with torch.no_grad():
         for x, mask in two_lengths():
             compiled(x, mask)
