@@ -236,7 +236,7 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     compile_ = engine.resolve_compile(b.compile, device)
     names = list(b.models) if b.models else list_models()
     names = sorted(names, key=lambda n: n != BASELINE)  # the baseline first: later rows divide by it
-    engine.configure(device, engine.cpu_threads(None, device))
+    engine.configure(device)
     per_length = {int(k): int(v) for k, v in (b.get("batch_sizes") or {}).items()}
     out = Path(b.out)
     common = dict(task=cfg.task.name, precision=precision, compiled=compile_, backbone=backbone_tag(cfg.backbone),

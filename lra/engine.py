@@ -99,8 +99,10 @@ def cpu_threads(requested: int | None, device: torch.device | None = None) -> in
     return max(1, int(cores // jobs))
 
 
-def configure(device: torch.device, threads: int) -> None:
-    torch.set_num_threads(threads)
+def configure(device: torch.device, threads: int | None = None) -> None:
+    """Sets up this process for ``device``: its CPU threads (``threads``, else its share: ``cpu_threads``), and on
+    CUDA the device, TF32 for fp32 matmuls and no AOTAutograd cache."""
+    torch.set_num_threads(cpu_threads(threads, device))
     if device.type == "cuda":
         if device.index is not None:
             torch.cuda.set_device(device.index)

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     except ValueError as error:
         parser.error(str(error))
     device = engine.resolve_device(args.device)
-    engine.configure(device, engine.cpu_threads(None, device))
+    engine.configure(device)
     models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),

@@ -202,7 +202,7 @@ def run_rank(cfg: DictConfig) -> dict:
     device = engine.resolve_device(cfg.device)
     if device.type == "cuda" and world.distributed:
         device = torch.device("cuda", world.local_rank)
-    engine.configure(device, engine.cpu_threads(cfg.trainer.threads, device))
+    engine.configure(device, cfg.trainer.threads)
     distributed.init(world, device)
     try:
         return Trainer(cfg, world, device).fit()
