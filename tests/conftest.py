@@ -97,3 +97,29 @@ def flex_backward_on_cpu(monkeypatch):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
         yield
+
+
+def lightest_config(configs):
+    """The Triton config that asks least of the GPU: fewest pipeline stages, then warps, then the smallest blocks."""
+    return min(configs, key=lambda c: (c.num_stages, c.num_warps, sum(v for v in c.kwargs.values() if type(v) is int)))
+
+
+def tune_lightest_config_only(monkeypatch):
+    """Every autotuned Triton kernel (Triton's ``Autotuner`` and its subclasses, fla's among them) compiles and runs
+    the lightest of its configs alone, where autotuning compiles and times each of them."""
+    autotuner = pytest.importorskip("triton.runtime.autotuner")
+    prune = autotuner.Autotuner.prune_configs
+
+    def prune_to_the_lightest(self, kwargs):
+        return [lightest_config(prune(self, kwargs))]
+
+    monkeypatch.setattr(autotuner.Autotuner, "prune_configs", prune_to_the_lightest)
+
+
+@pytest.fixture(autouse=True)
+def one_triton_config_in_gpu_tests(request, monkeypatch):
+    """GPU tests check kernels' numbers, never their speed: each autotuned kernel runs its lightest config alone
+    (``tune_lightest_config_only``), where autotuning fla's chunked scans compiles up to 48 configs a kernel (minutes
+    per test on a cold cache). A kernel's math is the same under each of its configs; the tiling is what they change."""
+    if request.node.get_closest_marker("gpu") is not None:
+        tune_lightest_config_only(monkeypatch)

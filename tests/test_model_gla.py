@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from models import _scan, create_model
+from tests.conftest import tune_lightest_config_only
 from tests.mixer_checks import (
     PACKED_ROWS,
     assert_fast_scan_matches_chunked,
@@ -234,3 +235,29 @@ def test_fla_path_on_packed_rows_equals_the_reference_on_cuda():
     torch.manual_seed(0)
     m = create_model("gla", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).cuda()
     assert_fast_scan_on_packed_rows_matches_chunked(m, 32)
+
+
+def test_gpu_tests_compile_the_lightest_config_of_each_autotuned_kernel(monkeypatch):
+    """The GPU tests' stand-in for autotuning (conftest's ``tune_lightest_config_only``) leaves a kernel one config,
+    the lightest of those its own pruning keeps."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    def keep_bk_64(configs, nargs, **kwargs):
+        return [c for c in configs if c.kwargs["BK"] == 64]
+
+    configs = [
+        triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+        for bk in (32, 64) for bv in (32, 16) for w in (4, 2) for s in (3, 2)
+    ]
+
+    @triton.autotune(configs=configs, key=["n"], prune_configs_by={"early_config_prune": keep_bk_64})
+    @triton.jit
+    def kernel(x, n, BK: tl.constexpr, BV: tl.constexpr):
+        pass
+
+    kernel.nargs = {"x": None, "n": 8}  # what Autotuner.run sets before it prunes
+    assert len(kernel.prune_configs({})) == 8
+    tune_lightest_config_only(monkeypatch)
+    [chosen] = kernel.prune_configs({})
+    assert (chosen.kwargs, chosen.num_warps, chosen.num_stages) == ({"BK": 64, "BV": 16}, 2, 2)
