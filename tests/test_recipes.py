@@ -9,6 +9,8 @@ table below restates S4's v3 configs), including the SSM's own optimiser group; 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -382,3 +384,29 @@ def test_a_pixel_preset_trains_through_the_runner(tmp_path):
     """Pathfinder (generated, 32 x 32) with the pixel embedding and pre-norm BatchNorm, mask-free."""
     row = runner.run(tiny(tmp_path, "pathfinder"))
     assert (row["status"], row["experiment"]) == ("ok", "s4d_lra")
+
+
+def test_the_s4_repositorys_image_ablation_preset_is_its_large_s4d_config():
+    """`experiment=s4d_ablation`: state-spaces/s4's configs/experiment/mega/lra-image/large-s4d.yaml (88.28
+    validation, 3.96M parameters in its README's table), on S4's backbone as the S4D paper's recipes."""
+    cfg = validate(compose_cfg(["task=image", "experiment=s4d_ablation", "run_dir=x"]))
+    paper = preset("image")
+    b, o, s, m = cfg.backbone, cfg.optim, cfg.schedule, cfg.model
+    assert (cfg.experiment, m.name) == ("s4d_ablation", "s4d")
+    assert (b.n_layers, b.d_model, b.norm, b.prenorm, b.dropout, b.attn_dropout, b.tie_dropout) == (
+        6, 512, "batchnorm", True, 0.1, 0.1, False)
+    assert (b.embedding, b.pixel_mean, b.pixel_std) == ("pixels", paper.backbone.pixel_mean, paper.backbone.pixel_std)
+    assert (b.mlp, b.positions, b.pooling, b.head, b.embedding_dropout) == (False, "none", "mean", "linear", 0.0)
+    assert (o.lr, o.weight_decay, o.warmup_steps) == (0.01, 0.05, 9000)
+    assert {k: v for k, v in o.items() if k not in ("warmup_steps",)} == {
+        k: v for k, v in paper.optim.items() if k not in ("warmup_steps",)}  # S4's AdamW and cosine, as the paper's
+    assert (s.batch_size, s.steps, s.eval_every) == (50, 180_000, 900)
+    assert (m.init, m.discretization, m.bidirectional, m.glu, m.d_state, m.dt_min, m.dt_max) == (
+        "lin", "zoh", True, True, 64, 0.001, 0.1)
+    assert (m.ssm_lr, m.dt_lr, m.n_ssm, m.tie_dropout) == (0.001, "ssm", None, False)
+    ten_classes = dataclasses.replace(shape(cfg), n_classes=10)
+    model = engine.build_model(m.name, model_options(cfg), b, ten_classes)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 2) == 3.96
+    groups = engine.parameter_groups(model, o.weight_decay)
+    ssm, = [g for g in groups if "lr" in g]
+    assert (ssm["lr"], ssm["weight_decay"], len(ssm["params"])) == (0.001, 0.0, len(SSM_PARAMS) * 6)  # dt too
