@@ -107,7 +107,10 @@ def lightest_config(configs):
 def tune_lightest_config_only(monkeypatch):
     """Every autotuned Triton kernel (Triton's ``Autotuner`` and its subclasses, fla's among them) compiles and runs
     the lightest of its configs alone, where autotuning compiles and times each of them."""
-    autotuner = pytest.importorskip("triton.runtime.autotuner")
+    try:
+        from triton.runtime import autotuner
+    except ImportError:  # no Triton, no autotuned kernels
+        return
     prune = autotuner.Autotuner.prune_configs
 
     def prune_to_the_lightest(self, kwargs):
