@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # Triton kernels (models/_favor_triton.py) run on the CPU through Triton's interpreter where there is no GPU. Triton
@@ -48,6 +50,69 @@ def finish_all(*procs: subprocess.Popen, timeout: float = 600) -> list[subproces
                 proc.kill()
                 proc.communicate()
     return done
+
+
+def in_background(commands: Callable[..., object]):
+    """Gives the decorated test ``commands``: a function of a fresh folder, the environment to run them in (this
+    process's as the session's first test began) and the test's parameters, returning what the test checks. They run
+    in the background from the session's first test on (``background_commands``); the test waits for them through the
+    ``ran_in_background`` fixture. They may start processes and write files, nothing more: Hydra's composition, torch's
+    settings and what tests monkeypatch are this process's, shared with the tests running meanwhile."""
+    def register(test):
+        test.background_commands = commands
+        return test
+    return register
+
+
+def commands_of(item: pytest.Item) -> Callable[..., object] | None:
+    """The commands ``in_background`` gave a test, or None."""
+    return getattr(getattr(item, "function", None), "background_commands", None)
+
+
+def skipped_by_a_mark(item: pytest.Item) -> bool:
+    """A ``skip`` mark, or a ``skipif`` whose condition is a plain True: the test will not run (no commands for it)."""
+    return any(mark.name == "skip" or (mark.name == "skipif" and True in mark.args) for mark in item.iter_markers())
+
+
+def yield_to_the_tests() -> None:
+    """The lowest CPU priority for this thread (on Linux a thread's own) and the processes it starts (they inherit
+    it): background commands take the cores the tests leave idle instead of slowing them (a test computing on two
+    threads waits at every op for the thread a background process keeps off its core; test_model_etc.py took 15 s,
+    not 6)."""
+    if hasattr(os, "nice"):  # not on Windows
+        os.nice(19)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_commands(request, tmp_path_factory) -> dict:
+    """The commands (``in_background``) of the session's selected tests, started at its first test on a thread of
+    their own, one test's after another in the tests' order, each in a folder of its own: {node id: (future, folder)}.
+    Such a command starts Python and imports torch, seconds on one core, and most tests compute on one core: run in
+    turn, the commands left one of CI's two cores idle most of the time. The environment is read here, before any
+    test monkeypatches this process's."""
+    items = [item for item in request.session.items if commands_of(item) and not skipped_by_a_mark(item)]
+    if not items:
+        yield {}
+        return
+    environ = dict(os.environ)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-commands", initializer=yield_to_the_tests)
+    try:
+        started = {}
+        for item in items:
+            folder = tmp_path_factory.mktemp("background")
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            started[item.nodeid] = (pool.submit(commands_of(item), folder, environ, **params), folder)
+        yield started
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a session stopped early (-x) waits for the running one only
+
+
+@pytest.fixture
+def ran_in_background(request, background_commands) -> Callable[[], tuple[object, Path]]:
+    """For a test given commands by ``in_background``: waits for them and returns (what they returned, their
+    folder). Called in the test, so that a command that fails fails the test."""
+    future, folder = background_commands[request.node.nodeid]
+    return lambda: (future.result(), folder)
 
 
 @pytest.fixture(scope="session")

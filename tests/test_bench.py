@@ -1,7 +1,6 @@
 """The speed/memory bench: rows, relative figures, OOM and error rows, the printed table, the Hydra app, W&B."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from torch import nn
 from lra import bench, engine
 from lra.results import BENCH_COLUMNS
 from models import registry
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import ROOT, compose_cfg, in_background
 
 TINY = dict(n_layers=1, d_model=32, n_heads=2, d_qkv=32, d_ff=64, d_classifier=32, dropout=0.1, attn_dropout=0.1,
             positions="learned", pooling="mean", cls_token=None)
@@ -233,36 +232,6 @@ def test_a_sweep_skips_a_2d_mixers_non_square_lengths_without_error_rows(tmp_pat
     assert "not benched at the non-square lengths 32" in caplog.text
 
 
-def test_cli(tmp_path):
-    out = tmp_path / "b.csv"
-    args = ["bench.models=[transformer]", "bench.lengths=[32]", "bench.batch_size=2", "bench.warmup=1",
-            "bench.steps=1", "bench.progress=false", "device=cpu", f"bench.out={out}", f"hydra.run.dir={tmp_path}/h"]
-    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Speed: training steps/s" in p.stdout and "transformer" in p.stdout
-    row = pd.read_csv(out).iloc[0]
-    assert row.status == "ok" and row.seq_len == 32 and row.task == "text"
-
-
-def test_the_bench_runs_its_models_side_by_side_under_the_gpu_launcher(tmp_path):
-    """`python -m lra.bench -m hydra/launcher=gpus bench.models=[a],[b]`: one job per GPU slot, each appending its
-    rows to the one bench file (a host of N GPUs times N models at once)."""
-    out = tmp_path / "b.csv"
-    args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "bench.models=[linear],[local]", "bench.lengths=[32]",
-            "bench.batch_size=2", "bench.warmup=1", "bench.steps=1", "bench.progress=false", f"bench.out={out}"]
-    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LRA_GPU_LOCKS=str(tmp_path / "locks"))
-    p = subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = pd.read_csv(out)
-    assert sorted(rows.model) == ["linear", "local"] and (rows.status == "ok").all()
-    assert len(list((tmp_path / "outputs" / "bench" / "multirun").rglob("gpu_slot.json"))) == 2
-
-
 def test_wandb_logging_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -327,3 +296,46 @@ def test_under_cuda_graphs_the_peak_counts_the_graphs_memory(tmp_path, mean_mixe
         peaks[mode] = float(rows[mode]["peak_mem_mb"])
     seen = {mode: (row["mem_kind"], row["status"]) for mode, row in rows.items()}
     assert 0.7 * peaks["default"] < peaks["reduce-overhead"] < 2 * peaks["default"], (peaks, seen)
+
+
+# The commands below run in the background from the session's first test (``in_background``): last here, so that
+# the tests above run beside them.
+def bench_cli(folder, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    args = ["bench.models=[transformer]", "bench.lengths=[32]", "bench.batch_size=2", "bench.warmup=1",
+            "bench.steps=1", "bench.progress=false", "device=cpu", f"bench.out={folder / 'b.csv'}",
+            f"hydra.run.dir={folder}/h"]
+    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
+    env = dict(environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@in_background(bench_cli)
+def test_cli(ran_in_background):
+    p, tmp_path = ran_in_background()
+    out = tmp_path / "b.csv"
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Speed: training steps/s" in p.stdout and "transformer" in p.stdout
+    row = pd.read_csv(out).iloc[0]
+    assert row.status == "ok" and row.seq_len == 32 and row.task == "text"
+
+
+def bench_sweep_under_the_gpu_launcher(folder, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "bench.models=[linear],[local]", "bench.lengths=[32]",
+            "bench.batch_size=2", "bench.warmup=1", "bench.steps=1", "bench.progress=false",
+            f"bench.out={folder / 'b.csv'}"]
+    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
+    env = dict(environ, PYTHONPATH=str(ROOT), LRA_GPU_LOCKS=str(folder / "locks"))
+    return subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@in_background(bench_sweep_under_the_gpu_launcher)
+def test_the_bench_runs_its_models_side_by_side_under_the_gpu_launcher(ran_in_background):
+    """`python -m lra.bench -m hydra/launcher=gpus bench.models=[a],[b]`: one job per GPU slot, each appending its
+    rows to the one bench file (a host of N GPUs times N models at once)."""
+    p, tmp_path = ran_in_background()
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = pd.read_csv(tmp_path / "b.csv")
+    assert sorted(rows.model) == ["linear", "local"] and (rows.status == "ok").all()
+    assert len(list((tmp_path / "outputs" / "bench" / "multirun").rglob("gpu_slot.json"))) == 2

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from lra.config import ConfigError, TrainerConfig, eval_batch_size, validate
 from lra.data import list_tasks
 from models import list_models, model_options
-from tests.conftest import CONF, ROOT, compose_cfg, finish_all, started
+from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
 
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -149,11 +149,16 @@ def cli(*args: str, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
     return finish_all(start_cli(*args, cwd=cwd, env=env))[0]
 
 
-def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path):
-    proc, missing = finish_all(  # two independent commands, side by side
-        start_cli("trainer.precision=fp16", f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"),
-        start_cli("task=text", "experiment=smoke", f"data.path={tmp_path / 'no_such_imdb'}",
-                  f"results.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run2'}"))
+def two_user_errors(folder: Path, environ: dict[str, str]) -> list[subprocess.CompletedProcess]:
+    return finish_all(  # two independent commands, side by side
+        start_cli("trainer.precision=fp16", f"results.dir={folder}", f"hydra.run.dir={folder / 'run'}", env=environ),
+        start_cli("task=text", "experiment=smoke", f"data.path={folder / 'no_such_imdb'}", f"results.dir={folder}",
+                  f"hydra.run.dir={folder / 'run2'}", env=environ))
+
+
+@in_background(two_user_errors)
+def test_cli_user_errors_are_one_line_with_exit_code_2(ran_in_background):
+    (proc, missing), _ = ran_in_background()
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("error: trainer.precision='fp16' is not valid: choose one of "
                                                    "auto, bf16, fp32")
@@ -179,12 +184,14 @@ def test_a_launcher_without_its_extra_names_the_extra(monkeypatch):
     lra.config.check_launcher(["-m", "hydra/launcher=local", "model=transformer"])  # Hydra's own: nothing to check
 
 
-def test_multirun_sweeps_models(tmp_path):
+@in_background(lambda folder, environ: cli(
+    "-m", "model=transformer,linear", "seed=1", "experiment=smoke", "schedule.steps=3", "task.seq_len=256",
+    "schedule.eval_every=3", "data.limit.train=24", "data.limit.val=8", "data.limit.test=8",
+    f"results.dir={folder / 'results'}", f"data.cache_dir={folder / 'cache'}", f"hydra.sweep.dir={folder / 'multirun'}",
+    env=environ))
+def test_multirun_sweeps_models(ran_in_background):
     """`-m model=a,b` runs both through the CLI and both rows land in one runs.csv."""
-    proc = cli("-m", "model=transformer,linear", "seed=1", "experiment=smoke", "schedule.steps=3", "task.seq_len=256",
-               "schedule.eval_every=3", "data.limit.train=24", "data.limit.val=8", "data.limit.test=8",
-               f"results.dir={tmp_path / 'results'}", f"data.cache_dir={tmp_path / 'cache'}",
-               f"hydra.sweep.dir={tmp_path / 'multirun'}")
+    proc, tmp_path = ran_in_background()
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = (tmp_path / "results" / "runs.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 2 and {r.split(",")[1] for r in rows[1:]} == {"transformer", "linear"}

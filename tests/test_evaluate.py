@@ -18,7 +18,7 @@ from lra.config import ConfigError
 from lra.data import DataError, TaskData
 from lra.data.common import Split
 from lra.data.listops import generate
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import ROOT, compose_cfg, in_background
 from tests.test_run import SHORT
 
 
@@ -134,9 +134,11 @@ def test_cli_an_unfinished_run_a_missing_checkpoint_and_the_csv(trained, tmp_pat
     assert "holds no best.pt" in capsys.readouterr().err
 
 
-def test_cli_a_missing_run_folder_is_one_line_and_exit_code_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "lra.evaluate", str(tmp_path / "nowhere")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+@in_background(lambda folder, environ: subprocess.run([sys.executable, "-m", "lra.evaluate", str(folder / "nowhere")],
+                                                      cwd=ROOT, env=environ, capture_output=True, text=True,
+                                                      timeout=120))
+def test_cli_a_missing_run_folder_is_one_line_and_exit_code_2(ran_in_background):
+    proc, tmp_path = ran_in_background()
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"error: no run folder at {tmp_path / 'nowhere'}: pass the folder "
                                                 f"of a run (it holds config.yaml and best.pt)"]

@@ -16,6 +16,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from models._favor import favor_attention
 from models._favor_triton import favor_attention_triton, favor_forward_op
 from models.registry import create_model
+from tests.conftest import in_background
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,10 +144,11 @@ print("compiled")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run the kernels")
-def test_the_kernels_compile_for_a_hopper_gpu():
+@in_background(lambda folder, environ: subprocess.run(
+    [sys.executable, "-c", HOPPER_COMPILE], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    env={k: v for k, v in environ.items() if k != "TRITON_INTERPRET"}))
+def test_the_kernels_compile_for_a_hopper_gpu(ran_in_background):
     """The interpreter runs what the GPU compiler may refuse (a global that is not constexpr did): compile every
     kernel for sm_90 here, with the ptxas that comes with triton, at the default tiles and at small sizes."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc, _ = ran_in_background()
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -8,41 +8,50 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pandas as pd
-import pytest
 
-from tests.conftest import ROOT, finish_all, started
+from tests.conftest import ROOT, finish_all, in_background, started
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """``pip install --no-deps .`` (a built wheel, not editable) into a folder of its own."""
-    target = tmp_path_factory.mktemp("site")
-    src = tmp_path_factory.mktemp("src") / "lra"
+def install(folder: Path, environ: dict[str, str]) -> Path:
+    """``pip install --no-deps .`` (a built wheel, not editable) into folder/site."""
+    target, src = folder / "site", folder / "src" / "lra"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "outputs", "*.egg-info", "__pycache__", "results",
                                                               "notebooks", "tests", "build"))  # .*: .git, caches
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--target", str(target), str(src)], capture_output=True, text=True, timeout=600)
+                           "--target", str(target), str(src)], env=environ, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return target
 
 
-def test_the_console_script_runs_the_smoke_command_from_another_folder(installed, tmp_path):
-    """... writing its outputs under ./outputs of the folder it runs in, never into the project's results/."""
+def smoke_command_of_the_installed_script(folder: Path, environ: dict[str, str]) -> tuple:
+    """Installs the package, then runs its console script's smoke command in folder/elsewhere: (the installed
+    folder, the command, where ``import lra`` finds the package there, the project's runs.csv as it was before)."""
     before = (ROOT / "results" / "runs.csv").read_bytes()
-    env = {**os.environ, "PYTHONPATH": str(installed), "LRA_CACHE_DIR": str(tmp_path / "cache")}
+    installed, elsewhere = install(folder, environ), folder / "elsewhere"
+    elsewhere.mkdir()
+    env = {**environ, "PYTHONPATH": str(installed), "LRA_CACHE_DIR": str(elsewhere / "cache")}
     env.pop("LRA_GIT_SHA", None)
     env.pop("LRA_RESULTS_DIR", None)
     script = "import sys; sys.argv[0] = 'lra'; from lra.__main__ import cli; sys.exit(cli())"
     proc = subprocess.run([sys.executable, "-c", script, "task=listops", "model=transformer", "experiment=smoke",
-                           "schedule.steps=2", "schedule.eval_every=2"], cwd=tmp_path, env=env, capture_output=True,
+                           "schedule.steps=2", "schedule.eval_every=2"], cwd=elsewhere, env=env, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import_check = subprocess.run([sys.executable, "-c", "import lra; print(lra.__file__)"], cwd=tmp_path, env=env,
+    import_check = subprocess.run([sys.executable, "-c", "import lra; print(lra.__file__)"], cwd=elsewhere, env=env,
                                   capture_output=True, text=True)
+    return installed, proc, import_check, before
+
+
+@in_background(smoke_command_of_the_installed_script)
+def test_the_console_script_runs_the_smoke_command_from_another_folder(ran_in_background):
+    """... writing its outputs under ./outputs of the folder it runs in, never into the project's results/."""
+    (installed, proc, import_check, before), folder = ran_in_background()
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert import_check.stdout.startswith(str(installed))  # the installed copy ran, not this checkout
-    rows = pd.read_csv(tmp_path / "outputs" / "results" / "runs.csv")
+    rows = pd.read_csv(folder / "elsewhere" / "outputs" / "results" / "runs.csv")
     assert len(rows) == 1 and (ROOT / "results" / "runs.csv").read_bytes() == before
     row = rows.iloc[0]
     assert row.status == "ok" and row.git_sha.startswith("unknown (lra ") and "no git checkout" in row.git_sha
@@ -71,39 +80,50 @@ class PluginMean(nn.Module):
 '''
 
 
-@pytest.fixture
-def plugin(tmp_path):
-    """A distribution on sys.path with an ``lra.models`` entry point, as ``pip install`` would leave it."""
-    (tmp_path / "lra_plugin_demo.py").write_text(textwrap.dedent(PLUGIN))
-    info = tmp_path / "lra_plugin_demo-0.1.dist-info"
+def write_plugin(folder: Path) -> Path:
+    """A distribution in ``folder`` (for sys.path) with an ``lra.models`` entry point, as ``pip install`` would leave
+    it."""
+    (folder / "lra_plugin_demo.py").write_text(textwrap.dedent(PLUGIN))
+    info = folder / "lra_plugin_demo-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lra-plugin-demo\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[lra.models]\nplugin_mean = lra_plugin_demo\n")
-    return tmp_path
+    return folder
 
 
-def test_a_plugin_model_trains_and_passes_the_registry_wide_tests(plugin, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]),
-           "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results")}
-    run, tests = finish_all(  # independent: side by side
+def train_the_plugin_and_run_the_registry_tests(folder: Path, environ: dict[str, str]) -> list:
+    plugin = write_plugin(folder)
+    env = {**environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]),
+           "LRA_CACHE_DIR": str(folder / "cache"), "LRA_RESULTS_DIR": str(folder / "results")}
+    return finish_all(  # independent: side by side
         started([sys.executable, "-m", "lra", "model=plugin_mean", "model.scale=0.5", "experiment=smoke",
-                 "schedule.steps=2", "schedule.eval_every=2", "task.seq_len=256", f"hydra.run.dir={tmp_path / 'run'}"],
+                 "schedule.steps=2", "schedule.eval_every=2", "task.seq_len=256", f"hydra.run.dir={folder / 'run'}"],
                 cwd=ROOT, env=env),
         started([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_models.py", "-k",
                  "plugin_mean"], cwd=ROOT, env=env))
+
+
+@in_background(train_the_plugin_and_run_the_registry_tests)
+def test_a_plugin_model_trains_and_passes_the_registry_wide_tests(ran_in_background):
+    (run, tests), tmp_path = ran_in_background()
     assert run.returncode == 0, run.stderr[-3000:]
     assert pd.read_csv(tmp_path / "results" / "runs.csv").model.tolist() == ["plugin_mean"]
     assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
     assert "failed" not in tests.stdout
 
 
-def test_a_plugin_named_in_the_environment_registers(plugin):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]),
-           "LRA_MODEL_MODULES": "lra_plugin_demo"}
+def list_the_models_with_the_plugin_named_in_the_environment(folder: Path, environ: dict[str, str]) -> list:
+    plugin = write_plugin(folder)
+    env = {**environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]), "LRA_MODEL_MODULES": "lra_plugin_demo"}
     (plugin / "lra_plugin_demo-0.1.dist-info" / "entry_points.txt").unlink()
-    proc, broken = finish_all(  # side by side
+    return finish_all(  # side by side
         started([sys.executable, "-c", "import models; print(models.list_models())"], env=env),
         started([sys.executable, "-c", "import models; models.list_models()"],
                 env={**env, "LRA_MODEL_MODULES": "no_such_plugin_module"}), timeout=300)
+
+
+@in_background(list_the_models_with_the_plugin_named_in_the_environment)
+def test_a_plugin_named_in_the_environment_registers(ran_in_background):
+    (proc, broken), _ = ran_in_background()
     assert "plugin_mean" in proc.stdout, proc.stderr[-2000:]
     assert broken.returncode != 0 and "model plugin 'no_such_plugin_module'" in broken.stderr

@@ -1,17 +1,19 @@
 """``python -m lra.prepare``: the data a run would load, made and cached beforehand, so the run starts on a hit."""
 from __future__ import annotations
 
-import os
 import sys
 
 import lra.run as runner
 from lra.prepare import prepare
-from tests.conftest import ROOT, finish_all, started
+from tests.conftest import ROOT, finish_all, in_background, started
 
 
 def test_prepared_data_is_what_the_run_loads(smoke_cfg, tmp_path, caplog):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
-    short = ("schedule.steps=2", "schedule.eval_every=2")  # the run's length is not the data's: 2 steps, not 20
+    # the run's length is not the data's (2 steps, not 20), and the slice is the smoke preset's cut further: its 224
+    # Pathfinder images were most of the test's time, and the prepared slice must follow such overrides too
+    short = ("schedule.steps=2", "schedule.eval_every=2", "data.limit.train=16", "data.limit.val=4",
+             "data.limit.test=4")
     first, second = prepare(["-m", "task=listops,pathfinder", "experiment=smoke", cache, *short])  # -m by habit: fine
     assert first.info["task"] == "listops" and second.info["task"] == "pathfinder"
     assert "cache miss" in first.summary() and "cache miss" in second.summary()
@@ -20,11 +22,15 @@ def test_prepared_data_is_what_the_run_loads(smoke_cfg, tmp_path, caplog):
     assert "pathfinder: train" in caplog.text and "cache hit" in caplog.text and "cache miss" not in caplog.text
 
 
-def test_a_bad_option_is_one_line_and_exit_code_2(tmp_path):
-    cases = ((["task=nope"], "Could not find 'task/nope'"),
-             (["task=listops", "data.limit.train=0"], "data.limit.train=0 is not valid"))
-    procs = finish_all(*(started([sys.executable, "-m", "lra.prepare", *args], cwd=tmp_path,  # side by side
-                                 env=dict(os.environ, PYTHONPATH=str(ROOT))) for args, _ in cases), timeout=120)
-    for p, (_, says) in zip(procs, cases, strict=True):
+BAD_OPTIONS = ((["task=nope"], "Could not find 'task/nope'"),
+               (["task=listops", "data.limit.train=0"], "data.limit.train=0 is not valid"))
+
+
+@in_background(lambda folder, environ: finish_all(*(  # side by side
+    started([sys.executable, "-m", "lra.prepare", *args], cwd=folder, env=dict(environ, PYTHONPATH=str(ROOT)))
+    for args, _ in BAD_OPTIONS), timeout=120))
+def test_a_bad_option_is_one_line_and_exit_code_2(ran_in_background):
+    procs, tmp_path = ran_in_background()
+    for p, (_, says) in zip(procs, BAD_OPTIONS, strict=True):
         assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and says in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "outputs").exists()  # no Hydra output folder: nothing ran

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
+from itertools import count
 from pathlib import Path
 
 import pandas as pd
@@ -22,7 +24,7 @@ from lra.checkpoint import RunFiles
 from lra.config import ConfigError
 from lra.data import DataError, Split
 from lra.results import RUN_COLUMNS, curve_path
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_background
 
 TINY = ("task.seq_len=256", "backbone.n_layers=1")  # the runner's behaviour, not the model's: short and shallow
 SHORT = (*TINY, "schedule.steps=12", "schedule.eval_every=6")
@@ -30,6 +32,16 @@ SHORT = (*TINY, "schedule.steps=12", "schedule.eval_every=6")
 
 def rows(tmp_path) -> pd.DataFrame:
     return pd.read_csv(tmp_path / "results" / "runs.csv")
+
+
+def rows_a_minute_apart(monkeypatch) -> None:
+    """Each row the runner records from here on is timed a minute after the last (from 2000-01-01), where a test
+    slept a second between rows: curves are named by what ran and the row's time, to the second, so two rows of one
+    run within a second would share a curve file."""
+    minutes = count()
+    start = datetime(2000, 1, 1, tzinfo=timezone.utc)
+    monkeypatch.setattr(runner, "now_iso", lambda: (start + timedelta(minutes=next(minutes))).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"))
 
 
 def test_smoke_run_writes_a_valid_row(smoke_cfg, tmp_path):
@@ -68,13 +80,13 @@ def test_same_seed_same_metrics_a_finished_run_is_not_rerun(smoke_cfg, tmp_path)
     assert len(rows(tmp_path)) == 2
 
 
-def test_stop_at_ends_a_run_early_as_stopped_and_it_resumes_to_the_full_run(smoke_cfg, tmp_path):
+def test_stop_at_ends_a_run_early_as_stopped_and_it_resumes_to_the_full_run(smoke_cfg, tmp_path, monkeypatch):
     """schedule.stop_at: a row that says where the run stopped (never ok), its validation curve beside runs.csv;
     the same command again adds nothing; without stop_at the run goes on from its checkpoint, and ends as the
     uninterrupted run does (the learning rate spanned all the steps throughout)."""
     overrides = (*TINY, "schedule.steps=12", "schedule.eval_every=3", "trainer.ckpt_every=100")
+    rows_a_minute_apart(monkeypatch)
     reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
-    time.sleep(1)  # rows a second apart: curves are named by what ran and the row's time
     stopped = runner.run(smoke_cfg(*overrides, "schedule.stop_at=6"))
     assert stopped["status"] == "stopped: at step 6 of 12" and stopped["steps"] == 6
     assert 0 <= stopped["test_acc"] <= 1 and stopped["train_steps_per_s"] > 0 and stopped["peak_mem_mb"] > 0
@@ -83,7 +95,6 @@ def test_stop_at_ends_a_run_early_as_stopped_and_it_resumes_to_the_full_run(smok
     assert list(curve.columns) == ["step", "train_loss", "val_acc", "lr"] and curve["step"].tolist() == [3, 6]
     assert runner.run(smoke_cfg(*overrides, "schedule.stop_at=6"))["timestamp"] == stopped["timestamp"]
     assert len(rows(tmp_path)) == 2
-    time.sleep(1)
     finished = runner.run(smoke_cfg(*overrides))
     assert finished["status"] == "ok" and finished["steps"] == 12
     for k in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "best_step"):
@@ -103,19 +114,17 @@ def test_time_limit_ends_a_run_where_its_minutes_run_out_as_stopped_and_the_same
     run without the limit ends with the weights of an uninterrupted run. The clock is a counter, a minute a reading
     (one as the loop starts, one before each step): no wall-clock assert."""
     overrides = (*TINY, "schedule.steps=12", "schedule.eval_every=4", "trainer.ckpt_every=100")
+    rows_a_minute_apart(monkeypatch)
     reference = runner.run(smoke_cfg(*overrides, f"run_dir={tmp_path / 'ref'}"))
     readings = iter(range(10_000))
     monkeypatch.setattr(runner, "clock", lambda: 60.0 * next(readings))
-    time.sleep(1)  # rows a second apart: curves are named by what ran and the row's time
     first = runner.run(smoke_cfg(*overrides, "trainer.time_limit=6"))  # the 6th reading in the loop: before step 6
     assert first["status"] == "stopped: at step 5 of 12" and first["steps"] == 5
     assert 0 <= first["test_acc"] <= 1 and first["config_hash"] == reference["config_hash"]
     assert pd.read_csv(curve_path(tmp_path / "results", first))["step"].tolist() == [4, 5]
-    time.sleep(1)
     second = runner.run(smoke_cfg(*overrides, "trainer.time_limit=6"))  # from step 5, five more steps
     assert second["status"] == "stopped: at step 10 of 12"
     assert pd.read_csv(curve_path(tmp_path / "results", second))["step"].tolist() == [4, 5, 8, 10]
-    time.sleep(1)
     finished = runner.run(smoke_cfg(*overrides))
     assert finished["status"] == "ok" and finished["steps"] == 12 and len(rows(tmp_path)) == 4
     for k in ("final_val_acc", "final_test_acc"):  # the same weights at the end: slices change no step
@@ -380,14 +389,14 @@ def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cf
     assert row["git_sha"].endswith(" + 0123456789ab") and not row["git_sha"].startswith("0123456789ab")
 
 
-def test_sigterm_saves_and_exits_with_one_line_and_code_75(tmp_path):
-    """The CLI, stopped by SIGTERM mid-run: a checkpoint, one line on stderr, exit code 75; the rerun resumes."""
+def sigterm_once_the_loop_runs(folder: Path, environ: dict[str, str]) -> tuple[int, str]:
+    """The CLI's smoke run, sent SIGTERM once its training loop runs: (its exit code, its stderr)."""
     args = [sys.executable, "-m", "lra", "experiment=smoke", "schedule.steps=400", "schedule.eval_every=2",
             "trainer.progress=false", "trainer.ckpt_every=1000", "data.limit.train=64",
-            f"results.dir={tmp_path / 'results'}", f"data.cache_dir={tmp_path / 'cache'}",
-            f"hydra.run.dir={tmp_path / 'run'}", "backbone.n_layers=1", "task.seq_len=200"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "run" / "__main__.log"
+            f"results.dir={folder / 'results'}", f"data.cache_dir={folder / 'cache'}",
+            f"hydra.run.dir={folder / 'run'}", "backbone.n_layers=1", "task.seq_len=200"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = folder / "run" / "__main__.log"
     # wait until the loop runs (its first evaluation's line): the signal handlers are in place from the loop's
     # start, not from the parameter count logged before (a SIGTERM in between ended the process with -15 in CI)
     for _ in range(600):
@@ -398,7 +407,14 @@ def test_sigterm_saves_and_exits_with_one_line_and_code_75(tmp_path):
         subprocess.run(["sleep", "0.5"])
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, err[-2000:]
+    return proc.returncode, err
+
+
+@in_background(sigterm_once_the_loop_runs)
+def test_sigterm_saves_and_exits_with_one_line_and_code_75(ran_in_background):
+    """The CLI, stopped by SIGTERM mid-run: a checkpoint, one line on stderr, exit code 75; the rerun resumes."""
+    (returncode, err), tmp_path = ran_in_background()
+    assert returncode == 75, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("interrupted: stopped at step") and "Traceback" not in err
     assert (tmp_path / "run" / "checkpoint.pt").exists()
 

@@ -22,24 +22,26 @@ from lra import distributed
 from lra.checkpoint import RunFiles
 from lra.config import ConfigError, sweep_slug
 from lra.engine import cpu_threads
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_background
 
 FAST = ["experiment=smoke", "task.seq_len=200", "backbone.n_layers=1", "schedule.steps=4", "schedule.eval_every=2",
         "data.limit.train=32", "data.limit.val=8", "data.limit.test=8"]
 
 
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    """The environment of an `lra` command run by a test: data, rows and GPU locks under ``tmp_path``, and none of
-    the sweep variables a parent sweep (the tests' own runner inside one) would pass down."""
-    env = {**os.environ, "LRA_CACHE_DIR": str(tmp_path / "cache"), "LRA_RESULTS_DIR": str(tmp_path / "results"),
-           "LRA_GPU_LOCKS": str(tmp_path / "locks")}
+def cli_env(tmp_path: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an `lra` command run by a test: ``environ`` (default: this process's) with data, rows and
+    GPU locks under ``tmp_path``, and none of the sweep variables a parent sweep (the tests' own runner inside one)
+    would pass down."""
+    env = {**(os.environ if environ is None else environ), "LRA_CACHE_DIR": str(tmp_path / "cache"),
+           "LRA_RESULTS_DIR": str(tmp_path / "results"), "LRA_GPU_LOCKS": str(tmp_path / "locks")}
     env.pop("LRA_SWEEP_NAME", None)
     env.pop("LRA_SWEPT_KEYS", None)
     return env
 
 
-def lra_cli(args: list[str], tmp_path: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=cli_env(tmp_path),
+def lra_cli(args: list[str], tmp_path: Path, timeout: int = 900, environ: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=cli_env(tmp_path, environ),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -66,12 +68,14 @@ def test_the_gpu_launcher_runs_in_parallel_never_two_jobs_on_one_gpu_and_resumes
     assert [p.name for p in sweeps] == [sweep_slug([*FAST, "model=transformer,linear,local"])]
 
 
-def test_data_parallel_jobs_under_the_gpu_launcher_hold_their_gpus_for_the_whole_run(tmp_path):
+@in_background(lambda folder, environ: lra_cli(["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2",
+                                                "trainer.devices=2", *FAST, "model=transformer,linear"], folder,
+                                               environ=environ))
+def test_data_parallel_jobs_under_the_gpu_launcher_hold_their_gpus_for_the_whole_run(ran_in_background):
     """trainer.devices=2 with hydra/launcher=gpus on 2 slots: each job holds both (so they run one after the other,
     never sharing a GPU), trains over two processes, and writes one row that names the command's overrides (the
     ranks run in processes of their own, without Hydra)."""
-    lra_cli(["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "trainer.devices=2", *FAST,
-             "model=transformer,linear"], tmp_path)
+    _, tmp_path = ran_in_background()
     slots = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "multirun").rglob("gpu_slot.json")]
     assert sorted(tuple(s["slots"]) for s in slots) == [(0, 1), (0, 1)]
     a, b = slots
@@ -83,10 +87,12 @@ def test_data_parallel_jobs_under_the_gpu_launcher_hold_their_gpus_for_the_whole
                for o, m in zip(rows["overrides"], rows["model"])), list(rows["overrides"])
 
 
-def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
+@in_background(lambda folder, environ: lra_cli(["-m", *FAST, "model=transformer,linear", "sweep=my_grid"], folder,
+                                               environ=environ))
+def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(ran_in_background):
     """`-m model=a,b` runs both jobs, one after the other, each in <sweep>/<task>/<model>/, and both rows land in
     one runs.csv."""
-    proc = lra_cli(["-m", *FAST, "model=transformer,linear", "sweep=my_grid"], tmp_path)
+    proc, tmp_path = ran_in_background()
     assert "2 jobs: 0 already finished" in proc.stdout
     done = list((tmp_path / "outputs" / "multirun" / "my_grid").glob("listops/*/*/result.json"))
     assert sorted(p.parent.parent.name for p in done) == ["linear", "transformer"]
@@ -94,13 +100,18 @@ def test_the_local_launcher_reports_and_the_sweep_folder_can_be_named(tmp_path):
     assert sorted(rows.model) == ["linear", "transformer"] and (rows.status == "ok").all()
 
 
-def test_a_run_continued_with_other_execution_settings_finds_its_folder(tmp_path):
+def run_then_continue_with_other_execution_settings(folder: Path, environ: dict[str, str]) -> None:
+    run = [*FAST, "model=linear", "seed=3"]
+    lra_cli(run, folder, environ=environ)
+    lra_cli([*run, "trainer.progress=false", "trainer.threads=1", "trainer.devices=2"], folder, environ=environ)
+
+
+@in_background(run_then_continue_with_other_execution_settings)
+def test_a_run_continued_with_other_execution_settings_finds_its_folder(ran_in_background):
     """Devices, threads and the progress bar change how a run executes, not what it computes (the config hash leaves
     them out), so they name neither the run's folder nor a sweep's: the same run with other such settings finds its
     folder (here finished: no second row), and a sweep relaunched with them finds its jobs."""
-    run = [*FAST, "model=linear", "seed=3"]
-    lra_cli(run, tmp_path)
-    lra_cli([*run, "trainer.progress=false", "trainer.threads=1", "trainer.devices=2"], tmp_path)
+    _, tmp_path = ran_in_background()
     assert len(list((tmp_path / "outputs" / "smoke" / "listops" / "linear").iterdir())) == 1
     assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == 1
     sweep = ["model=transformer,linear", "seed=0,1"]
@@ -109,10 +120,12 @@ def test_a_run_continued_with_other_execution_settings_finds_its_folder(tmp_path
     assert sweep_slug([*sweep, "trainer.precision=fp32"]) != sweep_slug(sweep)  # what a run computes names it
 
 
-def test_a_sweep_over_an_execution_setting_runs_each_value(tmp_path):
+@in_background(lambda folder, environ: lra_cli(["-m", *FAST, "model=linear", "sweep=threads", "trainer.threads=1,2"],
+                                               folder, environ=environ))
+def test_a_sweep_over_an_execution_setting_runs_each_value(ran_in_background):
     """A setting the command sweeps names its jobs' folders (a scaling measurement over trainer.devices=1,2 is two
     runs), though a setting given once does not."""
-    lra_cli(["-m", *FAST, "model=linear", "sweep=threads", "trainer.threads=1,2"], tmp_path)
+    _, tmp_path = ran_in_background()
     done = sorted(p.parent.name for p in (tmp_path / "outputs" / "multirun" / "threads").rglob("result.json"))
     assert len(done) == 2 and all("trainer.threads=" in name for name in done)
     assert sorted(pd.read_csv(tmp_path / "results" / "runs.csv")["overrides"].str.extract(r"threads=(\d)")[0]) == \
@@ -164,19 +177,16 @@ def test_a_job_runs_in_a_process_of_its_own_and_a_crash_is_reported_not_spread()
         run_isolated(_fail)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a job ends with its sweep through Linux's prctl")
-def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_jobs_with_a_checkpoint(tmp_path):
-    """`kill PID` of a sweep (or a container's stop: the signal reaches its first process alone) must not leave its
-    running job training on, orphaned, on a GPU the relaunch then waits for: the job finishes its step, checkpoints
-    and ends, and no other job starts. Its checkpoint can only come from the stop (ckpt_every past the schedule)."""
+def sweep_stopped_by_a_signal(folder: Path, environ: dict[str, str]) -> tuple[Path | None, str, list[Path]]:
+    """A sweep of two jobs on one GPU slot, SIGTERM to its own process once its first job trains: that job's folder
+    (None: it never started training), its log once it has checkpointed, and the folders of the jobs after it."""
     args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=1", *FAST, "schedule.steps=100000",
             "schedule.eval_every=2", "trainer.ckpt_every=100000", "trainer.progress=false", "seed=0,1",
             "sweep=stopped"]
     # its own process group: the signal below reaches nothing else, and the cleanup can end the whole group
-    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=tmp_path, env=cli_env(tmp_path),
+    sweep = subprocess.Popen([sys.executable, "-m", "lra", *args], cwd=folder, env=cli_env(folder, environ),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    jobs = tmp_path / "outputs" / "multirun" / "stopped" / "listops" / "transformer"
-    first, log = None, None
+    jobs = folder / "outputs" / "multirun" / "stopped" / "listops" / "transformer"
     try:
         for _ in range(600):  # until the first job's loop runs (its first evaluation): its signal handlers are in
             logs = list(jobs.glob("*seed=0*/__main__.log")) if jobs.exists() else []
@@ -184,19 +194,31 @@ def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_jobs_with_a_ch
                 first, log = logs[0].parent, logs[0]
                 break
             time.sleep(0.5)
-        assert first is not None, "the sweep's first job did not start"
+        else:
+            return None, "", []
         os.kill(sweep.pid, signal.SIGTERM)  # the sweep's own process only
         sweep.wait(timeout=60)
         for _ in range(240):
             if (first / "checkpoint.pt").exists() and "SIGTERM" in log.read_text():
                 break
             time.sleep(0.5)
-        assert "SIGTERM: finishing this step and saving a checkpoint" in log.read_text()
-        assert (first / "checkpoint.pt").exists()
-        assert not list(jobs.glob("*seed=1*")), "a job started after the sweep was stopped"
+        return first, log.read_text(), list(jobs.glob("*seed=1*"))
     finally:
         if _group_alive(sweep.pid):  # whatever is left of the sweep, on failure
             os.killpg(sweep.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a job ends with its sweep through Linux's prctl")
+@in_background(sweep_stopped_by_a_signal)
+def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_jobs_with_a_checkpoint(ran_in_background):
+    """`kill PID` of a sweep (or a container's stop: the signal reaches its first process alone) must not leave its
+    running job training on, orphaned, on a GPU the relaunch then waits for: the job finishes its step, checkpoints
+    and ends, and no other job starts. Its checkpoint can only come from the stop (ckpt_every past the schedule)."""
+    (first, log, later_jobs), _ = ran_in_background()
+    assert first is not None, "the sweep's first job did not start"
+    assert "SIGTERM: finishing this step and saving a checkpoint" in log
+    assert (first / "checkpoint.pt").exists()
+    assert not later_jobs, "a job started after the sweep was stopped"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -429,9 +451,14 @@ def test_data_parallel_ranks_agree_on_a_stop_every_few_steps_not_every_step(monk
 
 
 def slurm_available() -> str | None:
-    """None when a Slurm cluster answers, else why not."""
+    """None when a Slurm cluster answers, else why not. ``scontrol ping`` first: with no controller up it says so
+    at once, where ``sinfo`` retries for 9 s before it does."""
     if not shutil.which("sinfo"):
         return "no Slurm client here (CI installs slurm-wlm and starts a one-node cluster: .ci/slurm.sh)"
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    if ping.returncode != 0:  # 1 where the controller is down
+        said = ping.stdout.strip() or ping.stderr.strip() or f"exit status {ping.returncode}"
+        return f"no Slurm controller answers (scontrol ping): {said.splitlines()[0]}"
     proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0 or ("idle" not in proc.stdout and "mix" not in proc.stdout):
         return f"Slurm does not answer with an idle node: {proc.stderr.strip() or proc.stdout.strip()}"

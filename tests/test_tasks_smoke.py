@@ -8,13 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, in_background
 from tests.test_data_tasks import write_aan_release, write_cifar_parquet, write_imdb_parquet
 
 SMOKE_BUDGET_S = 60
@@ -34,10 +33,12 @@ def sources(tmp_path):
     return data_options(tmp_path)
 
 
-def smoke_command(task: str, options: list[str], folder: Path) -> subprocess.CompletedProcess:
-    """The documented command, run in a fresh folder with a cold cache."""
+def smoke_command(task: str, options: list[str], folder: Path, environ: dict[str, str] | None = None
+                  ) -> subprocess.CompletedProcess:
+    """The documented command, run in a fresh folder with a cold cache, in ``environ`` (default: this process's)."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "LRA_CACHE_DIR": str(folder / "cache"), "LRA_RESULTS_DIR": str(folder / "results")}
+    env = {**(os.environ if environ is None else environ), "LRA_CACHE_DIR": str(folder / "cache"),
+           "LRA_RESULTS_DIR": str(folder / "results")}
     return subprocess.run([sys.executable, "-m", "lra", f"task={task}", "model=transformer", "experiment=smoke",
                            *options, f"hydra.run.dir={folder / 'run'}"], cwd=folder, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -73,24 +74,18 @@ SHORTER = {task: ["schedule.steps=4", "schedule.eval_every=2", "data.limit.val=8
 SHORTER["pathx"] = ["schedule.steps=2", "schedule.eval_every=2", "data.limit.val=1", "data.limit.test=1"]
 
 
-@pytest.fixture(scope="module")
-def shortened_runs(request, tmp_path_factory) -> dict:
-    """The shortened command of each task selected, in the background from the first test on, two at a time (each
-    in a folder of its own): a run spends its first seconds starting Python and importing torch on one core, which
-    the other run's training fills. Path-X, the longest, starts first. Each task's test waits for its own."""
-    tasks = [item.callspec.params["task"] for item in request.session.items
-             if item.module is request.module and item.originalname == "test_documented_smoke_run"]
-    root = tmp_path_factory.mktemp("smoke")
-    options = data_options(root / "sources")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {task: (pool.submit(smoke_command, task, options[task] + SHORTER[task], root / task), root / task)
-               for task in sorted(tasks, key=lambda t: t != "pathx")}
+def shortened_run(folder: Path, environ: dict[str, str], task: str) -> subprocess.CompletedProcess:
+    """The shortened command of ``task`` in ``folder``, its data source (if it needs one) under folder/sources. Run
+    in the background (``in_background``): a run spends its first seconds starting Python and importing torch on one
+    core, and the tests beside it most of theirs on one core."""
+    return smoke_command(task, data_options(folder / "sources")[task] + SHORTER[task], folder, environ)
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_documented_smoke_run(task, shortened_runs):
-    run, folder = shortened_runs[task]
-    check_row(task, run.result(), folder)
+@in_background(shortened_run)
+def test_documented_smoke_run(task, ran_in_background):
+    run, folder = ran_in_background()
+    check_row(task, run, folder)
 
 
 @pytest.mark.slow

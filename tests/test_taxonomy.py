@@ -12,7 +12,7 @@ import pytest
 from lra import taxonomy
 from models import list_models
 from models.registry import COMPLEXITIES
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_background
 
 
 def test_slope_recovers_a_power_law():
@@ -63,10 +63,16 @@ def test_the_table_covers_the_registry_and_the_readme_holds_the_generated_one():
                                                "results --readme README.md"
 
 
-def test_the_taxonomy_table_needs_no_plotting_library():
+IMPORT_WITHOUT_PLOTTING = ("import sys, lra.taxonomy; assert 'matplotlib' not in sys.modules, 'lra.taxonomy imported "
+                           "matplotlib'")
+
+
+@in_background(lambda folder, environ: subprocess.run([sys.executable, "-c", IMPORT_WITHOUT_PLOTTING], cwd=ROOT,
+                                                      env=environ, capture_output=True, text=True))
+def test_the_taxonomy_table_needs_no_plotting_library(ran_in_background):
     """The table is text: building it must not import matplotlib (the chart module's dependency)."""
-    code = "import sys, lra.taxonomy; assert 'matplotlib' not in sys.modules, 'lra.taxonomy imported matplotlib'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    proc, _ = ran_in_background()
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_a_slope_never_joins_two_sweeps():
