@@ -75,12 +75,13 @@ def skipped_by_a_mark(item: pytest.Item) -> bool:
 
 
 def yield_to_the_tests() -> None:
-    """The lowest CPU priority for this thread (on Linux a thread's own) and the processes it starts (they inherit
-    it): background commands take the cores the tests leave idle instead of slowing them (a test computing on two
-    threads waits at every op for the thread a background process keeps off its core; test_model_etc.py took 15 s,
-    not 6)."""
+    """A lower CPU priority for this thread (on Linux a thread's own) and the processes it starts (they inherit it):
+    background commands take the cores the tests leave idle rather than slowing them (a test computing on two threads
+    waits at every op for the thread a background process keeps off its core: test_model_etc.py took 15 s, not 6).
+    Nice 10, a tenth of a test's share where both want a core, not 19: with a second test suite on the machine, 19
+    starved the installed console script's smoke command past its 600 s timeout."""
     if hasattr(os, "nice"):  # not on Windows
-        os.nice(19)
+        os.nice(10)
 
 
 @pytest.fixture(scope="session", autouse=True)
