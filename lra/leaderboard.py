@@ -4,7 +4,8 @@ Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers" (htt
 Table 1. Rules:
 
 * runs of the chosen experiments only (default ``lra``: LRA's protocol; smoke runs never count); other
-  experiments (recipes, variants) are separate rows, labelled by their ``experiment``;
+  experiments (recipes, variants) are separate rows, labelled by their ``experiment``; so are runs on Pathfinder
+  images of an older generator version (``<experiment>+superseded_data``);
 * only ``status == ok`` rows carry a result; ``diverged``, ``oom`` and ``error`` runs are counted (``n_failed``)
   while their seed has no ok run, and never averaged; a run ended early by ``schedule.stop_at`` or
   ``trainer.time_limit`` (``stopped: at step N of M``, a recipe longer than the device time it got) is named in the
@@ -76,7 +77,8 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
     """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A run with
     length-grouped batches did not follow its preset's protocol: its experiment reads ``<preset>+length_grouped``,
     so it is never averaged with the preset's own runs; nor is one whose command line changed what the preset
-    computes (``lra.provenance.departures``, e.g. ``backbone.n_layers=2``): ``<preset>+modified``."""
+    computes (``lra.provenance.departures``, e.g. ``backbone.n_layers=2``): ``<preset>+modified``; nor one trained
+    on Pathfinder images of an older generator version (``superseded_data``): ``<preset>+superseded_data``."""
     runs = as_percent(runs)
     if "status" not in runs:
         runs["status"] = "ok"
@@ -86,11 +88,30 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
     if "batching" in runs:
         grouped = runs["batching"].astype(str) == "length_grouped"
         runs.loc[grouped, "experiment"] = runs.loc[grouped, "experiment"] + "+length_grouped"
+    if "data" in runs:  # images of an older generator are another dataset
+        stale = superseded_data(runs)
+        runs.loc[stale, "experiment"] = runs.loc[stale, "experiment"] + "+superseded_data"
     if "overrides" in runs:  # a preset changed on the command line is not the preset
         changed = [bool(departures(o, t)) and e not in PARTIAL_PRESETS
                    for o, t, e in zip(runs["overrides"].fillna(""), runs["val_is_test"], runs["experiment"])]
         runs.loc[changed, "experiment"] = runs.loc[changed, "experiment"] + "+modified"
     return runs
+
+
+def superseded_data(runs: pd.DataFrame) -> pd.Series:
+    """Rows trained on generated Pathfinder images older than today's generator draws: ``pathfinder_gen vN`` with N
+    below ``GENERATOR_VERSION``, or, in a file where rows name their generator version, a Pathfinder / Path-X row that
+    names no data (written before rows named it, which came with version 2). Another generator version draws other
+    images (other grey levels, other tokens): such a row is kept apart from today's, as
+    ``<experiment>+superseded_data``."""
+    data = runs["data"].astype("string")
+    version = pd.to_numeric(data.str.extract(r"^pathfinder_gen v(\d+)\b", expand=False), errors="coerce")
+    if not version.notna().any():  # no row names a generator version: nothing to compare them with
+        return pd.Series(False, index=runs.index)
+    unrecorded = data.isna() & runs["task"].isin(["pathfinder", "pathx"])
+    from lra.data.pathfinder_gen import GENERATOR_VERSION  # imports torch: only where Pathfinder rows are
+
+    return ((version < GENERATOR_VERSION) | unrecorded).fillna(False).astype(bool)
 
 
 def as_bool(values: pd.Series) -> pd.Series:

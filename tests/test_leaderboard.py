@@ -323,3 +323,22 @@ def test_whole_lra_minutes_sum_the_four_tasks_of_the_selected_runs():
     got = table.iloc[0]
     assert (got.listops, got.text, got.image, got.pathfinder, got.total) == (1.0, 2.0, 3.0, 4.0, 10.0)
     assert got.devices == "GPU A"
+
+
+def test_pathfinder_rows_on_an_older_generator_version_are_kept_apart():
+    """Images of another generator version are another dataset: a v1 row (or one from before rows named their
+    data) never counts beside today's, however good its validation accuracy; other tasks' data names do not matter."""
+    from lra.data.pathfinder_gen import GENERATOR_VERSION
+
+    today, older = (f"pathfinder_gen v{v} seed 0" for v in (GENERATOR_VERSION, GENERATOR_VERSION - 1))
+    runs = pd.DataFrame([dict(run("pathfinder", "m", 0, 70.0, 70.0), data=None),
+                         dict(run("pathfinder", "m", 0, 68.0, 68.0), data=older),
+                         dict(run("pathfinder", "m", 0, 62.0, 62.0), data=today),
+                         dict(run("pathfinder", "m", 1, 64.0, 64.0), data=today),
+                         dict(run("image", "m", 0, 40.0, 40.0), data=None),
+                         dict(run("image", "m", 1, 42.0, 42.0), data="parquet cifar10")]).reindex(columns=RUN_COLUMNS)
+    cells = leaderboard.build_leaderboard(runs, experiment="all").set_index(["experiment", "task"])
+    assert cells.loc[("lra", "pathfinder"), "test_acc"] == 63.0 and cells.loc[("lra", "pathfinder"), "n_seeds"] == 2
+    assert cells.loc[("lra+superseded_data", "pathfinder"), "test_acc"] == 70.0
+    assert cells.loc[("lra", "image"), "n_seeds"] == 2
+    assert ("lra+superseded_data", "image") not in cells.index
