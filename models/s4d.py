@@ -158,9 +158,12 @@ class CircularConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         n = kernel.shape[-1]
-        kernel_f = torch.fft.rfft(kernel)  # (H, n/2 + 1)
+        # the inverse FFT's 1/n goes into the kernel's (H, n/2 + 1) spectrum, not over the (B, H, n) product: the
+        # inverse transforms then scale nothing (norm="forward"), which spares a pass over (B, H, n) each
+        kernel_f = torch.fft.rfft(kernel, norm="forward")  # (H, n/2 + 1): the spectrum / n
         ctx.save_for_backward(u, kernel_f)
-        return torch.fft.irfft(complex_mul(torch.fft.rfft(u, n=n), kernel_f), n=n)[..., : u.shape[-1]]  # (B, H, L)
+        y = torch.fft.irfft(complex_mul(torch.fft.rfft(u, n=n), kernel_f), n=n, norm="forward")  # (B, H, n)
+        return y[..., : u.shape[-1]]  # (B, H, L)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -169,7 +172,7 @@ class CircularConv(torch.autograd.Function):
         grad_f = torch.fft.rfft(grad_y, n=n)  # (B, H, n/2 + 1): the gradient zero-padded as u was
         grad_u = grad_kernel = None
         if ctx.needs_input_grad[0]:
-            grad_u = torch.fft.irfft(complex_mul(grad_f, kernel_f, conj_b=True), n=n)[..., :L]  # (B, H, L)
+            grad_u = torch.fft.irfft(complex_mul(grad_f, kernel_f, conj_b=True), n=n, norm="forward")[..., :L]
         if ctx.needs_input_grad[1]:
             u_f = torch.fft.rfft(u, n=n)  # (B, H, n/2 + 1)
             grad_kernel = torch.fft.irfft(complex_mul(grad_f, u_f, conj_b=True).sum(0), n=n)  # (H, n)
