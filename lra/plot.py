@@ -204,17 +204,19 @@ def _why_missing(model: str, speed: pd.DataFrame, scores: pd.Series, failed: dic
 
 def bubble_card(bench: pd.DataFrame, scores: pd.Series, length: int) -> str:
     """The card whose bench rows at ``length``, under one protocol (``chart_protocol``), give the most models of
-    ``scores`` a bubble; on a tie, ``pick_device``'s card, then the one with the latest row. A card that timed more
-    models over all lengths and protocols (``pick_device``) can still draw fewer: its rows at this length may
-    predate the newer models, or be split between an eager and a compiled sweep."""
+    ``scores`` a bubble; on a tie, the one that timed the most models there under that protocol (the fuller
+    bench: charts over different tasks then share a card where they can), then ``pick_device``'s card, then the
+    one with the latest row. A card that timed more models over all lengths and protocols (``pick_device``) can
+    still draw fewer: its rows at this length may predate the newer models, or be split between an eager and a
+    compiled sweep."""
     bench = _numeric(bench)
     default = pick_device(bench)
     ok = bench[bench["status"].astype(str) == "ok"]
     latest = ok.groupby(ok["device"].astype(str))["timestamp"].max().astype(str) if "timestamp" in ok else {}
 
-    def drawn(card: str) -> tuple[int, bool, str]:
+    def drawn(card: str) -> tuple[int, int, bool, str]:
         speed = bench_at(bench, length, card, chart_protocol(bench, length, card, scores.index))
-        return len(set(speed.index) & set(scores.index)), card == default, latest.get(card, "")
+        return len(set(speed.index) & set(scores.index)), len(speed), card == default, latest.get(card, "")
 
     return max(sorted(ok["device"].astype(str).unique()), key=drawn, default=default)
 

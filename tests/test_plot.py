@@ -156,7 +156,8 @@ def test_the_chart_keeps_the_card_that_timed_the_most_models_when_another_card_h
 def test_the_bubble_chart_takes_the_card_that_draws_the_most_bubbles_at_its_length():
     """The H100 timed five models (over three lengths), the H200 four, all at 4K; the H100's 4K rows draw three
     bubbles (performer has no LRA score, reformer's 4K row ran out of memory), the H200's four (sinkhorn too): the
-    bubble chart draws the H200's, the other charts stay on the H100. Level, the H100 (pick_device's card) keeps it."""
+    bubble chart draws the H200's, the other charts stay on the H100. Level, the card that timed more models at 4K
+    takes it, and on a level count the H100 (pick_device's card) keeps it."""
     h200 = "NVIDIA H200"
     rows = [dict(model=m, task="text", seq_len=4096, batch_size=32, status="ok", precision="bf16", steps_per_s=50.0,
                  examples_per_s=1600.0, peak_mem_mb=4000.0, device=h200, timestamp="2025-09-01T00:00:00Z")
@@ -171,6 +172,10 @@ def test_the_bubble_chart_takes_the_card_that_draws_the_most_bubbles_at_its_leng
     assert h200 in fig.axes[0].get_title()
     level = pd.concat([bench_rows(), pd.DataFrame(rows[:3])], ignore_index=True)  # three bubbles each
     assert plot.bubble_card(level, plot.our_scores(leaderboard_rows()), 4096) == GPU
+    unscored = [dict(rows[0], model=m) for m in ("cosformer", "fnet")]  # timed, no LRA score
+    fuller = pd.concat([level, pd.DataFrame(unscored)], ignore_index=True)  # level bubbles; at 4K the H200 timed 5
+    assert plot.pick_device(fuller) == GPU  # the H100 timed as many models over all lengths, 4 of them at 4K
+    assert plot.bubble_card(fuller, plot.our_scores(leaderboard_rows()), 4096) == h200
 
 
 def test_bubble_points_over_a_task_subset_count_lra_rows_only():
