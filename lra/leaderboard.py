@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -46,6 +47,7 @@ TASKS5 = ["listops", "text", "retrieval", "image", "pathfinder"]
 TASKS6 = TASKS5 + ["pathx"]
 AVERAGES = {"avg4": TASKS4, "avg5": TASKS5, "avg6": TASKS5}
 PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
+SUPERSEDED = "+superseded_data"  # the experiment suffix of rows on older Pathfinder images (``superseded_data``)
 STALL_BAND = 1.0  # points above the majority-class share within which a run counts as stalled
 PUBLISHED_SOURCE = "lra_table1"
 # a recipe's rows are compared with the paper it reproduces: experiment -> (published.csv source, our model name ->
@@ -90,12 +92,20 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
         runs.loc[grouped, "experiment"] = runs.loc[grouped, "experiment"] + "+length_grouped"
     if "data" in runs:  # images of an older generator are another dataset
         stale = superseded_data(runs)
-        runs.loc[stale, "experiment"] = runs.loc[stale, "experiment"] + "+superseded_data"
+        runs.loc[stale, "experiment"] = runs.loc[stale, "experiment"] + SUPERSEDED
     if "overrides" in runs:  # a preset changed on the command line is not the preset
         changed = [bool(departures(o, t)) and e not in PARTIAL_PRESETS
                    for o, t, e in zip(runs["overrides"].fillna(""), runs["val_is_test"], runs["experiment"])]
         runs.loc[changed, "experiment"] = runs.loc[changed, "experiment"] + "+modified"
     return runs
+
+
+def superseded_counts(runs: pd.DataFrame) -> dict[tuple[str, str, str], int]:
+    """(experiment, model, task) -> how many of its rows ``superseded_data`` set apart."""
+    runs = normalise(runs)
+    apart = runs[runs["experiment"].str.endswith(SUPERSEDED)]
+    return dict(Counter(zip(apart["experiment"].str.removesuffix(SUPERSEDED), apart["model"], apart["task"],
+                            strict=True)))
 
 
 def superseded_data(runs: pd.DataFrame) -> pd.Series:
@@ -225,8 +235,13 @@ def _averages(cells: pd.DataFrame) -> list[dict]:
 def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
                       experiment: str | None = "lra") -> pd.DataFrame:
     """Long format: one row per (experiment, model, task) and per average; columns ``LEADERBOARD_COLUMNS``."""
+    set_apart = superseded_counts(runs)
     runs = select_runs(runs, experiment)
     rows = [_cell(e, m, t, g) for (e, m, t), g in runs.groupby(["experiment", "model", "task"], sort=False)]
+    for row in rows:  # say where a cell's rows on older Pathfinder images went
+        if n := set_apart.get((row["experiment"], row["model"], row["task"])):
+            left_out = f"{n} run(s) on an older Pathfinder generator version left out ({row['experiment']}{SUPERSEDED})"
+            row["note"] = "; ".join(x for x in (row["note"], left_out) if x)
     cells = pd.DataFrame(rows, columns=LEADERBOARD_COLUMNS)
     lb = pd.DataFrame(rows + _averages(cells), columns=LEADERBOARD_COLUMNS)
     pub = {experiment: published_cells(published, experiment) for experiment in lb["experiment"].unique()}

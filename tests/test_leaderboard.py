@@ -340,5 +340,7 @@ def test_pathfinder_rows_on_an_older_generator_version_are_kept_apart():
     cells = leaderboard.build_leaderboard(runs, experiment="all").set_index(["experiment", "task"])
     assert cells.loc[("lra", "pathfinder"), "test_acc"] == 63.0 and cells.loc[("lra", "pathfinder"), "n_seeds"] == 2
     assert cells.loc[("lra+superseded_data", "pathfinder"), "test_acc"] == 70.0
+    assert "2 run(s) on an older Pathfinder generator version left out (lra+superseded_data)" in \
+        leaderboard.build_leaderboard(runs).set_index("task").at["pathfinder", "note"]
     assert cells.loc[("lra", "image"), "n_seeds"] == 2
     assert ("lra+superseded_data", "image") not in cells.index
