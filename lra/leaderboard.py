@@ -101,8 +101,7 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def superseded_counts(runs: pd.DataFrame) -> dict[tuple[str, str, str], int]:
-    """(experiment, model, task) -> how many of its rows ``superseded_data`` set apart."""
-    runs = normalise(runs)
+    """(experiment, model, task) -> how many of its rows ``superseded_data`` set apart; ``runs`` normalised."""
     apart = runs[runs["experiment"].str.endswith(SUPERSEDED)]
     return dict(Counter(zip(apart["experiment"].str.removesuffix(SUPERSEDED), apart["model"], apart["task"],
                             strict=True)))
@@ -144,7 +143,11 @@ def select_runs(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFr
     """All rows of the chosen experiments, with ``best`` marking one ok row per (experiment, model, task, seed):
     the best by validation accuracy (the latest on a tie; the latest where validation is the test set) and
     ``stalled`` on those that stalled."""
-    runs = normalise(runs)
+    return select_normalised(normalise(runs), experiment)
+
+
+def select_normalised(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
+    """``select_runs`` on rows ``normalise`` has read already."""
     if experiment not in (None, "", "all"):
         runs = runs[runs["experiment"].isin(experiment.split(","))]
     ok = runs[(runs["status"] == "ok") & runs["test_acc"].notna()]
@@ -235,8 +238,9 @@ def _averages(cells: pd.DataFrame) -> list[dict]:
 def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
                       experiment: str | None = "lra") -> pd.DataFrame:
     """Long format: one row per (experiment, model, task) and per average; columns ``LEADERBOARD_COLUMNS``."""
+    runs = normalise(runs)
     set_apart = superseded_counts(runs)
-    runs = select_runs(runs, experiment)
+    runs = select_normalised(runs, experiment)
     rows = [_cell(e, m, t, g) for (e, m, t), g in runs.groupby(["experiment", "model", "task"], sort=False)]
     for row in rows:  # say where a cell's rows on older Pathfinder images went
         if n := set_apart.get((row["experiment"], row["model"], row["task"])):
