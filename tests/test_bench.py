@@ -300,14 +300,17 @@ def test_under_cuda_graphs_the_peak_counts_the_graphs_memory(tmp_path, mean_mixe
 
 # The commands below run in the background from the session's first test (``in_background``): last here, so that
 # the tests above run beside them.
+def tiny_bench(args: list[str], cwd, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -m lra.bench`` over a one-step, length-32 bench of the TINY backbone, with ``args`` added."""
+    tiny = ["bench.lengths=[32]", "bench.batch_size=2", "bench.warmup=1", "bench.steps=1", "bench.progress=false"]
+    tiny += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
+    return subprocess.run([sys.executable, "-m", "lra.bench", *args, *tiny], cwd=cwd,
+                          env=dict(env, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+
+
 def bench_cli(folder, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    args = ["bench.models=[transformer]", "bench.lengths=[32]", "bench.batch_size=2", "bench.warmup=1",
-            "bench.steps=1", "bench.progress=false", "device=cpu", f"bench.out={folder / 'b.csv'}",
-            f"hydra.run.dir={folder}/h"]
-    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
-    env = dict(environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return tiny_bench(["bench.models=[transformer]", "device=cpu", f"bench.out={folder / 'b.csv'}",
+                       f"hydra.run.dir={folder}/h"], ROOT, environ)
 
 
 @in_background(bench_cli)
@@ -321,13 +324,8 @@ def test_cli(ran_in_background):
 
 
 def bench_sweep_under_the_gpu_launcher(folder, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    args = ["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "bench.models=[linear],[local]", "bench.lengths=[32]",
-            "bench.batch_size=2", "bench.warmup=1", "bench.steps=1", "bench.progress=false",
-            f"bench.out={folder / 'b.csv'}"]
-    args += [f"backbone.{k}={v}" for k, v in TINY.items() if k not in ("positions", "pooling", "cls_token")]
-    env = dict(environ, PYTHONPATH=str(ROOT), LRA_GPU_LOCKS=str(folder / "locks"))
-    return subprocess.run([sys.executable, "-m", "lra.bench", *args], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return tiny_bench(["-m", "hydra/launcher=gpus", "hydra.launcher.gpus=2", "bench.models=[linear],[local]",
+                       f"bench.out={folder / 'b.csv'}"], folder, dict(environ, LRA_GPU_LOCKS=str(folder / "locks")))
 
 
 @in_background(bench_sweep_under_the_gpu_launcher)

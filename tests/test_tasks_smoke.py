@@ -19,18 +19,16 @@ from tests.test_data_tasks import write_aan_release, write_cifar_parquet, write_
 SMOKE_BUDGET_S = 60
 
 
-def data_options(root: Path) -> dict[str, list[str]]:
-    """The data option each task needs (none for the generated ones), small files written under ``root`` where
+def data_option(task: str, root: Path) -> list[str]:
+    """The data option ``task`` needs (none for the generated ones), its small files written under ``root`` where
     ../shared/data has no real copy."""
-    real = {"text": SHARED_DATA / "imdb", "image": SHARED_DATA / "cifar10"}
-    return {"listops": [], "pathfinder": [], "pathx": [], "retrieval": [f"data.root={write_aan_release(root)}"],
-            "text": [f"data.path={real['text'] if real['text'].exists() else write_imdb_parquet(root)}"],
-            "image": [f"data.path={real['image'] if real['image'].exists() else write_cifar_parquet(root)}"]}
-
-
-@pytest.fixture
-def sources(tmp_path):
-    return data_options(tmp_path)
+    if task == "retrieval":
+        return [f"data.root={write_aan_release(root)}"]
+    if task in ("text", "image"):
+        real, write = (SHARED_DATA / "imdb", write_imdb_parquet) if task == "text" else \
+            (SHARED_DATA / "cifar10", write_cifar_parquet)
+        return [f"data.path={real if real.exists() else write(root)}"]
+    return []
 
 
 def smoke_command(task: str, options: list[str], folder: Path, environ: dict[str, str] | None = None
@@ -78,7 +76,7 @@ def shortened_run(folder: Path, environ: dict[str, str], task: str) -> subproces
     """The shortened command of ``task`` in ``folder``, its data source (if it needs one) under folder/sources. Run
     in the background (``in_background``): a run spends its first seconds starting Python and importing torch on one
     core, and the tests beside it most of theirs on one core."""
-    return smoke_command(task, data_options(folder / "sources")[task] + SHORTER[task], folder, environ)
+    return smoke_command(task, data_option(task, folder / "sources") + SHORTER[task], folder, environ)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -90,7 +88,7 @@ def test_documented_smoke_run(task, ran_in_background):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", TASKS)
-def test_documented_smoke_run_takes_under_a_minute(task, sources, tmp_path):
+def test_documented_smoke_run_takes_under_a_minute(task, tmp_path):
     """Wall time on a quiet 2-core machine; a busy one breaks it, hence ``slow`` (not in the default run)."""
-    seconds = smoke_cli(task, sources[task], tmp_path)
+    seconds = smoke_cli(task, data_option(task, tmp_path), tmp_path)
     assert seconds < SMOKE_BUDGET_S, f"{task}: the smoke run took {seconds:.0f} s"
