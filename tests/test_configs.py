@@ -184,6 +184,19 @@ def test_a_launcher_without_its_extra_names_the_extra(monkeypatch):
     lra.config.check_launcher(["-m", "hydra/launcher=local", "model=transformer"])  # Hydra's own: nothing to check
 
 
+@pytest.mark.parametrize("missing, kept, gone", [("hydra_submitit_launcher", "gpus", "slurm"),
+                                                  ("hydra_joblib_launcher", "slurm", "gpus")])
+def test_each_launcher_needs_only_its_own_plugin(missing, kept, gone):
+    """A host with hydra-joblib-launcher but not submitit (a GPU machine given only what `gpus` needs) still has
+    `hydra/launcher=gpus`, and the other way round: the two register apart."""
+    code = (f"import sys; sys.modules['hydra_plugins.{missing}'] = None  # as if not installed\n"
+            "from hydra.core.config_store import ConfigStore\n"
+            "import hydra_plugins.lra_launchers.lra_launchers\n"
+            "print(sorted(ConfigStore.instance().repo['hydra']['launcher']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert f"'{kept}.yaml'" in out and f"'{gone}.yaml'" not in out and "'local.yaml'" in out, out
+
+
 @in_background(lambda folder, environ: cli(
     "-m", "model=transformer,linear", "seed=1", "experiment=smoke", "schedule.steps=3", "task.seq_len=256",
     "schedule.eval_every=3", "data.limit.train=24", "data.limit.val=8", "data.limit.test=8",

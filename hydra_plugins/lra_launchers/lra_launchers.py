@@ -33,13 +33,18 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
 from omegaconf import OmegaConf
 
-try:  # the [sweep] extra: pip install "lra[sweep]"
+# The [sweep] extra (pip install "lra[sweep]") brings both plugins; each launcher needs only its own, so a host with
+# one of them installed still has that launcher (`lra.config.check_launcher` names the package a missing one needs).
+try:
     from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
     from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
+except ImportError:
+    JoblibLauncher = None
+try:
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-except ImportError:  # only the local launcher then; `hydra/launcher=gpus` says it is unknown, listing `local`
-    JoblibLauncher = SlurmLauncher = None
+except ImportError:
+    SlurmLauncher = None
 
 log = logging.getLogger(__name__)
 
@@ -332,17 +337,19 @@ if JoblibLauncher is not None:
             return list(runs)
 
 
-    class SlurmRequeueLauncher(SlurmLauncher):
-        def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-            report(self, job_overrides)
-            return super().launch(job_overrides, initial_job_idx)
-
-
     @dataclass
     class GpusConf(JobLibLauncherConf):
         _target_: str = "hydra_plugins.lra_launchers.lra_launchers.GpusLauncher"
         gpus: int | None = None  # null: one slot per visible GPU (at least one)
         lock_dir: str = "${oc.env:LRA_GPU_LOCKS,/tmp/lra-gpu-locks}"  # host-wide: sweeps started apart share the GPUs
+
+
+if SlurmLauncher is not None:
+
+    class SlurmRequeueLauncher(SlurmLauncher):
+        def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+            report(self, job_overrides)
+            return super().launch(job_overrides, initial_job_idx)
 
 
     @dataclass
@@ -355,10 +362,9 @@ if JoblibLauncher is not None:
         max_num_timeout: int = 20  # requeues after a timeout or preemption (the run resumes from its checkpoint)
 
 
-
-
 store = ConfigStore.instance()
 store.store(group="hydra/launcher", name="local", node=LocalConf, provider="lra")
 if JoblibLauncher is not None:
     store.store(group="hydra/launcher", name="gpus", node=GpusConf, provider="lra")
+if SlurmLauncher is not None:
     store.store(group="hydra/launcher", name="slurm", node=SlurmConf, provider="lra")
