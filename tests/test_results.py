@@ -1,14 +1,24 @@
-"""runs.csv appends: atomic under concurrency, schema-checked, schema changes handled."""
+"""runs.csv appends: atomic under concurrency, schema-checked, schema changes handled; the committed unfinished runs
+still resume."""
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import subprocess
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
 
+from lra.config import unnamed_keys, validate
+from lra.provenance import config_hash, is_stopped
 from lra.results import LAYER_BENCH_COLUMNS, RUN_COLUMNS, append_row, git_sha
+from tests.conftest import ROOT, compose_cfg
+
+UNFINISHED = ROOT / "results" / "unfinished"  # sweep folders, as under outputs/multirun
 
 
 def _writer(path: str, worker: int, n: int) -> None:
@@ -104,3 +114,24 @@ def test_merge_keeps_each_kind_of_rows_in_its_own_schema(tmp_path):
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="fit none of"):
         merge_rows(tmp_path / "other.csv", local)
+
+
+@pytest.mark.parametrize("run_dir", sorted(p.parent for p in UNFINISHED.glob("**/checkpoint.pt")),
+                         ids=lambda p: str(p.relative_to(UNFINISHED)))
+def test_an_unfinished_grid_run_still_resumes_by_its_sweeps_command(run_dir):
+    """results/unfinished keeps the grid runs that a lease's end stopped, for the next machine to resume with the
+    sweep's own command (docs/running.md). Each must still be what that command composes today: the folder the
+    sweep gives the job (<sweep>/<task>/<model>/<overrides>) and the configuration hash of its checkpoint, which a
+    resume checks (a changed default would make it refuse, and the steps done would be lost)."""
+    overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+    cfg = compose_cfg([*overrides, "run_dir=x"])
+    validate(cfg)
+    chash = config_hash(OmegaConf.to_container(cfg, resolve=True))
+    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert checkpoint["config_hash"] == result["config_hash"] == chash
+    assert is_stopped(result["status"]) and checkpoint["state"]["step"] == result["steps"]
+    sweep, task, model, name = run_dir.relative_to(UNFINISHED).parts
+    named = sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in unnamed_keys())
+    assert (task, model, name) == (cfg.task.name, cfg.model.name, ",".join(named))
+    assert f"sweep={sweep} " in (ROOT / "docs" / "running.md").read_text()  # a documented sweep's command resumes it
