@@ -16,6 +16,7 @@ and check a few hundred images against the derivation.
 """
 import dataclasses
 import filecmp
+import hashlib
 import json
 import math
 
@@ -27,6 +28,9 @@ from scipy import ndimage
 from lra.data import pathfinder_gen as pg
 
 N_SAMPLES = 160
+# sha256 of the 160 images and labels of ``samples`` as GENERATOR_VERSION draws them; the rows of every Pathfinder
+# run name that version, and the leaderboard never averages two versions, so images must not change under it
+FINGERPRINT = {2: "0946d662253a1890572c3b3c232f62c066f294452bb4d9e7e4f4e76e20fe6181"}
 EIGHT = np.ones((3, 3), bool)
 CROSS = ndimage.generate_binary_structure(2, 1)
 
@@ -158,6 +162,20 @@ def test_grey_levels_derived_from_the_float32_paste(samples):
     counts = np.bincount(np.concatenate([img.ravel() for img, *_ in images]), minlength=256)
     assert set(np.flatnonzero(counts)) <= snakes2
     assert counts[22] > 0 and counts[[77, 158, 218]].sum() == 0, counts[[22, 77, 158, 218]]
+
+
+def test_the_generator_version_names_the_images_it_draws(samples):
+    """A change to the renderer that moves any pixel or label for a seed must bump GENERATOR_VERSION (and add its
+    fingerprint here): rows on the old images then stand apart from rows on the new ones. numpy's Generator stream
+    and Pillow's LANCZOS are part of the drawing, so another version of either can fail this too, and then the
+    same seed does not give the same dataset."""
+    digest = hashlib.sha256()
+    for img, label, _, _ in samples:
+        digest.update(img.tobytes())
+        digest.update(bytes([label]))
+    assert digest.hexdigest() == FINGERPRINT[pg.GENERATOR_VERSION], \
+        f"pathfinder_gen v{pg.GENERATOR_VERSION} draws other images now (numpy {np.__version__}, " \
+        f"Pillow {Image.__version__}): bump GENERATOR_VERSION if the renderer changed"
 
 
 def test_images_and_label_balance(samples):
