@@ -270,24 +270,25 @@ def sweep_slug(argv: list[str]) -> str:
     return slug if len(slug) <= 100 else f"{slug[:80]}-{hashlib.sha1(slug.encode()).hexdigest()[:8]}"
 
 
-LAUNCHER_EXTRA = {"gpus": "hydra_plugins.hydra_joblib_launcher", "slurm": "hydra_plugins.hydra_submitit_launcher"}
+LAUNCHER_PLUGIN = {"gpus": "hydra-joblib-launcher", "slurm": "hydra-submitit-launcher"}  # the package each needs
 
 
 def check_launcher(argv: list[str]) -> None:
-    """A ``hydra/launcher=gpus|slurm`` whose plugin is not installed: a ConfigError naming the extra to install
-    (Hydra would say only that the launcher is unknown, listing ``basic`` and ``local``)."""
-    import importlib.util
-
+    """A ``hydra/launcher=gpus|slurm`` whose plugin cannot be imported (not installed, or a package it needs
+    missing): a ConfigError naming what to install, where Hydra would say only that the launcher is unknown,
+    listing the ones it has. The reason is the one the launchers' module met (``UNAVAILABLE``)."""
     for arg in argv:
         key, _, name = arg.lstrip("+~").partition("=")
-        if key == "hydra/launcher" and name in LAUNCHER_EXTRA:
+        if key == "hydra/launcher" and name in LAUNCHER_PLUGIN:
             try:
-                found = importlib.util.find_spec(LAUNCHER_EXTRA[name]) is not None
-            except ModuleNotFoundError:  # hydra_plugins itself missing
-                found = False
-            if not found:
-                dist = LAUNCHER_EXTRA[name].split(".")[-1].replace("_", "-")
-                raise ConfigError(f"hydra/launcher={name} needs {dist}, which is not installed: "
+                from hydra_plugins.lra_launchers import lra_launchers
+
+                why = lra_launchers.UNAVAILABLE.get(name)
+            except ImportError as e:  # our own plugin folder missing: a broken install
+                why = str(e)
+            if why is not None:
+                dist = LAUNCHER_PLUGIN[name]
+                raise ConfigError(f"hydra/launcher={name} needs {dist}, which cannot be imported ({why}): "
                                   f"pip install 'lra[sweep]' (or pip install {dist})")
 
 

@@ -168,18 +168,16 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(ran_in_background):
 
 
 def test_a_launcher_without_its_extra_names_the_extra(monkeypatch):
-    """`hydra/launcher=gpus` (or slurm) without the sweep extra: an error that says what to install, where Hydra
-    would only list the launchers it knows."""
-    import importlib.util
-
+    """`hydra/launcher=gpus` (or slurm) without the sweep extra: an error that says what to install and why, where
+    Hydra would only list the launchers it knows."""
     import lra.config
+    from hydra_plugins.lra_launchers import lra_launchers
 
     lra.config.check_launcher(["-m", "hydra/launcher=gpus", "hydra/launcher=slurm", "model=transformer"])  # installed
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("hydra_plugins.hydra_") else real(name, *a))
     for launcher, dist in (("gpus", "hydra-joblib-launcher"), ("slurm", "hydra-submitit-launcher")):
-        with pytest.raises(lra.config.ConfigError, match=rf"hydra/launcher={launcher} needs {dist}.*lra\[sweep\]"):
+        monkeypatch.setitem(lra_launchers.UNAVAILABLE, launcher, "No module named 'joblib'")
+        with pytest.raises(lra.config.ConfigError,
+                           match=rf"hydra/launcher={launcher} needs {dist}.*No module named 'joblib'.*lra\[sweep\]"):
             lra.config.check_launcher(["-m", f"hydra/launcher={launcher}", "model=transformer"])
     lra.config.check_launcher(["-m", "hydra/launcher=local", "model=transformer"])  # Hydra's own: nothing to check
 
@@ -191,10 +189,14 @@ def test_each_launcher_needs_only_its_own_plugin(missing, kept, gone):
     `hydra/launcher=gpus`, and the other way round: the two register apart."""
     code = (f"import sys; sys.modules['hydra_plugins.{missing}'] = None  # as if not installed\n"
             "from hydra.core.config_store import ConfigStore\n"
+            "import lra.config\n"
             "import hydra_plugins.lra_launchers.lra_launchers\n"
-            "print(sorted(ConfigStore.instance().repo['hydra']['launcher']))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    assert f"'{kept}.yaml'" in out and f"'{gone}.yaml'" not in out and "'local.yaml'" in out, out
+            "print(sorted(ConfigStore.instance().repo['hydra']['launcher']))\n"
+            f"lra.config.check_launcher(['-m', 'hydra/launcher={kept}'])\n"
+            f"lra.config.check_launcher(['-m', 'hydra/launcher={gone}'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert f"'{kept}.yaml'" in proc.stdout and f"'{gone}.yaml'" not in proc.stdout and "'local.yaml'" in proc.stdout
+    assert proc.returncode == 1 and f"ConfigError: hydra/launcher={gone} needs" in proc.stderr, proc.stderr  # only
 
 
 @in_background(lambda folder, environ: cli(

@@ -34,17 +34,19 @@ from hydra.core.utils import JobReturn
 from omegaconf import OmegaConf
 
 # The [sweep] extra (pip install "lra[sweep]") brings both plugins; each launcher needs only its own, so a host with
-# one of them installed still has that launcher (`lra.config.check_launcher` names the package a missing one needs).
+# one of them installed still has that launcher. UNAVAILABLE says why one is not registered, for the CLI's error
+# (`lra.config.check_launcher`) where Hydra would only list the launchers it has.
+UNAVAILABLE: dict[str, str] = {}
 try:
     from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
     from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
-except ImportError:
-    JoblibLauncher = None
+except ImportError as e:
+    JoblibLauncher, UNAVAILABLE["gpus"] = None, str(e)
 try:
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-except ImportError:
-    SlurmLauncher = None
+except ImportError as e:
+    SlurmLauncher, UNAVAILABLE["slurm"] = None, str(e)
 
 log = logging.getLogger(__name__)
 
