@@ -2,17 +2,16 @@
 still resume."""
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import subprocess
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 import yaml
 from omegaconf import OmegaConf
 
+from lra.checkpoint import RunFiles
 from lra.config import unnamed_keys, validate
 from lra.provenance import config_hash, is_stopped
 from lra.results import LAYER_BENCH_COLUMNS, RUN_COLUMNS, append_row, git_sha
@@ -127,8 +126,8 @@ def test_an_unfinished_grid_run_still_resumes_by_its_sweeps_command(run_dir):
     cfg = compose_cfg([*overrides, "run_dir=x"])
     validate(cfg)
     chash = config_hash(OmegaConf.to_container(cfg, resolve=True))
-    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
-    result = json.loads((run_dir / "result.json").read_text())
+    files = RunFiles(run_dir)  # read as a resume reads them
+    checkpoint, result = files.load_checkpoint(), files.finished()
     assert checkpoint["config_hash"] == result["config_hash"] == chash
     assert is_stopped(result["status"]) and checkpoint["state"]["step"] == result["steps"]
     sweep, task, model, name = run_dir.relative_to(UNFINISHED).parts
