@@ -45,7 +45,7 @@ float64 but not in snakes2: 3 decisions in 300 hard images, none in 300 easy; ea
 through the random stream, every later image of its batch.
 
 Versions (``GENERATOR_VERSION``; a change of any image for the same seed bumps it):
-1. up to 48aa47f: patches, masks and contrast kept in float64 (not the original's arithmetic, see above).
+1. the first release: patches, masks and contrast kept in float64 (not the original's arithmetic, see above).
 2. line and mask patches rounded to float32 as snakes2 pastes them (images, labels and placements change).
 
 Uncertain points (bit-exact reproduction of the release is impossible) and what we chose:
