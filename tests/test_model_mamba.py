@@ -1,11 +1,13 @@
 """``mamba``: the chunked SSD form against the sequential recurrence, the whole mixer against a step-by-step
 selective SSM written from the papers' equations, the reversed pass over real tokens only, padded steps as
 exact no-ops, packed rows against each example alone (convolution and scan, every CPU form, fast decays), and
-the fla (CUDA) path against the reference (its wrapper also on CPU, with a stand-in kernel, variable-length mode
-included)."""
+the fla (CUDA) paths against the reference (scan and convolution; their wrappers also on CPU, with stand-in
+kernels, variable-length mode included)."""
 from __future__ import annotations
 
+import copy
 import itertools
+import os
 import sys
 import warnings
 
@@ -13,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import _scan, create_model
+from models import _scan, create_model, mamba
 from models._scan import orient
-from models.mamba import causal_conv
+from models.mamba import causal_conv, fla_conv_silu
 from tests.mixer_checks import (
     PACKED_ROWS,
     assert_fast_scan_matches_chunked,
@@ -250,8 +252,14 @@ def test_packed_rows_with_decays_that_forget_fast_stay_finite_and_exact():
     assert_packed_rows_equal_each_example_alone(m.float(), PACKED_ROWS, 29, 16, torch.float32, tol=1e-4)
 
 
+def hide_fla(monkeypatch):
+    """As if fla-core were not installed, though a test before may have imported some of it."""
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")] + ["fla"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def test_missing_fla_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "fla", None)  # as if fla-core were not installed
+    hide_fla(monkeypatch)
     with pytest.raises(ImportError, match=r"pip install lra\[ssm\]"):
         _scan.fla_ops.__wrapped__()
 
@@ -378,3 +386,110 @@ def test_on_cuda_the_gradients_where_steps_forget_fast_are_cpu_fp64s(scan, compi
     for name, g in ref.items():
         err = (got[name] - g).norm() / max(g.norm(), floor)
         assert err < 0.3, f"{name}: |g| {got[name].norm():.3e} on CUDA, {g.norm():.3e} in fp64 (rel. err {err:.2e})"
+
+
+def fake_causal_conv1d(x, weight, bias, activation=None, cu_seqlens=None):
+    """fla's causal_conv1d per its documented semantics (x (B, T, D), weight (D, W), the SiLU fused; with
+    ``cu_seqlens``, B = 1 and each sequence from zeros), from F.conv1d, so the wrapper's two directions and its
+    variable-length mode can be checked on CPU."""
+    assert activation == "silu" and weight.shape[0] == x.shape[-1] == bias.shape[0]
+    if cu_seqlens is not None:
+        assert x.shape[0] == 1 and cu_seqlens.dtype == torch.long and cu_seqlens[0] == 0
+        assert cu_seqlens[-1] == x.shape[1] and (cu_seqlens.diff() > 0).all()
+        pieces = [fake_causal_conv1d(x[:, s:e], weight, bias, activation)[0]
+                  for s, e in itertools.pairwise(cu_seqlens.tolist())]
+        return torch.cat(pieces, 1), None
+    T, D, W = x.shape[1], x.shape[2], weight.shape[1]
+    y = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=W - 1, groups=D)[..., :T]  # (B, D, T): causal
+    return F.silu(y).transpose(1, 2), None
+
+
+def real_causal_conv1d(monkeypatch):
+    """fla's own causal_conv1d, run on the CPU by Triton's interpreter (tests/conftest.py turns it on without a
+    GPU). The interpreter has no driver to time autotuning's configs with: each is timed as equal here, so the
+    first is taken."""
+    pytest.importorskip("triton", reason="triton is not installed (CI installs it with .[dev])")
+    fla_conv = pytest.importorskip("fla.modules.causal_conv1d", reason="fla-core is not installed (.[dev] has it)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (a GPU machine): test_fla_conv_equals_the_taps_on_cuda runs instead")
+    from triton.runtime.autotuner import Autotuner
+
+    monkeypatch.setattr(Autotuner, "_bench", lambda self, *args, config, **meta: [0.0, 0.0, 0.0])
+    return fla_conv.causal_conv1d
+
+
+@pytest.mark.parametrize("kernel", ["stand-in", "fla, interpreted"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fla_conv_wrapper_directions_and_variable_length_mode_on_cpu(monkeypatch, kernel, packed):
+    """``conv: fla``'s wrapper equals silu(taps) at every real position, value and gradients, each direction with
+    its own filters; packed rows through the variable-length mode (padding zeroed first, as the mixer does, and
+    given no gradient, as dt = 0 gives it none in the mixer). With a stand-in kernel written from fla's documented
+    semantics, and with fla's Triton kernel itself in Triton's interpreter."""
+    fn = fake_causal_conv1d if kernel == "stand-in" else real_causal_conv1d(monkeypatch)
+    monkeypatch.setattr(mamba, "fla_causal_conv1d", lambda: fn)
+    dtype, tol = (torch.float64, 1e-12) if kernel == "stand-in" else (torch.float32, 1e-5)
+    gen = torch.Generator().manual_seed(0)
+    rows = PACKED_ROWS[::-1]  # the first row ends in padding, so the reversed pass's first row begins with it
+    segments = orient(packed_layout(rows, 29).expand(2, 4, 29)) if packed else None  # (2, R, N)
+    keep = (segments != 0)[..., None].to(dtype) if packed else torch.ones(2, 4, 29, 1, dtype=dtype)
+    x = torch.randn(2, 4, 29, 6, generator=gen, dtype=dtype) * keep
+    weight, bias = torch.randn(2, 6, 4, generator=gen, dtype=dtype), torch.randn(2, 6, generator=gen, dtype=dtype)
+    cot = torch.randn(2, 4, 29, 6, generator=gen, dtype=dtype) * keep
+    real = keep.bool().expand_as(x)
+    results = []
+    for conv in (fla_conv_silu, lambda *a: F.silu(causal_conv(*a))):
+        inputs = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        y = conv(*inputs, segments)
+        results.append([y[real], *torch.autograd.grad((y * cot).sum(), inputs)])
+    results[0][1], results[1][1] = results[0][1][real], results[1][1][real]  # the input's gradient at real positions
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_conv_fla_off_cuda_a_misspelt_conv_and_a_missing_fla_are_refused(monkeypatch):
+    m = make(conv="fla")
+    x, mask = torch.randn(1, 12, 16, dtype=torch.float64), torch.ones(1, 12, dtype=torch.bool)
+    with pytest.raises(ValueError, match="model.conv=fla .* CUDA only: here set model.conv=taps"):
+        m(x, mask)
+    with pytest.raises(ValueError, match="model.conv must be one of taps, fla, got 'tap'"):
+        make(conv="tap")
+    hide_fla(monkeypatch)
+    with pytest.raises(ImportError, match=r"pip install lra\[ssm\]"):
+        mamba.fla_causal_conv1d.__wrapped__()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("packed", "compiled"), [(False, False), (True, False), (False, True)])
+def test_fla_conv_equals_the_taps_on_cuda(packed, compiled):
+    """fla's fused convolution + SiLU against the taps, the same mixer otherwise (chunked scan): fp32 outputs and
+    every gradient, then under bf16 autocast; packed rows through its variable-length mode; compiled as the bench
+    and the trainer run it."""
+    pytest.importorskip("fla.modules.causal_conv1d")
+    torch.manual_seed(0)
+    model = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=512, scan="chunked",
+                         conv="fla").cuda()
+    ref = copy.deepcopy(model)
+    ref.conv = "taps"
+    if packed:
+        segments = packed_layout(PACKED_ROWS, 29).cuda()  # (R, N)
+        real = segments != 0
+    else:
+        segments, real = None, ragged([300, 170], 300).cuda()
+    x = torch.randn(*real.shape, 32, device="cuda", requires_grad=True)
+    cot = torch.randn(*real.shape, 32, device="cuda") * real[..., None]
+    outs, grads = [], []
+    for m in (model, ref):
+        fn = torch.compile(m) if compiled and m is model else m
+        out = fn(x, real, segments=segments)
+        grads.append(torch.autograd.grad((out * cot).sum(), [x, *m.parameters()]))
+        outs.append(out[real])
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(*outs) < 1e-4, f"outputs: rel. err {rel(*outs):.2e}"
+    for name, a, b in zip(["x", *(n for n, _ in model.named_parameters())], *grads):
+        assert rel(a, b) < 1e-4, f"{name}'s gradient: rel. err {rel(a, b):.2e}"
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        err = rel(model(x, real, segments=segments)[real].float(), outs[1])
+    assert err < 5e-2, f"bf16 outputs: rel. err {err:.2e}"
