@@ -206,6 +206,14 @@ def fla_ops():
     return chunk_simple_gla, chunk_gla
 
 
+def cu_seqlens(reset: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool, True at each example's first step -> fla's variable-length boundaries (sequences + 1,) int64:
+    the rows laid end to end as one sequence of B N steps, a new sequence at each row's start and at each reset."""
+    B, N = reset.shape
+    first = reset | (torch.arange(N, device=reset.device) == 0)  # (B, N): where a sequence begins
+    return F.pad(first.flatten().nonzero()[:, 0], (0, 1), value=B * N)  # (sequences + 1,)
+
+
 def fla(q, k, v, g, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
     """The recurrence's outputs from fla's chunked Triton kernels. Shapes as ``recurrent``."""
     chunk_simple_gla, chunk_gla = fla_ops()
@@ -221,8 +229,7 @@ def fla(q, k, v, g, scale: float = 1.0, reset: torch.Tensor | None = None) -> to
     g = (g[..., 0] if scalar else pad_head_dim(size_k, g)[0]).contiguous()  # (B, N, H) | (B, N, H, size_k)
     varlen = {}
     if reset is not None:  # variable-length mode: the rows end to end, a sequence from each row start and reset
-        first = reset | (torch.arange(N, device=reset.device) == 0)  # (B, N): where a sequence begins
-        varlen["cu_seqlens"] = F.pad(first.flatten().nonzero()[:, 0], (0, 1), value=B * N)  # (sequences + 1,)
+        varlen["cu_seqlens"] = cu_seqlens(reset)  # (sequences + 1,)
         q, k, v, g = (t.flatten(0, 1)[None] for t in (q, k, v, g))  # each (1, B N, H, .): a view, no copy
     kernel = chunk_simple_gla if scalar else chunk_gla
     o, _ = kernel(q, k, v, g=g, scale=scale, **varlen)  # (B, N, H, size_v), or (1, B N, H, size_v)

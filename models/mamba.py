@@ -44,8 +44,8 @@ Complexity: O(N d_inner d_state) time, O(N) memory in N (chunked: O(N C (d_state
 headdim) per head, the second term a small product over chunk summaries).
 Precision: the projections follow autocast; the convolution (``taps``: K shifted products, ``causal_conv``: CPU's
 depthwise conv1d backward took half of a training step; ``fla``: fp32 arithmetic, results in the input's dtype),
-dt, A dt and the norm run in fp32; the scan as ``_scan``
-says (fla: bf16 q, k, v with fp32 states and decays; chunked: fp32 decays, products following autocast).
+dt, A dt and the norm run in fp32; the scan as ``_scan`` says (fla: bf16 q, k, v with fp32 states and decays;
+chunked: fp32 decays, products following autocast).
 Padding: padded steps are exact no-ops, wherever they sit: their inputs are zeroed before the convolution (so
 no real position's convolution sees their content) and their dt is 0, so exp(A dt) = 1 and B dt x = 0 leave
 the state unchanged. Flipping a right-padded row puts the padding first, where it is a no-op too, so both
@@ -125,8 +125,7 @@ def fla_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     for d in range(2):
         xd, varlen = x[d], {}  # (B, N, C)
         if segments is not None:
-            first = _scan.segment_starts(segments[d]) | (torch.arange(N, device=x.device) == 0)  # (B, N)
-            varlen["cu_seqlens"] = F.pad(first.flatten().nonzero()[:, 0], (0, 1), value=B * N)  # (sequences + 1,)
+            varlen["cu_seqlens"] = _scan.cu_seqlens(_scan.segment_starts(segments[d]))  # (sequences + 1,)
             xd = xd.reshape(1, B * N, C)  # (1, B N, C)
         y, _ = causal_conv1d(xd, weight[d], bias[d], activation="silu", **varlen)  # (B, N, C) | (1, B N, C)
         out.append(y.view(B, N, C))
