@@ -16,19 +16,17 @@ sequence (the reversed pass on the flipped sequence, flipped back), the two are 
 as Mamba-2 does, y = RMSNorm(y * silu(z)) (its gated RMSNorm with the norm after the gate, one group over
 d_inner), then projected back to d_model.
 
-Forms of the scan (option ``scan``): on CUDA, flash-linear-attention's Triton ``chunk_simple_gla`` (fla-core
-0.6.0, ``pip install lra[ssm]``); missing it raises, naming the extra, rather than falling back, since a silent
-fallback would record the reference path's speed as Mamba's. Elsewhere the chunked SSD form in plain PyTorch,
-vectorised over chunks of ``chunk_size`` (Mamba-2's ``ssd_minimal``); ``scan: recurrent`` is the sequential
-recurrence, the readable reference. Mamba-1's selective-scan CUDA extension (a diagonal A per state dimension)
-cannot be built here; Mamba-2's scalar A per head is what runs on fla's kernel.
-Forms of the convolution and its SiLU (option ``conv``): ``taps``, K shifted products in PyTorch (``causal_conv``),
-on every device; ``fla``, flash-linear-attention's Triton ``causal_conv1d`` (the kernel behind its Mamba layers:
-convolution and SiLU fused, forward and backward, in the input's dtype with fp32 arithmetic; CUDA only). What it
-buys: ``taps`` writes its products, its fp32 result and, in the backward, K weight-gradient reductions over
-2 (E + 2S) channels of every step, as separate kernels unless Inductor fuses them; fla reads and writes each
-element about once. ``taps`` stays the default until the two are timed on a GPU (``layer_bench --variants
-mamba:conv=fla``).
+Forms of the scan (option ``scan``): ``chunked`` (the default, every device), the chunked SSD form in plain
+PyTorch, vectorised over chunks of ``chunk_size`` (Mamba-2's ``ssd_minimal``), which torch.compile fuses with the
+layer around it; ``fla``, flash-linear-attention's Triton ``chunk_simple_gla`` (fla-core 0.6.0, ``pip install
+lra[ssm]``, CUDA); ``auto``, fla on CUDA where its kernels are not refused (``_scan``), else chunked;
+``recurrent``, the sequential recurrence, the readable reference. Why chunked by default: on an H200, compiled,
+the layer runs 16% faster with it than with fla's kernel at 4K and 16K, in 9% less memory, since feeding fla
+copies Mamba-2's one group of B and C to every head in bf16 and its kernels split the compiled graph
+(results/README.md). Mamba-1's selective-scan CUDA extension (a diagonal A per state dimension) cannot be built
+here; Mamba-2's scalar A per head is what the scan computes. The convolution is K shifted products in PyTorch
+(``causal_conv``), which Inductor fuses with the SiLU and their neighbours; fla's fused Triton convolution was
+slower in the compiled layer (results/README.md).
 
 Bidirectional, as Vision Mamba (Zhu et al. 2024, arXiv 2401.09417, Alg. 1) and Caduceus's BiMamba (Schiff et
 al. 2024, arXiv 2403.03234, which ties the in- and out-projections of its two directions): the in-projection of
@@ -42,10 +40,9 @@ a Mamba-2 mixer plus that MLP, not Mamba's attention-free stack).
 
 Complexity: O(N d_inner d_state) time, O(N) memory in N (chunked: O(N C (d_state + headdim) + (N/C)^2 d_state
 headdim) per head, the second term a small product over chunk summaries).
-Precision: the projections follow autocast; the convolution (``taps``: K shifted products, ``causal_conv``: CPU's
-depthwise conv1d backward took half of a training step; ``fla``: fp32 arithmetic, results in the input's dtype),
-dt, A dt and the norm run in fp32; the scan as ``_scan`` says (fla: bf16 q, k, v with fp32 states and decays;
-chunked: fp32 decays, products following autocast).
+Precision: the projections follow autocast; the convolution (K shifted products, since CPU's depthwise conv1d
+backward took half of a training step), dt, A dt and the norm run in fp32; the scan as ``_scan`` says (chunked:
+fp32 decays, products following autocast; fla: bf16 q, k, v with fp32 states and decays).
 Padding: padded steps are exact no-ops, wherever they sit: their inputs are zeroed before the convolution (so
 no real position's convolution sees their content) and their dt is 0, so exp(A dt) = 1 and B dt x = 0 leave
 the state unchanged. Flipping a right-padded row puts the padding first, where it is a no-op too, so both
@@ -61,8 +58,7 @@ in each pass's own order (the reversed pass's first step of an example is its la
 taps read only positions of their own example (a tap on another example reads a zero, as before a row's start:
 K - 1 comparisons and multiplies more); the scan's state resets at every example's first step (``_scan``'s
 ``reset``: chunked, the chunks' weights masked at the resets; fla, its variable-length mode; recurrent, a zero
-decay; ``conv: fla``, its variable-length mode, a sequence from each row's start and each example's first
-step, where padding after an example is zero input as in ``taps``). D x, the gate and the norm are per position.
+decay). D x, the gate and the norm are per position.
 Every example gets exactly its own row's outputs.
 Deviations: Mamba-2's defaults differ in d_state (128; here 64, Mamba-1 used 16) and headdim (64; here
 d_inner / n_heads by default); ngroups 1; no dt clamp; d_inner follows d_model, as Mamba's expand, so
@@ -71,9 +67,7 @@ limit). A_log, dt_bias and D carry ``_optim = {"weight_decay": 0.0}``, as Mamba'
 """
 from __future__ import annotations
 
-import functools
 import math
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -100,38 +94,6 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return sum(tap * w[..., i] for i, tap in enumerate(taps)) + bias[:, None, None]  # (2, B, N, C)
 
 
-Conv = Literal["taps", "fla"]
-
-
-@functools.cache
-def fla_causal_conv1d():
-    """fla's ``causal_conv1d``, imported on first use; a clear error when fla-core is missing."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except ImportError as e:
-        raise ImportError("model.conv=fla runs flash-linear-attention's Triton convolution: `pip install lra[ssm]` "
-                          f"(fla-core 0.6.0), or set model.conv=taps. Import failed: {e}") from e
-    return causal_conv1d
-
-
-def fla_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                  segments: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(causal_conv(x, weight, bias, segments)) from fla's fused Triton kernel, one call per direction: shapes
-    as ``causal_conv``, the result in x's dtype. ``segments``: fla's variable-length mode, the rows end to end as
-    one sequence of B N steps, a new sequence at each row's start and each example's first step."""
-    causal_conv1d = fla_causal_conv1d()
-    _, B, N, C = x.shape
-    out = []
-    for d in range(2):
-        xd, varlen = x[d], {}  # (B, N, C)
-        if segments is not None:
-            varlen["cu_seqlens"] = _scan.cu_seqlens(_scan.segment_starts(segments[d]))  # (sequences + 1,)
-            xd = xd.reshape(1, B * N, C)  # (1, B N, C)
-        y, _ = causal_conv1d(xd, weight[d], bias[d], activation="silu", **varlen)  # (B, N, C) | (1, B N, C)
-        out.append(y.view(B, N, C))
-    return torch.stack(out)  # (2, B, N, C)
-
-
 @register_model
 class Mamba(nn.Module):
     taxonomy = Taxonomy("Gu & Dao 2023, arXiv 2312.00752; Dao & Gu 2024, arXiv 2405.21060", "N", ("SSM", "RC"),
@@ -152,16 +114,12 @@ class Mamba(nn.Module):
         d_conv: int = 4,
         headdim: int | None = None,
         chunk_size: int = 64,
-        scan: _scan.Scan = "auto",
-        conv: Conv = "taps",
+        scan: _scan.Scan = "chunked",
         dt_min: float = 0.001,
         dt_max: float = 0.1,
     ):
         super().__init__()
         self.d_inner, self.d_state, self.scan, self.chunk_size = expand * d_model, d_state, scan, chunk_size
-        if conv not in get_args(Conv):
-            raise ValueError(f"model.conv must be one of {', '.join(get_args(Conv))}, got {conv!r}")
-        self.conv = conv
         self.headdim = headdim or self.d_inner // n_heads
         if self.d_inner % self.headdim or chunk_size < 1 or d_conv < 1:
             raise ValueError(f"d_inner {self.d_inner} must split into heads of {self.headdim}; chunk_size "
@@ -200,13 +158,7 @@ class Mamba(nn.Module):
         xbc, dt = xbcdt.split([E + 2 * S, H], -1)  # (2, B, N, E + 2S), (2, B, N, H)
         if keep is not None:
             xbc = xbc * keep  # padding enters the convolution as zeros: no real position sees it
-        if self.conv == "fla":
-            if not xbc.is_cuda:
-                raise ValueError("model.conv=fla runs flash-linear-attention's Triton kernel, on CUDA only: here set "
-                                 "model.conv=taps")
-            xbc = fla_conv_silu(xbc, self.conv_weight, self.conv_bias, segments)  # (2, B, N, E + 2S)
-        else:
-            xbc = F.silu(causal_conv(xbc, self.conv_weight, self.conv_bias, segments))  # (2, B, N, E + 2S)
+        xbc = F.silu(causal_conv(xbc, self.conv_weight, self.conv_bias, segments))  # (2, B, N, E + 2S)
         x, b, c = xbc.split([E, S, S], -1)  # (2, B, N, E), (2, B, N, S), (2, B, N, S)
         dt = F.softplus(upcast(dt) + self.dt_bias[:, None, None])  # (2, B, N, H)
         if keep is not None:

@@ -14,8 +14,8 @@ from models import _scan, create_model
 from tests.conftest import tune_lightest_config_only
 from tests.mixer_checks import (
     PACKED_ROWS,
-    assert_fast_path_matches_reference,
-    assert_fast_path_on_packed_rows_matches_reference,
+    assert_fast_scan_matches_chunked,
+    assert_fast_scan_on_packed_rows_matches_chunked,
     assert_packed_rows_equal_each_example_alone,
     assert_reset_scan_equals_separate_pieces,
 )
@@ -225,7 +225,7 @@ def test_fla_path_equals_the_reference_on_cuda(options):
     torch.manual_seed(0)
     d = options["d_model"]
     m = create_model("gla", dropout=0.0, max_len=512, **options).cuda()
-    assert_fast_path_matches_reference(m, d, ragged)
+    assert_fast_scan_matches_chunked(m, d, ragged)
 
 
 @pytest.mark.gpu
@@ -234,7 +234,7 @@ def test_fla_path_on_packed_rows_equals_the_reference_on_cuda():
     pytest.importorskip("fla.ops.gla")
     torch.manual_seed(0)
     m = create_model("gla", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).cuda()
-    assert_fast_path_on_packed_rows_matches_reference(m, 32)
+    assert_fast_scan_on_packed_rows_matches_chunked(m, 32)
 
 
 def test_gpu_tests_compile_the_lightest_config_of_each_autotuned_kernel(monkeypatch):

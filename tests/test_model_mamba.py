@@ -1,12 +1,11 @@
 """``mamba``: the chunked SSD form against the sequential recurrence, the whole mixer against a step-by-step
 selective SSM written from the papers' equations, the reversed pass over real tokens only, padded steps as
 exact no-ops, packed rows against each example alone (convolution and scan, every CPU form, fast decays), and
-the fla (CUDA) paths against the reference (scan and convolution; their wrappers also on CPU, with stand-in
-kernels, variable-length mode included)."""
+the fla (CUDA) scan against the reference (its wrapper also on CPU, with a stand-in kernel, variable-length mode
+included)."""
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import warnings
 
@@ -14,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import _scan, create_model, mamba
+from models import _scan, create_model
 from models._scan import orient
-from models.mamba import causal_conv, fla_conv_silu
+from models.mamba import causal_conv
 from tests.mixer_checks import (
     PACKED_ROWS,
-    assert_fast_path_matches_reference,
-    assert_fast_path_on_packed_rows_matches_reference,
+    assert_fast_scan_matches_chunked,
+    assert_fast_scan_on_packed_rows_matches_chunked,
     assert_packed_rows_equal_each_example_alone,
     assert_reset_scan_equals_separate_pieces,
     packed_layout,
@@ -271,7 +270,7 @@ def test_fla_path_equals_the_reference_on_cuda(options):
     torch.manual_seed(0)
     d = options["d_model"]
     m = create_model("mamba", d_qkv=d, dropout=0.0, max_len=512, **options).cuda()
-    assert_fast_path_matches_reference(m, d, ragged)
+    assert_fast_scan_matches_chunked(m, d, ragged)
 
 
 def test_scan_fla_off_cuda_and_a_misspelt_scan_are_refused():
@@ -347,7 +346,7 @@ def test_fla_path_on_packed_rows_equals_the_reference_on_cuda():
     pytest.importorskip("fla.ops.simple_gla")
     torch.manual_seed(0)
     m = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64).cuda()
-    assert_fast_path_on_packed_rows_matches_reference(m, 32)
+    assert_fast_scan_on_packed_rows_matches_chunked(m, 32)
 
 
 @pytest.mark.gpu
@@ -385,103 +384,3 @@ def test_on_cuda_the_gradients_where_steps_forget_fast_are_cpu_fp64s(scan, compi
     for name, g in ref.items():
         err = (got[name] - g).norm() / max(g.norm(), floor)
         assert err < 0.3, f"{name}: |g| {got[name].norm():.3e} on CUDA, {g.norm():.3e} in fp64 (rel. err {err:.2e})"
-
-
-def fake_causal_conv1d(x, weight, bias, activation=None, cu_seqlens=None):
-    """fla's causal_conv1d per its documented semantics (x (B, T, D), weight (D, W), the SiLU fused; with
-    ``cu_seqlens``, B = 1 and each sequence from zeros), from F.conv1d, so the wrapper's two directions and its
-    variable-length mode can be checked on CPU."""
-    assert activation == "silu" and weight.shape[0] == x.shape[-1] == bias.shape[0]
-    if cu_seqlens is not None:
-        assert x.shape[0] == 1 and cu_seqlens.dtype == torch.long and cu_seqlens[0] == 0
-        assert cu_seqlens[-1] == x.shape[1] and (cu_seqlens.diff() > 0).all()
-        pieces = [fake_causal_conv1d(x[:, s:e], weight, bias, activation)[0]
-                  for s, e in itertools.pairwise(cu_seqlens.tolist())]
-        return torch.cat(pieces, 1), None
-    T, D, W = x.shape[1], x.shape[2], weight.shape[1]
-    y = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=W - 1, groups=D)[..., :T]  # (B, D, T): causal
-    return F.silu(y).transpose(1, 2), None
-
-
-def real_causal_conv1d(monkeypatch):
-    """fla's own causal_conv1d, run on the CPU by Triton's interpreter (tests/conftest.py turns it on without a
-    GPU). The interpreter has no driver to time autotuning's configs with: each is timed as equal here, so the
-    first is taken."""
-    pytest.importorskip("triton", reason="triton is not installed (CI installs it with .[dev])")
-    fla_conv = pytest.importorskip("fla.modules.causal_conv1d", reason="fla-core is not installed (.[dev] has it)")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter is off (a GPU machine): test_fla_conv_equals_the_taps_on_cuda runs instead")
-    from triton.runtime.autotuner import Autotuner
-
-    monkeypatch.setattr(Autotuner, "_bench", lambda self, *args, config, **meta: [0.0, 0.0, 0.0])
-    return fla_conv.causal_conv1d
-
-
-@pytest.mark.parametrize("kernel", ["stand-in", "fla, interpreted"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_fla_conv_wrapper_directions_and_variable_length_mode_on_cpu(monkeypatch, kernel, packed):
-    """``conv: fla``'s wrapper equals silu(taps) at every real position, value and gradients, each direction with
-    its own filters; packed rows through the variable-length mode (padding zeroed first, as the mixer does, and
-    given no gradient, as dt = 0 gives it none in the mixer). With a stand-in kernel written from fla's documented
-    semantics, and with fla's Triton kernel itself in Triton's interpreter."""
-    fn = fake_causal_conv1d if kernel == "stand-in" else real_causal_conv1d(monkeypatch)
-    monkeypatch.setattr(mamba, "fla_causal_conv1d", lambda: fn)
-    dtype, tol = (torch.float64, 1e-12) if kernel == "stand-in" else (torch.float32, 1e-5)
-    gen = torch.Generator().manual_seed(0)
-    rows = PACKED_ROWS[::-1]  # the first row ends in padding, so the reversed pass's first row begins with it
-    segments = orient(packed_layout(rows, 29).expand(2, 4, 29)) if packed else None  # (2, R, N)
-    keep = (segments != 0)[..., None].to(dtype) if packed else torch.ones(2, 4, 29, 1, dtype=dtype)
-    x = torch.randn(2, 4, 29, 6, generator=gen, dtype=dtype) * keep
-    weight, bias = torch.randn(2, 6, 4, generator=gen, dtype=dtype), torch.randn(2, 6, generator=gen, dtype=dtype)
-    cot = torch.randn(2, 4, 29, 6, generator=gen, dtype=dtype) * keep
-    real = keep.bool().expand_as(x)
-    results = []
-    for conv in (fla_conv_silu, lambda *a: F.silu(causal_conv(*a))):
-        inputs = [t.clone().requires_grad_() for t in (x, weight, bias)]
-        y = conv(*inputs, segments)
-        results.append([y[real], *torch.autograd.grad((y * cot).sum(), inputs)])
-    results[0][1], results[1][1] = results[0][1][real], results[1][1][real]  # the input's gradient at real positions
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-
-
-def test_conv_fla_off_cuda_a_misspelt_conv_and_a_missing_fla_are_refused(monkeypatch):
-    m = make(conv="fla")
-    x, mask = torch.randn(1, 12, 16, dtype=torch.float64), torch.ones(1, 12, dtype=torch.bool)
-    with pytest.raises(ValueError, match="model.conv=fla .* CUDA only: here set model.conv=taps"):
-        m(x, mask)
-    with pytest.raises(ValueError, match="model.conv must be one of taps, fla, got 'tap'"):
-        make(conv="tap")
-    hide_fla(monkeypatch)
-    with pytest.raises(ImportError, match=r"pip install lra\[ssm\]"):
-        mamba.fla_causal_conv1d.__wrapped__()
-
-
-@pytest.fixture
-def ieee_fp32():
-    """fp32 matmuls without TF32 (lra.engine.configure, run by a test before, turns it on): the conv tests compare
-    two fp32 paths at 1e-4, where TF32's 10-bit operands would round their tiny differences apart."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(before)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fla_conv_equals_the_taps_on_cuda(ieee_fp32, compiled):
-    """fla's fused convolution + SiLU against the taps, the same mixer otherwise (chunked scan): fp32 outputs and
-    every gradient, then under bf16 autocast; compiled as the bench and the trainer run it."""
-    pytest.importorskip("fla.modules.causal_conv1d")
-    torch.manual_seed(0)
-    m = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=512, scan="chunked").cuda()
-    assert_fast_path_matches_reference(m, 32, ragged, "conv", "fla", "taps", (1e-4, 1e-4), compiled)
-
-
-@pytest.mark.gpu
-def test_fla_conv_on_packed_rows_equals_the_taps_on_cuda(ieee_fp32):
-    """fla's convolution in its variable-length mode (a sequence from each row's start and example's first step)."""
-    pytest.importorskip("fla.modules.causal_conv1d")
-    torch.manual_seed(0)
-    m = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64, scan="chunked").cuda()
-    assert_fast_path_on_packed_rows_matches_reference(m, 32, "conv", "fla", "taps", 1e-4)
