@@ -191,19 +191,25 @@ def warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-@functools.cache
+FLA_OPS: tuple | None = None  # fla_ops's result, once imported
+
+
 def fla_ops():
-    """(chunk_simple_gla, chunk_gla), imported on first CUDA use; a clear error when fla-core is missing."""
-    try:
-        from fla.ops.gla import chunk_gla
-        from fla.ops.simple_gla import chunk_simple_gla
-    except ImportError as e:
-        raise ImportError(
-            "mamba and gla run their scan on CUDA through flash-linear-attention's Triton kernels: "
-            "`pip install lra[ssm]` (fla-core 0.6.0), or set model.scan=chunked for the pure-PyTorch form "
-            f"(slow on a GPU). Import failed: {e}"
-        ) from e
-    return chunk_simple_gla, chunk_gla
+    """(chunk_simple_gla, chunk_gla), imported on first CUDA use; a clear error when fla-core is missing. Kept in
+    a module global, not by functools.cache: Dynamo warns at each trace that calls a cached function."""
+    global FLA_OPS
+    if FLA_OPS is None:
+        try:
+            from fla.ops.gla import chunk_gla
+            from fla.ops.simple_gla import chunk_simple_gla
+        except ImportError as e:
+            raise ImportError(
+                "model.scan=fla or auto runs the scan on CUDA through flash-linear-attention's Triton kernels: "
+                "`pip install lra[ssm]` (fla-core 0.6.0), or set model.scan=chunked for the pure-PyTorch form. "
+                f"Import failed: {e}"
+            ) from e
+        FLA_OPS = chunk_simple_gla, chunk_gla
+    return FLA_OPS
 
 
 def cu_seqlens(reset: torch.Tensor) -> torch.Tensor:

@@ -250,16 +250,28 @@ def test_packed_rows_with_decays_that_forget_fast_stay_finite_and_exact():
     assert_packed_rows_equal_each_example_alone(m.float(), PACKED_ROWS, 29, 16, torch.float32, tol=1e-4)
 
 
-def hide_fla(monkeypatch):
+def test_missing_fla_names_the_extra(monkeypatch):
     """As if fla-core were not installed, though a test before may have imported some of it."""
     for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")] + ["fla"]:
         monkeypatch.setitem(sys.modules, name, None)
-
-
-def test_missing_fla_names_the_extra(monkeypatch):
-    hide_fla(monkeypatch)
+    monkeypatch.setattr(_scan, "FLA_OPS", None)
     with pytest.raises(ImportError, match=r"pip install lra\[ssm\]"):
-        _scan.fla_ops.__wrapped__()
+        _scan.fla_ops()
+
+
+def test_a_compiled_model_takes_fla_s_kernels_without_dynamo_s_warning(monkeypatch):
+    """fla_ops is called inside the compiled forward: no warning of Dynamo's (it warns at each trace of a
+    functools-cached function), no graph break, and its first call imports only once."""
+    monkeypatch.setattr(_scan, "FLA_OPS", ("simple", "gla"))
+
+    def pick(x):
+        return x * 2 if _scan.fla_ops()[1] == "gla" else x
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explained = torch._dynamo.explain(pick)(torch.ones(3))
+    assert explained.graph_break_count == 0
+    assert not [w for w in caught if "Dynamo" in str(w.message)], [str(w.message) for w in caught]
 
 
 @pytest.mark.gpu
