@@ -12,6 +12,10 @@ All are pure-Python wheels (py3-none-any) that accept torch 2.5-2.14 as installe
 without network (the GPU machine) gets them as wheels (docs/gpu.md):
 
     python -m pip download --no-deps --only-binary=:all: -d .whl $(python -m lra.peers --pins)
+
+The recurrent mixers' packages run on CUDA only and stay out of the extra (``CUDA_PINS``): mamba-ssm builds a CUDA
+extension (causal-conv1d's) when installed, and flash-linear-attention's layers need a GPU and transformers. They
+are installed by hand where they run (``CUDA_INSTALL``); elsewhere their rows say ``missing: ...`` with that command.
 """
 from __future__ import annotations
 
@@ -51,6 +55,14 @@ DEPENDENCIES = {
 }
 
 
+# Packages of the recurrent mixers, pinned but CUDA-only (module docstring): the command that installs each.
+CUDA_PINS = {"mamba-ssm": "2.3.2.post1", "flash-linear-attention": "0.6.0"}
+CUDA_INSTALL = {
+    "mamba-ssm": "pip install mamba-ssm==2.3.2.post1 causal-conv1d==1.7.0 --no-build-isolation, on a CUDA machine",
+    "flash-linear-attention": "pip install flash-linear-attention==0.6.0, on a CUDA machine",
+}
+
+
 class MissingPeer(ImportError):
     """A package is not importable: its row says ``missing: <install hint>`` and the sweep goes on."""
 
@@ -85,7 +97,11 @@ class Peer:
 
     @property
     def pin(self) -> str | None:
-        return PINS.get(self.dist) if self.dist else None
+        return {**PINS, **CUDA_PINS}.get(self.dist) if self.dist else None
+
+    @property
+    def cuda_only(self) -> bool:
+        return self.dist in CUDA_PINS
 
     def installed(self) -> str | None:
         """The version installed, None when the distribution is absent (or for SDPA, which is torch)."""
@@ -113,8 +129,27 @@ class Peer:
         try:
             module = importlib.import_module(self.module)
         except ImportError as error:
-            raise MissingPeer(f"missing: {INSTALL} (or {self.dist}=={self.pin}; {error})") from error
+            how = (f"{CUDA_INSTALL[self.dist]} ({error})" if self.cuda_only
+                   else f"{INSTALL} (or {self.dist}=={self.pin}; {error})")
+            raise MissingPeer(f"missing: {how}") from error
         return self.make(module, n)
+
+
+class TwoWays(nn.Module):
+    """A causal layer made bidirectional as our recurrent mixers are (models/mamba.py, models/gla.py): one layer
+    reads the sequence, a second reads it reversed, their outputs summed. Each direction has all its own weights
+    (ours share the input, value and output parts), so the pair computes more than our layer does. Layers that
+    return a tuple (flash-linear-attention's: output, attentions, cache) give their first element."""
+
+    def __init__(self, make: Callable[[], nn.Module]):
+        super().__init__()
+        self.forward_pass, self.reversed_pass = make(), make()
+
+    def forward(self, x):
+        def output(y):
+            return y[0] if isinstance(y, tuple) else y
+
+        return output(self.forward_pass(x)) + output(self.reversed_pass(x.flip(1))).flip(1)  # (B, N, D)
 
 
 def _local(la: ModuleType, n: int) -> nn.Module:
@@ -151,6 +186,15 @@ PEERS: list[Peer] = [
     Peer("sinkhorn", "sinkhorn-transformer", "(bucket 64)", "sinkhorn_transformer",
          lambda st, n: st.SinkhornSelfAttention(D_MODEL, bucket_size=64, max_seq_len=n, heads=HEADS, dim_head=D_HEAD,
                                                 dropout=0.0, attn_dropout=0.0)),
+    # CUDA only (CUDA_PINS), each at our mixer's settings (conf/model/<name>.yaml, d_qkv = D_MODEL), both directions.
+    # mamba-ssm's Mamba2: d_state 64, expand 2, our heads (headdim 2 D_MODEL / HEADS), its fused conv + scan path.
+    Peer("mamba", "mamba-ssm", "(Mamba2, d_state 64, headdim 128, two directions)", "mamba_ssm.modules.mamba2",
+         lambda ms, n: TwoWays(lambda: ms.Mamba2(D_MODEL, d_state=64, d_conv=4, expand=2, headdim=2 * D_MODEL // HEADS,
+                                                 ngroups=1))),
+    # flash-linear-attention's GatedLinearAttention: keys 0.5 x, values 1 x the width, gate rank 16, tau 16, chunk_gla.
+    Peer("gla", "flash-linear-attention", "(GatedLinearAttention, two directions)", "fla.layers.gla",
+         lambda fla, n: TwoWays(lambda: fla.GatedLinearAttention(mode="chunk", hidden_size=D_MODEL, num_heads=HEADS,
+                                                                  expand_k=0.5, expand_v=1.0))),
 ]
 
 
@@ -175,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         print(" ".join(pins()))
         return
     for peer in PEERS:
-        installed = peer.provenance()["package"] or ("torch" if peer is BASELINE else f"missing: {INSTALL}")
+        missing = f"missing: {CUDA_INSTALL[peer.dist] if peer.cuda_only else INSTALL}"
+        installed = peer.provenance()["package"] or ("torch" if peer is BASELINE else missing)
         print(f"{peer.model:14s} {peer.name():45s} {installed}")
 
 

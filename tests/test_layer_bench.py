@@ -74,12 +74,20 @@ PEER_ARGS = ["--shapes", "128x2", "--warmup", "0", "--steps", "1", "--device", "
 OLD_HEADER = "model,seq_len,batch_size,status,ms_fwd_bwd,peak_mb,precision,device,torch,git_sha,timestamp"
 
 
-@pytest.mark.parametrize("peer", peers.PEERS, ids=lambda p: p.name())
+@pytest.mark.parametrize("peer", [pytest.param(p, marks=pytest.mark.gpu) if p.cuda_only else p for p in peers.PEERS],
+                         ids=lambda p: p.name())
 def test_every_peer_builds_a_layer_that_trains(peer):
-    """At N 128 (past reformer's full-attention threshold of one bucket, so LSH runs), B 2."""
+    """At N 128 (past reformer's full-attention threshold of one bucket, so LSH runs), B 2. The CUDA-only packages
+    on a GPU (a GPU test), where they are installed (by hand: lra.peers.CUDA_INSTALL)."""
+    device = "cuda" if peer.cuda_only else "cpu"
     torch.manual_seed(0)
-    layer = peer.build(128).train()
-    x = torch.randn(2, 128, peers.D_MODEL, requires_grad=True)  # (B, N, D)
+    try:
+        layer = peer.build(128).to(device).train()
+    except peers.MissingPeer as missing:
+        if not peer.cuda_only:
+            raise
+        pytest.skip(str(missing))
+    x = torch.randn(2, 128, peers.D_MODEL, device=device, requires_grad=True)  # (B, N, D)
     y = layer(x)
     assert y.shape == x.shape and torch.isfinite(y).all()
     y.square().mean().backward()
@@ -92,7 +100,9 @@ def test_peer_names_line_up_with_the_stored_rows():
     stored = set(layer_bench.peers().implementation)
     names = {p.name() for p in peers.PEERS}
     assert stored <= names  # every stored package row has a live entry of the same name
-    assert names - stored == {"sinkhorn-transformer 0.11.4 (bucket 64)"}  # it failed under bf16: nothing stored
+    # sinkhorn failed under bf16 (nothing stored); the CUDA-only packages have no stored rows: they run live
+    assert names - stored == {"sinkhorn-transformer 0.11.4 (bucket 64)"} | {p.name() for p in peers.PEERS
+                                                                            if p.cuda_only}
     assert {p.model for p in peers.PEERS} <= set(list_models())
 
 
@@ -244,6 +254,39 @@ def test_a_missing_package_is_a_row_with_the_install_hint(tmp_path, monkeypatch,
     assert rows.loc["lra performer", "status"] == "ok" and rows.loc["SDPA exact (cuDNN flash)", "status"] == "ok"
     assert table.implementation.isna().all() and table.x_sdpa.notna().all()  # ours still set against SDPA
     assert "not measured: performer-pytorch 1.1.4 (256 features): missing" in capsys.readouterr().out
+
+
+def test_a_cuda_only_package_missing_is_a_row_with_its_own_install_command(tmp_path, monkeypatch):
+    for module in ("mamba_ssm", "fla"):  # as if neither were installed, here or on the CI
+        monkeypatch.setitem(sys.modules, module, None)
+    out = tmp_path / "layers.csv"
+    layer_bench.main(["--models", "mamba,gla", "--out", str(out), *PEER_ARGS])
+    rows = pd.read_csv(out).set_index("implementation")
+    for peer in (p for p in peers.PEERS if p.cuda_only):
+        status = rows.loc[peer.name(), "status"]
+        assert status.startswith(f"missing: {peers.CUDA_INSTALL[peer.dist]} (") and "lra[peers]" not in status
+    assert rows.loc["lra mamba", "status"] == "ok" and rows.loc["lra gla", "status"] == "ok"
+
+
+class Causal(torch.nn.Module):
+    """A causal layer to make bidirectional: the running sum of x W over time, as a tuple (fla's layers' form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(3, 3, bias=False)
+
+    def forward(self, x):
+        return self.w(x).cumsum(1), None
+
+
+def test_two_ways_reads_the_past_with_one_layer_and_the_future_with_the_other():
+    torch.manual_seed(0)
+    layer = peers.TwoWays(Causal)
+    x = torch.randn(2, 5, 3)
+    f, b = layer.forward_pass.w, layer.reversed_pass.w
+    want = f(x).cumsum(1) + b(x).flip(1).cumsum(1).flip(1)  # position t: f over x_0..t, b over x_t..N-1
+    torch.testing.assert_close(layer(x), want)
+    assert f.weight.data_ptr() != b.weight.data_ptr()  # a layer of its own each way
 
 
 class FailsUnderAutocast(torch.nn.Module):
