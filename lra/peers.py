@@ -138,8 +138,9 @@ class Peer:
 class TwoWays(nn.Module):
     """A causal layer made bidirectional as our recurrent mixers are (models/mamba.py, models/gla.py): one layer
     reads the sequence, a second reads it reversed, their outputs summed. Each direction has all its own weights
-    (ours share the input, value and output parts), so the pair computes more than our layer does. Layers that
-    return a tuple (flash-linear-attention's: output, attentions, cache) give their first element."""
+    (ours share some: mamba its x and z projection, norm and output; gla its value, gate, norm and output), so
+    the pair computes more than our layer does. Layers that return a tuple (flash-linear-attention's: output,
+    attentions, cache) give their first element."""
 
     def __init__(self, make: Callable[[], nn.Module]):
         super().__init__()
