@@ -23,8 +23,8 @@ lra[ssm]``, CUDA); ``auto``, fla on CUDA where its kernels are not refused (``_s
 ``recurrent``, the sequential recurrence, the readable reference. Why chunked by default: on an H200, compiled,
 the layer runs 16% faster with it than with fla's kernel at 4K and 16K, in 9% less memory, since feeding fla
 copies Mamba-2's one group of B and C to every head in bf16 and its kernels split the compiled graph
-(results/README.md). Mamba-1's selective-scan CUDA extension (a diagonal A per state dimension) cannot be built
-here; Mamba-2's scalar A per head is what the scan computes. The convolution is K shifted products in PyTorch
+(results/README.md). Mamba-1's selective scan (a diagonal A per state dimension, a CUDA extension of its own) is
+not what runs: Mamba-2's scalar A per head is what the scan computes. The convolution is K shifted products in PyTorch
 (``causal_conv``), which Inductor fuses with the SiLU and their neighbours; fla's fused Triton convolution was
 slower in the compiled layer (results/README.md).
 
