@@ -103,6 +103,11 @@ class Peer:
     def cuda_only(self) -> bool:
         return self.dist in CUDA_PINS
 
+    @property
+    def install(self) -> str:
+        """The command that installs the package: the extra's, or a CUDA-only package's own."""
+        return CUDA_INSTALL[self.dist] if self.cuda_only else INSTALL
+
     def installed(self) -> str | None:
         """The version installed, None when the distribution is absent (or for SDPA, which is torch)."""
         if self.dist is None:
@@ -129,9 +134,8 @@ class Peer:
         try:
             module = importlib.import_module(self.module)
         except ImportError as error:
-            how = (f"{CUDA_INSTALL[self.dist]} ({error})" if self.cuda_only
-                   else f"{INSTALL} (or {self.dist}=={self.pin}; {error})")
-            raise MissingPeer(f"missing: {how}") from error
+            detail = f"({error})" if self.cuda_only else f"(or {self.dist}=={self.pin}; {error})"
+            raise MissingPeer(f"missing: {self.install} {detail}") from error
         return self.make(module, n)
 
 
@@ -220,8 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         print(" ".join(pins()))
         return
     for peer in PEERS:
-        missing = f"missing: {CUDA_INSTALL[peer.dist] if peer.cuda_only else INSTALL}"
-        installed = peer.provenance()["package"] or ("torch" if peer is BASELINE else missing)
+        installed = peer.provenance()["package"] or ("torch" if peer is BASELINE else f"missing: {peer.install}")
         print(f"{peer.model:14s} {peer.name():45s} {installed}")
 
 

@@ -24,9 +24,9 @@ lra[ssm]``, CUDA); ``auto``, fla on CUDA where its kernels are not refused (``_s
 the layer runs 16% faster with it than with fla's kernel at 4K and 16K, in 9% less memory, since feeding fla
 copies Mamba-2's one group of B and C to every head in bf16 and its kernels split the compiled graph
 (results/README.md). Mamba-1's selective scan (a diagonal A per state dimension, a CUDA extension of its own) is
-not what runs: Mamba-2's scalar A per head is what the scan computes. The convolution is K shifted products in PyTorch
-(``causal_conv``), which Inductor fuses with the SiLU and their neighbours; fla's fused Triton convolution was
-slower in the compiled layer (results/README.md).
+not what runs: Mamba-2's scalar A per head is what the scan computes. The convolution is K shifted products in
+PyTorch (``causal_conv``), which Inductor fuses with the SiLU and their neighbours; fla's fused Triton
+convolution was slower in the compiled layer (results/README.md).
 
 Bidirectional, as Vision Mamba (Zhu et al. 2024, arXiv 2401.09417, Alg. 1) and Caduceus's BiMamba (Schiff et
 al. 2024, arXiv 2403.03234, which ties the in- and out-projections of its two directions): the in-projection of
@@ -58,8 +58,7 @@ in each pass's own order (the reversed pass's first step of an example is its la
 taps read only positions of their own example (a tap on another example reads a zero, as before a row's start:
 K - 1 comparisons and multiplies more); the scan's state resets at every example's first step (``_scan``'s
 ``reset``: chunked, the chunks' weights masked at the resets; fla, its variable-length mode; recurrent, a zero
-decay). D x, the gate and the norm are per position.
-Every example gets exactly its own row's outputs.
+decay). D x, the gate and the norm are per position. Every example gets exactly its own row's outputs.
 Deviations: Mamba-2's defaults differ in d_state (128; here 64, Mamba-1 used 16) and headdim (64; here
 d_inner / n_heads by default); ngroups 1; no dt clamp; d_inner follows d_model, as Mamba's expand, so
 ``d_qkv`` is unused, as are ``dropout`` and ``max_len`` (an SSM has neither attention weights nor a length

@@ -261,7 +261,7 @@ def test_missing_fla_names_the_extra(monkeypatch):
 
 def test_a_compiled_model_takes_fla_s_kernels_without_dynamo_s_warning(monkeypatch):
     """fla_ops is called inside the compiled forward: no warning of Dynamo's (it warns at each trace of a
-    functools-cached function), no graph break, and its first call imports only once."""
+    functools-cached function) and no graph break."""
     monkeypatch.setattr(_scan, "FLA_OPS", ("simple", "gla"))
 
     def pick(x):
