@@ -11,7 +11,7 @@ dropout (a ``--variants`` entry may name one, e.g. ``etc:backend=flex,dropout=0.
 (mask=None where the mixer takes it, else an all-true mask), bf16 autocast on CUDA (fp32 on CPU); N 1024 and 4096
 at batch 32, N 16384 at batch 8; ms per forward + backward (median of ``--steps`` synchronised calls after
 ``--warmup``, and their 10th and 90th percentiles: two layers whose spreads overlap are not told apart by one run)
-and peak MB (``cuda_max_allocated``, CUDA only).
+and peak MB (``cuda_max_allocated``, CUDA only, less what earlier rows left allocated: each row's own).
 
 ``--peers`` times the public packages' layers (lra/peers.py; ``pip install 'lra[peers]'``) of the chosen models,
 and the bare SDPA layer as the baseline, in the same process on the same card with the same timing loop, and
@@ -28,6 +28,7 @@ the square).
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import time
 from collections.abc import Callable
@@ -153,13 +154,29 @@ def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -
     return root / f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', implementation).strip('_')}_{n}x{batch}"
 
 
+def release_leftovers(device: torch.device) -> float:
+    """Frees what earlier rows left on the GPU (reference cycles, the last compiled layer's graphs, cached blocks)
+    and returns the MB still allocated (a package's own caches, say), which ``measure`` takes off the row's peak:
+    otherwise a row after a leaky one counts the leak (an SDPA row once read 2,312 MB where it takes 1,350)."""
+    if device.type != "cuda":
+        return 0.0
+    gc.collect()
+    torch._dynamo.reset()  # before the count: the timed layer's own reset would free them inside its measurement
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device) / 2**20
+
+
 def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
             out: Path | None) -> dict:
     """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on. The row
     is appended to ``out`` at once, so a sweep killed midway (a device call's time limit) keeps what it measured."""
     row["timestamp"] = now_iso()
+    leftover_mb = release_leftovers(device)
     try:
-        row.update(timer()._asdict())
+        timing = timer()
+        row.update(timing._asdict())
+        if timing.peak_mb is not None:
+            row["peak_mb"] = timing.peak_mb - leftover_mb  # the allocator's peak counts whatever else is alive
         row["status"] = "ok"
     except torch.cuda.OutOfMemoryError:
         row["status"] = "oom"

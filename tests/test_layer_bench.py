@@ -68,6 +68,37 @@ def test_rows_measured_before_a_kill_are_kept(tmp_path, monkeypatch):
     assert list(pd.read_csv(out).model) == ["linear"]
 
 
+def test_a_rows_peak_leaves_out_what_earlier_rows_left_allocated(monkeypatch):
+    """On CUDA the allocator's peak counts every live tensor: what is still allocated once earlier rows' garbage
+    and compiled graphs are freed (a package's cache) is taken off, so the row's peak is its own layer's."""
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("dynamo reset"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty cache"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 960 * 2**20)
+    row = layer_bench.measure(dict(implementation="lra linear", seq_len=4096, batch_size=32),
+                              lambda: layer_bench.Timing(5.0, 2310.0, 4.9, 5.1), torch.device("cuda"), None)
+    assert row["status"] == "ok" and row["peak_mb"] == pytest.approx(1350.0)
+    assert calls[:2] == ["dynamo reset", "empty cache"]  # freed before the count, not inside the timed row
+    assert layer_bench.release_leftovers(torch.device("cpu")) == 0.0  # no peak off CUDA, nothing to take off
+
+
+@pytest.mark.gpu
+def test_a_rows_peak_is_the_same_beside_a_leftover_tensor():
+    """The same layer's peak with nothing else alive and beside 512 MB an earlier row kept (within the allocator's
+    rounding)."""
+    device = torch.device("cuda")
+
+    def peak():
+        row = layer_bench.measure(dict(implementation="lra linear", seq_len=1024, batch_size=4),
+                                  lambda: layer_bench.time_layer("linear", 1024, 4, device, 1, 2), device, None)
+        return row["peak_mb"]
+
+    alone = peak()
+    kept = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
+    assert peak() == pytest.approx(alone, abs=4.0)
+    del kept
+
+
 # --- the public packages in the same process (lra/peers.py, --peers) ---
 
 PEER_ARGS = ["--shapes", "128x2", "--warmup", "0", "--steps", "1", "--device", "cpu", "--peers"]
