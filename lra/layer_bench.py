@@ -184,8 +184,6 @@ def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
         row["status"] = str(missing)  # "missing: pip install 'lra[peers]' (or <dist>==<pin>; ...)"
     except Exception as error:  # noqa: BLE001 - e.g. sinkhorn-transformer under bf16 autocast
         row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     print(f"{row['implementation']:45s} N {row['seq_len']:6d} B {row['batch_size']:3d}: {row['status']:5s} "
           f"{row.get('ms_fwd_bwd', float('nan')):8.2f} ms", flush=True)
     if out is not None:
