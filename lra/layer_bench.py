@@ -43,7 +43,7 @@ from lra import engine
 from lra.bench import model_config_options, split_attributes, variant_cases
 from lra.config import CHOICES
 from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
-from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso
+from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
 from models import create_model, list_models
 from models.registry import Grid
 
@@ -162,6 +162,9 @@ def release_leftovers(device: torch.device) -> float:
         return 0.0
     gc.collect()
     torch._dynamo.reset()  # before the count: the timed layer's own reset would free them inside its measurement
+    # cuBLAS keeps its workspace (64 MB on an H200) from the first matmul on: freed so that every row pays its own,
+    # as a row alone in its process does, and not only the first row of a sweep
+    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(device) / 2**20
 
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
-                  torch=torch.__version__, git_sha=git_sha(), compiled=args.compile,
+                  torch=torch.__version__, triton=triton_version(), git_sha=git_sha(), compiled=args.compile,
                   compile_mode=engine.recorded_compile_mode(args.compile, mode))
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours, theirs = [], []

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lra import layer_bench, peers
+from lra import layer_bench, peers, results
 from lra.bench import variant_cases
 from models import list_models
 from tests.conftest import ROOT
@@ -73,19 +73,23 @@ def test_a_rows_peak_leaves_out_what_earlier_rows_left_allocated(monkeypatch):
     and compiled graphs are freed (a package's cache) is taken off, so the row's peak is its own layer's."""
     calls = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("dynamo reset"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("cublas workspaces"),
+                        raising=False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty cache"))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 960 * 2**20)
     row = layer_bench.measure(dict(implementation="lra linear", seq_len=4096, batch_size=32),
                               lambda: layer_bench.Timing(5.0, 2310.0, 4.9, 5.1), torch.device("cuda"), None)
     assert row["status"] == "ok" and row["peak_mb"] == pytest.approx(1350.0)
-    assert calls == ["dynamo reset", "empty cache"]  # freed before the count, not inside the timed row or after it
+    # freed before the count, not inside the timed row or after it
+    assert calls == ["dynamo reset", "cublas workspaces", "empty cache"]
     assert layer_bench.release_leftovers(torch.device("cpu")) == 0.0  # no peak off CUDA, nothing to take off
 
 
 @pytest.mark.gpu
 def test_a_rows_peak_is_the_same_beside_a_leftover_tensor():
     """The same layer's peak with nothing else alive and beside 512 MB an earlier row kept (within the allocator's
-    rounding)."""
+    rounding). The first row allocates cuBLAS's workspace and the second finds it: both must count it (on an H200 the
+    second read 64 MB less before the workspace was freed between rows)."""
     device = torch.device("cuda")
 
     def peak():
@@ -119,7 +123,8 @@ def test_every_peer_builds_a_layer_that_trains(peer):
             raise
         pytest.skip(str(missing))
     x = torch.randn(2, 128, peers.D_MODEL, device=device, requires_grad=True)  # (B, N, D)
-    y = layer(x)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=peer.cuda_only):  # as the bench runs them on CUDA
+        y = layer(x)
     assert y.shape == x.shape and torch.isfinite(y).all()
     y.square().mean().backward()
     assert x.grad.abs().sum() > 0
@@ -157,6 +162,23 @@ def test_another_version_than_the_pin_is_recorded(monkeypatch):
                                           package="performer-pytorch==9.9.9", pin="performer-pytorch==1.1.4")
 
 
+def test_the_triton_on_the_path_first_is_recorded(monkeypatch):
+    """Rows name the Triton that compiled them: the release's distribution, else the nightlies' pytorch-triton."""
+    installed = {"pytorch-triton": "3.7.0+git1234"}
+
+    def version(dist):
+        if dist not in installed:
+            raise PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr("importlib.metadata.version", version)
+    assert results.triton_version() == "3.7.0+git1234"
+    installed["triton"] = "3.6.0"
+    assert results.triton_version() == "3.6.0"
+    installed.clear()
+    assert results.triton_version() == ""
+
+
 def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, capsys):
     out = tmp_path / "layers.csv"
     out.write_text(OLD_HEADER + "\nlinear,64,2,ok,1.5,,fp32,cpu,2.11,abc,2026-01-01T00:00:00Z\n")  # an older file
@@ -165,8 +187,9 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     table = layer_bench.main(["--models", "performer,transformer", "--out", str(out), *PEER_ARGS])
     rows = pd.read_csv(out)
     assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin", "compiled", "ms_p10",
-                                                          "ms_p90", "compile_mode"]  # at the end
+                                                          "ms_p90", "compile_mode", "triton"]  # at the end
     assert rows.implementation.isna().tolist() == [True, False, False, False, False]  # the old row is kept
+    assert rows.triton.fillna("").astype(str).tolist() == [""] + [results.triton_version()] * 4
     new = rows.iloc[1:].set_index("implementation")
     assert list(new.index) == ["lra performer", "lra transformer", "SDPA exact (cuDNN flash)",
                                "performer-pytorch 1.1.4 (256 features)"]
