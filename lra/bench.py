@@ -10,8 +10,10 @@ the task's backbone and the model's ``conf/model/<name>.yaml`` options, feeds on
 training precision: ``warmup`` untimed steps, then ``steps`` timed ones, each between two
 ``torch.cuda.synchronize`` calls; steps/s = 1 / median. Peak memory is that of the timed steps:
 ``torch.cuda.max_memory_allocated`` (parameters, gradients, AdamW state, activations; the warm-up's compilation
-transients excluded) on a GPU, the process's peak RSS on CPU. The last warm-up step runs under the profiler to
-record which SDPA kernel ran (cudnn, flash, efficient, math, flash_cpu; blank when the model calls none).
+transients excluded) on a GPU, less what was still allocated before the model was built (an earlier case's
+leftovers: ``engine.release_leftovers``), the process's peak RSS on CPU. The last warm-up step runs under the
+profiler to record which SDPA kernel ran (cudnn, flash, efficient, math, flash_cpu; blank when the model calls
+none).
 
 Differences from LRA: one GPU instead of a 4x4 TPU v3 slice (their memory is per device); the model is built
 for each bench length (position table and mixer ``max_len`` = N); an OOM or a failure is a row, not a crash.
@@ -185,6 +187,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
                options: dict | None = None) -> None:
     """Fill ``row`` with one (model, length) measurement; raises on OOM or failure (``params`` set first)."""
     b = cfg.bench
+    leftover_mb = engine.release_leftovers(device)  # allocated before the model exists: not this row's memory
     torch.manual_seed(cfg.get("seed", 0))
     options, attributes = split_attributes(options)
     model = build_model(name, cfg, row.seq_len, options)
@@ -202,7 +205,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
                 cuda_graphs=cuda_graphs)
     ms, row.ms_p10, row.ms_p90 = engine.median_and_spread([t * 1e3 for t in m["times"]])
     row.status, row.ms_per_step, row.steps_per_s, row.examples_per_s = "ok", ms, 1e3 / ms, row.batch_size * 1e3 / ms
-    row.peak_mem_mb, row.mem_kind, row.sdpa_backend = m["peak_mem_mb"], m["mem_kind"], m["sdpa_backend"]
+    row.peak_mem_mb, row.mem_kind, row.sdpa_backend = m["peak_mem_mb"] - leftover_mb, m["mem_kind"], m["sdpa_backend"]
 
 
 def _earlier_baselines(path: Path, match: dict) -> dict:

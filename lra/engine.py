@@ -4,6 +4,7 @@ synchronised timing and peak memory. What one measures the other measures identi
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -313,6 +314,22 @@ def peak_memory_mb(device: torch.device) -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def release_leftovers(device: torch.device) -> float:
+    """Frees what earlier measurements left on the GPU (reference cycles, the last compiled model's graphs, cached
+    blocks) and returns the MB still allocated (a package's or a mixer's module-level caches, say), which a
+    measurement takes off its peak: otherwise a row after a leaky one counts the leak (a layer bench's SDPA row once
+    read 2,312 MB where it takes 1,350). Off CUDA the peak is the process's, and nothing is taken off."""
+    if device.type != "cuda":
+        return 0.0
+    gc.collect()
+    torch._dynamo.reset()  # before the count: a measurement's own reset would free them inside it
+    # cuBLAS keeps its workspace (64 MB on an H200) from the first matmul on: freed so that every row pays its own,
+    # as a row alone in its process does, and not only the first row of a sweep
+    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device) / 2**20
 
 
 # the profiler's key of a Python call of ours: "lra/run.py(421): step", or the whole path where the profiler could

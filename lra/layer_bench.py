@@ -28,7 +28,6 @@ the square).
 from __future__ import annotations
 
 import argparse
-import gc
 import re
 import time
 from collections.abc import Callable
@@ -154,27 +153,12 @@ def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -
     return root / f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', implementation).strip('_')}_{n}x{batch}"
 
 
-def release_leftovers(device: torch.device) -> float:
-    """Frees what earlier rows left on the GPU (reference cycles, the last compiled layer's graphs, cached blocks)
-    and returns the MB still allocated (a package's own caches, say), which ``measure`` takes off the row's peak:
-    otherwise a row after a leaky one counts the leak (an SDPA row once read 2,312 MB where it takes 1,350)."""
-    if device.type != "cuda":
-        return 0.0
-    gc.collect()
-    torch._dynamo.reset()  # before the count: the timed layer's own reset would free them inside its measurement
-    # cuBLAS keeps its workspace (64 MB on an H200) from the first matmul on: freed so that every row pays its own,
-    # as a row alone in its process does, and not only the first row of a sweep
-    getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(device) / 2**20
-
-
 def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
             out: Path | None) -> dict:
     """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on. The row
     is appended to ``out`` at once, so a sweep killed midway (a device call's time limit) keeps what it measured."""
     row["timestamp"] = now_iso()
-    leftover_mb = release_leftovers(device)
+    leftover_mb = engine.release_leftovers(device)
     try:
         timing = timer()
         row.update(timing._asdict())

@@ -46,6 +46,17 @@ def make_cfg(tmp_path, models, lengths, **bench_overrides):
                                  backbone=dict(TINY), bench=b, logger=dict(name="none")))
 
 
+def test_a_rows_peak_leaves_out_what_was_allocated_before_its_model(tmp_path, monkeypatch, mean_mixer):
+    """What is still allocated once earlier cases are freed (a mixer's module-level cache, say) is not the row's:
+    it is taken off the peak, and the relative memory divides the rows' own peaks."""
+    freed = []
+    monkeypatch.setattr(engine, "release_leftovers", lambda device: freed.append(device.type) or 100.0)
+    monkeypatch.setattr(engine, "peak_memory_mb", lambda device: 350.0)
+    df = bench.run_bench(make_cfg(tmp_path, ["transformer", mean_mixer], [64]))
+    assert freed == ["cpu", "cpu"] and df["peak_mem_mb"].tolist() == [250.0, 250.0]  # once a case, before it
+    assert df["rel_mem"].tolist() == [1.0, 1.0]
+
+
 def test_bench_rows_and_relative_figures(tmp_path, mean_mixer):
     cfg = make_cfg(tmp_path, [mean_mixer, "transformer"], [64, 128])
     df = bench.run_bench(cfg)

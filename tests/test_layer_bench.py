@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lra import layer_bench, peers, results
+from lra import engine, layer_bench, peers, results
 from lra.bench import variant_cases
 from models import list_models
 from tests.conftest import ROOT
@@ -82,7 +82,7 @@ def test_a_rows_peak_leaves_out_what_earlier_rows_left_allocated(monkeypatch):
     assert row["status"] == "ok" and row["peak_mb"] == pytest.approx(1350.0)
     # freed before the count, not inside the timed row or after it
     assert calls == ["dynamo reset", "cublas workspaces", "empty cache"]
-    assert layer_bench.release_leftovers(torch.device("cpu")) == 0.0  # no peak off CUDA, nothing to take off
+    assert engine.release_leftovers(torch.device("cpu")) == 0.0  # no peak off CUDA, nothing to take off
 
 
 @pytest.mark.gpu
