@@ -2,7 +2,7 @@
 no (N x m) feature map ever reaches GPU memory: each tile of positions forms its exponents from q or k and a chunk of
 the random features, takes its features, uses them in the next matmul and drops them, as flash attention does with
 its scores. The PyTorch path (models/_favor.py) writes every (B, H, N, m) fp32 map to memory and reads it back
-several times, which is what made it 2-3x slower than a bf16 package; here a training step moves O(N Dh) bytes
+several times, which makes it slower than a package computing in bf16; here a training step moves O(N Dh) bytes
 per head, and the saved state is q, k, v, the output, two numbers per query and the (m x Dh) summaries.
 
 * keys, forward (grid: heads x splits of the sequence x feature chunks): each program walks its keys block by
@@ -47,10 +47,11 @@ from ._favor import EPS
 NEG = tl.constexpr(-1e30)  # the stabiliser of a feature no real key has reached: finite, exp(-inf - NEG) = 0, no nan
 NORMALISER_FLOOR = tl.constexpr(EPS)
 # Tiles: a program holds (BLOCK x CHUNK) and (CHUNK x Dh) tiles, never all m features at once. The defaults are the
-# fastest of 18 settings (BLOCK 32/64/128, CHUNK 16/32/64, 4/8 warps) on an H100 at 4K x 32 and 16K x 8 (bf16,
-# Dh 64, m 256, forward + backward): 2.33 and 2.59 ms against 3.02 and 3.16 at CHUNK 32; 32-position tiles and
-# 16-feature chunks were the slowest (up to 12.6 ms). ptxas (sm_90) spills a little at these (up to 196 bytes a thread
-# in the keys' backward, none in the queries' kernels); the 32-feature chunks that spill nothing measured slower.
+# fastest of 18 settings (BLOCK 32/64/128, CHUNK 16/32/64, 4/8 warps) at 4K x 32 and 16K x 8 (bf16, Dh 64, m 256,
+# forward + backward), ahead of CHUNK 32; 32-position tiles and 16-feature chunks are the slowest. ptxas (sm_90)
+# spills a little at these (up to 196 bytes a thread in the keys' backward, none in the queries' kernels); the
+# 32-feature chunks that spill nothing are slower. results/layer_bench.csv holds the chosen setting's rows
+# (``lra performer (tiles BLOCK 64 CHUNK 64 WARPS 4)``).
 BLOCK = 64  # positions per tile
 CHUNK = 64  # features per tile
 WARPS = 4

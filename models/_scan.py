@@ -119,12 +119,12 @@ def entering(ends: torch.Tensor) -> torch.Tensor:
 def chunk_ends(total: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     """The state at each chunk's end, ends_c = sum over c' <= c of exp(total_{c'+1} + ... + total_c) summary_{c'}:
     total (B, H, n, 1 | K) each chunk's log decay, summary (B, H, n, K, V) each chunk's own end state -> (B, H, n,
-    K, V). One decay per head (Mamba-2): in one level, through an n x n weight per head. Per key dimension (GLA):
-    in two levels, so that no (B, H, K, n, n) weight is formed (it was most of GLA's layer memory at 16K; with a
-    scalar decay the second level only adds (B, H, n, K, V) temporaries, and on an H200 made Mamba's layer 7%
-    slower and 6% larger): within groups of m = ceil(sqrt(n)) chunks, then across the n / m groups, with the group's
-    own decay carried to each chunk inside it: O(n m + (n / m)^2) weights instead of n^2. Only sums of log decays,
-    never differences (as ``segsum``): a reset's ``RESET`` stays finite and its exp is 0."""
+    K, V). One decay per head (Mamba-2): in one level, through an n x n weight per head (there a second level
+    would only add (B, H, n, K, V) temporaries, making the layer slower and larger). Per key dimension (GLA): in two
+    levels, so that no (B, H, K, n, n) weight is formed (at 16K it would be most of GLA's layer memory): within
+    groups of m = ceil(sqrt(n)) chunks, then across the n / m groups, with the group's own decay carried to each
+    chunk inside it: O(n m + (n / m)^2) weights instead of n^2. Only sums of log decays, never differences (as
+    ``segsum``): a reset's ``RESET`` stays finite and its exp is 0."""
     n = summary.shape[2]
     if total.shape[-1] == 1:  # one decay per head: an n x n weight per head, small beside the states
         across = segsum(total.transpose(-1, -2)).exp()  # (B, H, 1, n, n): decay from chunk c' 's end to chunk c's
@@ -245,8 +245,8 @@ def fla(q, k, v, g, scale: float = 1.0, reset: torch.Tensor | None = None) -> to
 @functools.cache
 def fla_refused(device_index: int) -> str | None:
     """Why fla's gated kernels cannot run on this GPU (None when they can). fla 0.6 refuses its gated backward on
-    Hopper with Triton 3.4.0 up to 3.7.1, which computes it wrongly there; the chunked form runs instead, said
-    once, since no extra package fixes it short of another Triton."""
+    Hopper GPUs (compute capability 9) with Triton from 3.4.0 up to, not including, 3.7.1, which computes it wrongly
+    there; the chunked form runs instead, said once, since no extra package fixes it short of another Triton."""
     import triton
 
     major = torch.cuda.get_device_capability(device_index)[0]

@@ -31,8 +31,8 @@ def compiled(fn, dynamic: bool | None = None):
 
     Dynamo keeps at most ``recompile_limit`` (8) specialisations per function and runs it eagerly past
     that. One per layer instance and length is normal here (a 4-layer model benched at six lengths is 24),
-    and eager FlexAttention materialises the N x N scores (a sweep that hit the limit ran longformer at a tenth
-    of the transformer's speed with ten times its memory), so the limit is raised."""
+    and eager FlexAttention materialises the N x N scores (a block-sparse model past the limit runs far slower than
+    the transformer, in far more memory), so the limit is raised."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

@@ -25,7 +25,7 @@ twice LRA's 512 tokens. ``results/bench.csv`` has both (the ``bigbird(block=64)`
 
 Deviations from the paper and LRA: (0) block 128 instead of 64 by default (above); (1) the "last" global
 blocks and the random candidates are taken per sample from its real length (one past its last real token),
-not from the padded length: LRA's inputs are padded to the task's maximum, so its last global block was
+not from the padded length: LRA's inputs are padded to the task's maximum, so its last global block is
 usually padding; here the plan never depends on how much padding follows, which makes outputs at real
 positions invariant to appended padding. (2) Random
 blocks are drawn once per layer (LRA: same; the paper's code can also redraw per step). (3) No attention

@@ -30,12 +30,12 @@ Two executions of the same score (``backend``, an attribute: how it runs, never 
   O(N^2) for bias and index, fused forward and backward.
   FlexAttention has no dropout of its own (a score_mod acts before the softmax, dropout after it): "flex" applies
   it through ``_flex_dropout`` (a second call for the normaliser, the draws hashed in the kernel), and with
-  attention dropout active "auto" takes the dense path, whose speed is the measured one.
+  attention dropout active "auto" takes the dense path.
   "auto" also keeps training steps on the dense path, which is the faster: one layer's compiled forward + backward
-  at batch 32, d 256, 4 heads of 64, bf16, on an H200 took 13.05 ms with flex against 4.99 dense at N = 1024 and
-  169.4 against 51.5 at 4096, for 0.87x and 0.38x the dense path's peak memory (results/layer_bench.csv): the
-  kernel reads two fp32 tables per score and sums their gradients by atomic adds. Its tiles are the smaller ones
-  (``TABLE_BACKWARD``) that the card's shared memory holds.
+  (batch 32, d 256, 4 heads of 64, bf16) is several times slower with flex than dense at N = 1024 and 4096, in
+  less peak memory (results/layer_bench.csv, rows ``lra deberta`` and ``lra deberta(backend=flex)``): the kernel
+  reads two fp32 tables per score and sums their gradients by atomic adds. Its tiles are the smaller ones
+  (``TABLE_BACKWARD``) that a multiprocessor's shared memory holds.
   On the CPU it runs eagerly, forward only (torch refuses its CPU backward; the tests lift that check to compare
   gradients with the dense path's).
 
@@ -128,8 +128,8 @@ class RelativeGather(torch.autograd.Function):
         if dim == -2:  # (B, H, n, n) -> runs down the columns: the bounds' rows become columns
             starts, ends = starts.t(), ends.t()  # (T, n)
         # The leading 0 goes in before the prefix sum (S[k] = sum of the first k, n + 1 of them), not after: the
-        # sum of the n alone, padded, did not compile for CUDA in fp32 at n = 1,025 (Inductor's split-scan codegen
-        # failed), where this form compiles with the eager gradients (results/README.md).
+        # sum of the n alone, padded, does not compile for CUDA in fp32 at n = 1,025 (Inductor's split-scan codegen
+        # fails), while this form compiles with the eager gradients (results/README.md, DeBERTa).
         grad = grad.to(torch.promote_types(grad.dtype, torch.float32))  # >= fp32
         prefix = F.pad(grad, (1, 0) if dim == -1 else (0, 0, 1, 0)).cumsum(dim)  # (B, H, n + 1, n) or (B, H, n, n + 1)
         lead = grad.shape[:2]
@@ -170,11 +170,12 @@ def build_index(n: int, device: torch.device, buckets: int, max_relative: int):
 cached_index = functools.lru_cache(maxsize=4)(build_index)
 
 
-# Triton stages each tile of the two fp32 tables through shared memory, once per pipeline stage. An H200 refused
-# the compiled forward + backward at the bench's shape (heads of 64, bf16) for 442,368 bytes, which is 3 stages x 2
-# tables x 64 KiB + 48 KiB of q, k and v: Inductor's 128 x 128 forward tiles, or its backward's two loops of 64 x
-# 128 and 128 x 64 tiles (32 KiB each) if their buffers add up. The forward takes 64 x 64 tiles
-# (patterns.SMALL_FORWARD_TILES) and the backward one stage: within 232,448 bytes either way.
+# Triton stages each tile of the two fp32 tables through shared memory, once per pipeline stage. At the bench's
+# shape (heads of 64, bf16) Inductor's defaults ask for 442,368 bytes, 3 stages x 2 tables x 64 KiB + 48 KiB of q, k
+# and v: its 128 x 128 forward tiles, or its backward's two loops of 64 x 128 and 128 x 64 tiles (32 KiB each) if
+# their buffers add up, more than any current GPU's multiprocessor holds. The forward takes 64 x 64 tiles
+# (patterns.SMALL_FORWARD_TILES) and the backward one stage: within the 232,448 bytes of a compute capability 9.0
+# multiprocessor either way.
 TABLE_BACKWARD = {"bwd_num_stages": 1}
 
 

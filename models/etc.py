@@ -25,8 +25,8 @@ Long-to-long attention runs blocked, as ETC's sparse implementation: the long se
 b = r + 1 tokens rounded up to a multiple of 8, each block's queries score the keys of the previous, own and next
 block (3b slots, views of one padded tensor, no copy), and a band mask |i - j| <= r keeps the exact per-token
 window. (Any b >= r + 1 holds the window; a multiple of 8 lets the batched products take the aligned tensor-core
-kernels: at r = 84, blocks of 85 ran CUDA's unaligned ones.) The relative term
-is q . a for each of the 2k + 2 labels, computed once per query and looked up per slot.
+kernels, which blocks of 85 at r = 84 would not.) The relative term is q . a for each of the 2k + 2 labels,
+computed once per query and looked up per slot.
 
 Complexity: O(N * (3b + G) * d) time and O(N * (3b + G)) memory for long queries, O(g * N * d) for
 the g global queries and O(N * (2k + 2) * d) for the relative terms: linear in N. No N x N tensor is built.
@@ -47,13 +47,11 @@ Execution of the long queries (``backend``, an attribute: how it runs, not what 
 each block's queries, its G + 3b keys and values, and the relative terms with the mask folded in (a float mask, -1e9
 where a key is not seen) to one fused SDPA call, which stores neither the probabilities nor the dropout mask;
 ``recompute`` is explicit with the weights recomputed in the backward from the stored scores
-(``base.softmax_values``; the values of each block's G + 3b keys are gathered into one tensor for it). On an
-H200 (one layer, compiled, d 256, batch 32 at 4K): explicit 7.73 ms and 1.90x SDPA's memory (0.77x its speed;
-32.6 ms before the one-hot lookup), sdpa 7.19 ms and 2.06x (its float mask), recompute 8.14 ms and 1.70x.
-``auto`` = explicit: neither alternative meets a crossover target that explicit misses, and each pays for what it
-gains (memory or time). Since the labels (2k + 2 = 26) were padded to 32 and the global columns to a multiple of
-8 (exact: zero embeddings, never-seen columns), cuBLAS takes its aligned kernels: explicit runs 6.16 ms at 4K
-(0.97x SDPA) and 6.44 at 16K x 8 (2.98x).
+(``base.softmax_values``; the values of each block's G + 3b keys are gathered into one tensor for it).
+``auto`` = explicit: in the compiled layer it is the fastest of the three at 4K and 16K; ``sdpa`` is slower and
+takes more memory (its float mask), ``recompute`` takes less memory for more time (results/layer_bench.csv, rows
+``lra etc`` and ``lra etc(backend=...)``). The labels (2k + 2 = 26) are padded to 32 and the global columns to a
+multiple of 8 (exact: zero embeddings, never-seen columns), so that cuBLAS takes its aligned kernels.
 
 ``flex`` (asked for by name) runs the whole layer, global and long queries, as one FlexAttention call over the
 keys in order [learned globals, input positions] (the queries likewise, with zero queries in the learned globals'
@@ -63,10 +61,10 @@ tiles, padding-only key tiles skipped, and a ``score_mod`` that adds q . a[label
 ``patterns.score_table``, so that its gradient's size is an int whatever the batch's length). Nothing of size
 (3b + G) per query is stored: O(N (2k + 2)) for the table, the kernel's O(N) statistics. Attention dropout, which
 FlexAttention lacks, comes from ``_flex_dropout`` (a second call for the normaliser; the draws are a hash, not
-torch's Philox stream). On the H200 above it takes SDPA's memory (1.04x, against explicit's 1.90x) but runs 16.5 ms
-at 4K, 2.1x explicit's time (30.0 with dropout 0.1): at r = 84 a 128-query tile's window spans three 128-key tiles
-plus the globals' tile, 512 keys scored per query against explicit's 3b + G = 265, each through the table's
-lookup. ``auto`` stays explicit.
+torch's Philox stream). It takes about SDPA's memory, about half of explicit's, but runs slower than explicit,
+and slower still with dropout (results/layer_bench.csv, rows ``lra etc(backend=flex)``): at r = 84 a 128-query
+tile's window spans three 128-key tiles plus the globals' tile, 512 keys scored per query against explicit's
+3b + G = 265, each through the table's lookup. ``auto`` is explicit.
 """
 from __future__ import annotations
 
@@ -89,7 +87,7 @@ from .patterns import (
 from .registry import Taxonomy, register_model
 
 MASKED = -1e9  # finite: a row with no visible key (a padded query with no global) averages instead of NaN
-BACKENDS = ("auto", "explicit", "flex", "recompute", "sdpa")  # auto = explicit (module docstring: measured)
+BACKENDS = ("auto", "explicit", "flex", "recompute", "sdpa")  # auto = explicit (the module docstring says why)
 
 
 def band_tiles(n: int, globals_: int, radius: int, device) -> torch.Tensor:
@@ -222,13 +220,14 @@ class ETC(MultiHeadMixer):
         label = dist.clamp(-self.max_distance, self.max_distance) + self.max_distance  # (b, 3b)
 
         # the labels padded with zero embeddings to a multiple of 8, so that the products over them run cuBLAS's
-        # aligned kernels: with 2k + 2 = 26 they ran the SM75 align-1 ones, 22% of the 4K layer's device time
+        # aligned kernels: with 2k + 2 = 26 they would take the unaligned (align-1) ones, which take a large share of
+        # the layer's device time
         V = -(-self.rel.shape[1] // 8) * 8
         rel = F.pad(self.rel, (0, 0, 0, V - self.rel.shape[1]))  # (H, V, Dh)
         q_rel = torch.einsum("bhnsd,hvd->bhnsv", qb, rel.to(qb.dtype))  # (B, H, NB, b, V): q . a_label
         # q_rel looked up at each slot's label, as a product with the labels' one-hot (b, V, 3b), not a gather: a
         # gather's backward scatters, and with up to 3b - 2k - 1 slots of a row on the two clipped labels its atomic
-        # adds contend (a gather took 78% of the layer's device time on an H200); the product's backward is one
+        # adds contend (the gather would take most of the layer's device time); the product's backward is one
         # more product. Exact: each output sums a single nonzero term
         one_hot = F.one_hot(label, V).transpose(-1, -2).to(q_rel.dtype)  # (b, V, 3b)
         win_rel = torch.einsum("bhnsv,svt->bhnst", q_rel, one_hot)  # (B, H, NB, b, 3b)

@@ -18,9 +18,10 @@ with G the cumulative log gate inside a chunk, while no chunk's total log decay 
 (40), else the exact C x C x Dk decays in log space (the paper's secondary chunking does this on the GPU), so no
 gate, however small, overflows it; ``fla``, fla-core's Triton ``chunk_gla`` (``pip install lra[ssm]``, CUDA);
 ``auto``, fla on CUDA where its kernels are not refused (``_scan``), else chunked; ``recurrent``, the definition
-step by step (the reference). Why chunked by default: on an H200, compiled, the layer took 23-27% less time with
-it than with fla's kernel at 4K and 16K (results/README.md), as mamba's did; at 1K, where the layer is bound by the
-host, fla's was 14% faster (the chunked form's choice of scores below breaks the graph).
+step by step (the reference). Why chunked by default: in the compiled layer it is faster than fla's kernel at 4K
+and 16K, as for ``mamba``; at 1K, where the layer is bound by the host, fla's kernel is the faster, since the
+chunked form's choice of scores above breaks the graph (results/layer_bench.csv, rows ``lra gla(scan=chunked)``
+and ``lra gla(scan=fla)``, and the ``lra gla`` rows timed with them).
 
 Bidirectional: a forward pass and a reversed pass (the same causal scan over the flipped sequence, flipped
 back), summed before the norm. Each direction has its own q, k and forget gate (what reads from and writes

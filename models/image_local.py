@@ -38,11 +38,10 @@ contribute; the output at a masked pixel is computed anyway (and ignored by the 
 block and the prefix are masked.
 
 Two executions (``backend``, an attribute: how it runs, never what it computes):
-* **dense** (the reference, and ``auto``): the gather + SDPA call
-  above. The gathered keys and values are what holds its memory above exact attention's (1.5x SDPA's at 4K, one
-  layer on an H200; at 16K 1.5x in one run and 2.2x in another). ``auto``: on that card flex was faster at 1K
-  (1.33x, SDPA's memory) but slower at 4K (0.84x) and 16K (0.55x), and LRA's pixel protocols train with
-  attention dropout, which this flex path does not apply.
+* **dense** (the reference, and ``auto``): the gather + SDPA call above. The gathered keys and values are what
+  holds its memory above exact attention's. ``auto``: in the compiled layer flex is faster at 1K but slower at 4K
+  and 16K (results/layer_bench.csv, rows ``lra image_local`` and ``lra image_local(backend=flex)``), and LRA's
+  pixel protocols train with attention dropout, which this flex path does not apply.
 * **flex** (``backend = "flex"``; CUDA only in training, where torch has its backward; no attention dropout, no
   key mask, as in the bench and the pixel tasks' evaluation): FlexAttention over the row-major sequence itself, with a
   ``mask_mod`` that allows a pair when the key lies in the query's memory block (or either is a prefix token).
@@ -122,7 +121,7 @@ class ImageLocal(MultiHeadMixer):
             raise ValueError(f"query block {query_height}x{query_width} must be at least 1x1 and memory_flange="
                              f"{memory_flange} at least 0")
         self.query_height, self.query_width, self.memory_flange = query_height, query_width, memory_flange
-        self.backend = "auto"  # "flex" | "dense" (auto = dense: module docstring, measured)
+        self.backend = "auto"  # "flex" | "dense" (auto = dense: the module docstring says why)
         self.kept_tiles: dict = {}  # the flex path's tile lists by (length, grid, device)
 
     def flex_runs(self, key_mask: bool) -> bool:

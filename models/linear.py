@@ -9,9 +9,9 @@ softmax(q . k) is replaced by the positive kernel phi(q) . phi(k), so the sum ov
 Non-causal: one matmul forms the (Dh x Dh) key-value summary, one more applies it to every query; the Dh-vector
 key sum and each query's normaliser are two reductions beside them (``models.base.kernel_attention``, shared
 with Performer). Unpacked rows take ``LinearAttentionFn``, the same computation with a hand-written backward that
-keeps only q, k, v and the small summaries (autograd would keep fp32 N x Dh maps): on an H200, 0.88x the peak
-memory of one layer that autograd's form takes, 0.96x linear-attention-transformer's, and 0.90x-1.10x that
-package's time from 1K to 16K (results/README.md).
+keeps only q, k, v and the small summaries (autograd would keep fp32 N x Dh maps): one layer takes less peak
+memory than autograd's form and than linear-attention-transformer's, in about that package's time from 1K to 16K
+(results/layer_bench.csv, rows ``lra linear`` and ``linear-attention-transformer 0.19.1``; results/README.md).
 Causal (``causal: true``, paper Sec. 3.2): out_i uses only the prefix j <= i. ``attend`` computes it in
 parallel (chunked prefix sums: exact C x C causal products inside each chunk of ``chunk_size`` tokens plus an
 exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x Dh) prefix tensor is stored;
@@ -19,14 +19,14 @@ exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x D
 token-by-token inference with an O(Dh^2) state.
 
 On CUDA the function runs through torch.compile (``compile_core``), which fuses the elementwise passes around
-the matmuls: about 1.7x faster than eager and half the peak memory of one layer.
+the matmuls: faster than eager, in less peak memory.
 
 Complexity: O(N Dh^2) time and O(N Dh) memory per head (causal: O(N (C + Dh) Dh) time, O(N Dh + N C) memory).
 Precision: the feature maps, key sums and normaliser run in fp32 even under bf16 autocast (a bf16 key sum over
 thousands of tokens loses the normaliser's precision). The non-causal form's two products with values (and their
 backward) take bf16 operands under autocast with fp32 accumulation, as SDPA multiplies its probabilities by V:
-1.10x / 1.20x faster than fp32 products at 4K / 16K on an H200 (results/README.md), for 0.35% relative error
-against fp64 (0.2% of it from rounding q, k, v to bf16; tested).
+faster than fp32 products at 4K and 16K (results/README.md), for 0.35% relative error against fp64 (0.2% of it
+from rounding q, k, v to bf16; tested).
 The causal form keeps fp32 products (its in-chunk scores and prefix sums are the accumulation).
 Padding: phi(k) is zeroed at padded keys, so padding never contributes to any output; padded queries get an
 output, which the encoder ignores. The mask is honoured exactly in both forms.

@@ -20,13 +20,14 @@ Forms of the scan (option ``scan``): ``chunked`` (the default, every device), th
 PyTorch, vectorised over chunks of ``chunk_size`` (Mamba-2's ``ssd_minimal``), which torch.compile fuses with the
 layer around it; ``fla``, flash-linear-attention's Triton ``chunk_simple_gla`` (fla-core 0.6.0, ``pip install
 lra[ssm]``, CUDA); ``auto``, fla on CUDA where its kernels are not refused (``_scan``), else chunked;
-``recurrent``, the sequential recurrence, the readable reference. Why chunked by default: on an H200, compiled,
-the layer runs 16% faster with it than with fla's kernel at 4K and 16K, in 9% less memory, since feeding fla
-copies Mamba-2's one group of B and C to every head in bf16 and its kernels split the compiled graph
-(results/README.md). Mamba-1's selective scan (a diagonal A per state dimension, a CUDA extension of its own) is
-not what runs: Mamba-2's scalar A per head is what the scan computes. The convolution is K shifted products in
-PyTorch (``causal_conv``), which Inductor fuses with the SiLU and their neighbours; fla's fused Triton
-convolution was slower in the compiled layer (results/README.md).
+``recurrent``, the sequential recurrence, the readable reference. Why chunked by default: in the compiled layer it
+is faster than fla's kernel at 4K and 16K and takes less memory, since feeding fla copies Mamba-2's one group of B
+and C to every head in bf16 and its kernels split the compiled graph (results/layer_bench.csv, rows
+``lra mamba(scan=chunked)`` and ``lra mamba(scan=fla)``). Mamba-1's selective scan (a diagonal A per state
+dimension, a CUDA extension of its own) is not what runs: Mamba-2's scalar A per head is what the scan computes. The
+convolution is K shifted products in PyTorch (``causal_conv``), which Inductor fuses with the SiLU and their
+neighbours; fla's fused Triton convolution is slower in the compiled layer (results/layer_bench.csv: the
+``lra mamba(conv=fla)`` rows time it).
 
 Bidirectional, as Vision Mamba (Zhu et al. 2024, arXiv 2401.09417, Alg. 1) and Caduceus's BiMamba (Schiff et
 al. 2024, arXiv 2403.03234, which ties the in- and out-projections of its two directions): the in-projection of
@@ -41,7 +42,7 @@ a Mamba-2 mixer plus that MLP, not Mamba's attention-free stack).
 Complexity: O(N d_inner d_state) time, O(N) memory in N (chunked: O(N C (d_state + headdim) + (N/C)^2 d_state
 headdim) per head, the second term a small product over chunk summaries).
 Precision: the projections follow autocast; the convolution (K shifted products, since CPU's depthwise conv1d
-backward took half of a training step), dt, A dt and the norm run in fp32; the scan as ``_scan`` says (chunked:
+backward would dominate a training step), dt, A dt and the norm run in fp32; the scan as ``_scan`` says (chunked:
 fp32 decays, products following autocast; fla: bf16 q, k, v with fp32 states and decays).
 Padding: padded steps are exact no-ops, wherever they sit: their inputs are zeroed before the convolution (so
 no real position's convolution sees their content) and their dt is 0, so exp(A dt) = 1 and B dt x = 0 leave
@@ -49,10 +50,10 @@ the state unchanged. Flipping a right-padded row puts the padding first, where i
 passes over a padded row equal the passes over its real tokens alone (a hole inside a row reads as a zero input
 to its neighbours' convolution taps). Padded positions get outputs the encoder ignores.
 The mixer runs over whole chunks: a row of N steps gets padded steps at its end up to the next multiple of
-``chunk_size`` (no-ops, as above), and its outputs are cut back to N. Why: on an H200 (torch 2.11), Inductor's
-CUDA code for the scan's inputs at an odd length (Image's 1,025 with the CLS token) gave dt_bias gradients up to
-1e4 times the eager ones, and Mamba's Image and ListOps runs collapsed; padded to 1,088, the compiled gradients
-are the eager ones to 3e-6 (results/README.md). At most chunk_size - 1 steps more.
+``chunk_size`` (no-ops, as above), and its outputs are cut back to N. Why: at an odd length (Image's 1,025 with
+the CLS token), Inductor's CUDA code for the scan's inputs (torch 2.11) gives dt_bias gradients up to 1e4 times
+the eager ones, enough to make Mamba's Image and ListOps training collapse; at whole chunks (1,088) the compiled
+gradients are the eager ones to 3e-6 (results/README.md, Mamba). At most chunk_size - 1 steps more.
 Packed rows (``segments``, ``lra.packing``): two operations cross positions, and both keep the examples apart,
 in each pass's own order (the reversed pass's first step of an example is its last position). The convolution's
 taps read only positions of their own example (a tap on another example reads a zero, as before a row's start:

@@ -14,7 +14,7 @@ Moore-Penrose pseudo-inverse by the paper's iteration (Razavi et al. 2014), from
     Z <- Z (13 I - A Z (15 I - A Z (7 I - A Z))) / 4,   ``pinv_iterations`` times (paper: 6).
 
 The norms are taken per matrix (per example and head): the public code's default divides by one maximum
-over the whole batch, which couples examples and converges more slowly (its later "exact" option is
+over the whole batch, which couples examples and converges more slowly (its "exact" option is
 per-matrix, as here). The skip is a convolution over the sequence with one kernel per head, shared by the
 head's Dh value channels (the public code's Conv2d with groups = heads and a (kernel, 1) window), zero-padded
 at the ends, and computed as a sum of shifted copies of the values, which torch.compile fuses.
@@ -27,10 +27,11 @@ bf16 autocast. ``mixed`` runs the N-sized products (landmark means, F's and B's 
 operands when the projections come in bf16 (``auto``), as the public package runs all of its products, keeping the
 softmaxes and the m-sized core (A, its pseudo-inverse and W = Z (B V)) in fp32: the iteration's Z can have
 large entries that cancel in W, which bf16 cannot carry. With fp32 inputs the two are one computation. The
-convolution follows autocast. ``auto`` = mixed: on an H200 (one layer, compiled, replayed as CUDA graphs, which
-leaves the device's own time) it took 4.40 against fp32's 5.98 ms at 4K x 32 and 4.30 against 5.92 at 16K x 8,
-1.34x and 4.40x SDPA's time (results/layer_bench.csv). Launched kernel by kernel (torch.compile's default mode) the
-layer is bound by the host's launches, and the two took 6 to 10 ms from one lease to the next either way.
+convolution follows autocast. ``auto`` = mixed: one compiled layer replayed as CUDA graphs (torch.compile's
+``reduce-overhead`` mode, which leaves the device's own time) is faster with it than with fp32 at 4K x 32 and
+16K x 8 (results/layer_bench.csv, rows ``lra nystromformer`` and ``lra nystromformer(backend=mixed)`` whose
+compile_mode is ``reduce-overhead``). Launched kernel by kernel (torch.compile's default mode) the layer is bound by
+the host's launches, and its time varies more from one machine to another than between the two backends.
 Padding (exact, and never NaN): segments are laid over each example's REAL tokens (token i is the r-th real
 one; it belongs to segment floor(r m' / L) of L real tokens, m' = min(m, L)), so appending padding moves no
 segment boundary and padded tokens enter no landmark mean. An example with fewer real tokens than m gets one
@@ -43,8 +44,8 @@ Limit case: with m >= L every real token is its own landmark, F = A = B over the
 F A^+ B = S: exact softmax attention once the iteration has converged (tested).
 
 Deviations from the paper's code (``mlpen/Nystromformer``): segments need not divide N (lengths differ by at
-most one; the public LRA code required N divisible by m and averaged zeroed padding into the landmarks,
-diluting them; xformers' port gave NaN on key padding, facebookresearch/xformers#360); per-matrix pinv
+most one; the public LRA code requires N divisible by m and averages zeroed padding into the landmarks,
+diluting them; xformers' port gives NaN on key padding, facebookresearch/xformers#360); per-matrix pinv
 init (above); no separate exact path when m = N (the same result, by the limit case above). Attention
 dropout is not applied (there is no attention matrix; the public code applies none to the Nystrom path
 either). The paper's LRA runs used 64 landmarks and a kernel of 35 (``LRA/code/lra_config.py``; 33 is its
@@ -59,7 +60,7 @@ from torch import nn
 from .base import MultiHeadMixer, chosen_backend, product_dtype, upcast
 from .registry import Taxonomy, register_model
 
-BACKENDS = ("auto", "fp32", "mixed")  # auto = mixed (module docstring: measured)
+BACKENDS = ("auto", "fp32", "mixed")  # auto = mixed (the module docstring says why)
 
 
 def segment_means(mask: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +86,7 @@ def depthwise_skip(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The paper's skip: v (B, H, N, Dh) convolved over the sequence with each head's kernel, weight (H, 1, K, 1)
     (a grouped Conv2d's, zero padding), shared by the head's Dh channels; summed in fp32 at least, returned in v's
     dtype. Written as K shifted copies of v, which torch.compile fuses into one stencil kernel each way: the grouped
-    convolution with one channel per group took 10x as long, forward and backward, compiled on a CPU."""
+    convolution with one channel per group is many times slower, forward and backward, compiled on a CPU."""
     K, N = weight.shape[2], v.shape[2]
     padded = F.pad(v, (0, 0, K // 2, K // 2))  # (B, H, N + K - 1, Dh): zeros beyond both ends
     taps = weight[:, 0, :, 0].to(torch.promote_types(v.dtype, torch.float32))  # (H, K)

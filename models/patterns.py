@@ -94,10 +94,10 @@ def dense_attend(q, k, v, layout, keep, block: int, global_tokens: int) -> torch
 def ordered_tiles(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, R, C) bool tiles -> FlexAttention's (count per row, column indices with the active ones first).
 
-    A custom op, so that ``torch.compile`` calls it as one opaque kernel instead of lowering it: Inductor
-    miscompiled both constructions tried inside the graph (torch 2.11, CUDA), an argsort one with an
-    illegal memory access and the scatter below with ``InductorError: TypeError: list indices must be
-    integers or slices`` at 129 x 129 tiles (longformer and bigbird at N = 16K + CLS). torch's own
+    A custom op, so that ``torch.compile`` calls it as one opaque kernel instead of lowering it: inside the graph
+    Inductor miscompiles both constructions (torch 2.11, CUDA), an argsort one with an illegal memory access and
+    the scatter below with ``InductorError: TypeError: list indices must be integers or slices`` at 129 x 129
+    tiles (longformer and bigbird at N = 16K + CLS). torch's own
     ``_dense_to_ordered`` keeps its argsort out of Inductor the same way. Run eagerly it costs
     O(B H R C) on a few thousand elements."""
     C = dense.shape[-1]
@@ -115,10 +115,10 @@ def realized(x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` that ``torch.compile`` makes as one opaque kernel, so it is a buffer of its own.
 
     A tensor that a ``mask_mod`` reads must be a realised buffer. Inside a compiled inference graph Inductor
-    fused the key mask computed from the input into its consumers instead (torch 2.11 CUDA: ``'function'
+    otherwise fuses the key mask computed from the input into its consumers (torch 2.11 CUDA: ``'function'
     object has no attribute 'graph'``; BigBird: ``convert FlexibleLayout to FixedLayout first``; torch 2.13
-    CPU: ``All the buffers in the score and mask subgraph should be in ... input_buffers``), which broke every
-    evaluation of the padded block-sparse models under ``trainer.compile``. A training graph realised it."""
+    CPU: ``All the buffers in the score and mask subgraph should be in ... input_buffers``), which breaks every
+    evaluation of the padded block-sparse models under ``trainer.compile``. A training graph realises it anyway."""
     return x.clone()
 
 
@@ -147,12 +147,12 @@ def score_table(table: torch.Tensor, bounds: dict[int, int] | None = None, flat:
     each dim of ``bounds`` to its bound (the longest length the mixer takes). Eagerly the table itself.
 
     Realised: otherwise Inductor inlines the table's last operation into the kernel's score_mod, and the kernel's
-    code generator cannot emit every operation there: in an inference graph it fused a table computed from the input
-    into the kernel's inputs, and the padding below, a masked load, failed the lowering of DeBERTa's trimmed training
-    run (torch 2.11 on an H200: "'function' object has no attribute 'graph'").
+    code generator cannot emit every operation there: in an inference graph it fuses a table computed from the input
+    into the kernel's inputs, and the padding below, a masked load, fails the lowering of DeBERTa's trimmed training
+    step (torch 2.11, CUDA: "'function' object has no attribute 'graph'").
     Padded: a table that takes a gradient must have sizes that are ints. Traced with a symbolic length (trimmed
     batches), its gradient buffer is sized by a ``sym_size`` in the kernel's backward subgraph, which Inductor's
-    lowering cannot take (torch 2.11 on an H200: "int() argument must be a string, a bytes-like object or a real
+    lowering cannot take (torch 2.11, CUDA: "int() argument must be a string, a bytes-like object or a real
     number, not 'tuple'"). Padded, the size is the bound whatever the length: n + (bound - n) folds to it; an
     untrimmed batch is at the bound already. The batch size stays an int: training batches are full, and the runner
     marks their size static. tests/test_flex_dynamic_shapes.py checks both on the CPU. ``flat``: the table 1-D (after
@@ -184,7 +184,7 @@ def flex_block_mask(layout, keep, block: int, global_tokens: int, rule, length: 
     partial nor need a lookup; ``key_padding=False`` (no padding before ``length``) drops the mask_mod's
     lookup of ``keep`` altogether. Index arithmetic and 1-D loads are FlexAttention's fast form of a mask_mod;
     looking the layout up with a multi-dimensional gather per position is several times slower
-    (pytorch/torchtitan#2171 measured 3.5x for a 2-D index). ``kept``: a dict that keeps the tile lists by length
+    (pytorch/torchtitan#2171, for a 2-D index). ``kept``: a dict that keeps the tile lists by length
     and device, for a pattern that depends on the length alone (no key padding, no per-sample context)."""
     B, Np = keep.shape
     n = Np if length is None else length
@@ -281,7 +281,7 @@ def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask
 
 
 # The forward kernel's work tile where many tiles evaluate a mask_mod that reads tensors. Inductor's default
-# forward tile on Hopper (bf16, head 64) is 128 x 128; with such a mask_mod inside, the forward ran up to 10x
+# forward tile on Hopper (bf16, head 64) is 128 x 128; with such a mask_mod inside, the forward is then many times
 # slower than the backward (ListOps with LRA's 64-blocks and key padding; results/README.md has the figures).
 # Full tiles keep the default.
 SMALL_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}

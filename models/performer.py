@@ -28,10 +28,10 @@ Two executions of the softmax kernel (``backend``, an attribute: how it runs, ne
   exponents and features in registers and use them at once, as flash attention does with its scores, so no
   (N x m) map is ever written: a step moves O(N Dh) bytes per head and the backward keeps q, k, v, the output and
   the (m x Dh) summaries. The PyTorch path writes each (B, H, N, m) fp32 map (537 MB at N 4096, batch 32, 4 heads,
-  m 256) and reads it back several times, which made it 2-3x slower than a bf16 package.
+  m 256) and reads it back several times, which makes it slower than a package computing in bf16.
 * **torch** (the CPU, packed rows, or ``backend = "torch"``): ``models/_favor.py`` in PyTorch operations. On CUDA
   its backward is written by hand and recomputes the two feature maps instead of keeping them (``recompute``:
-  2 x B H N m fp32 fewer saved per layer; the CPU path keeps them, 3x faster there), and forward and backward run
+  2 x B H N m fp32 fewer saved per layer; the CPU path keeps them, faster there), and forward and backward run
   through torch.compile (``compile_core``). ``chunk_size`` (null = whole sequence) walks the sequence in chunks
   of that many positions, so the feature-map transients are O(B H chunk m) instead of O(B H N m), for a second
   key matmul in the forward (the key stabiliser needs every key before any feature is formed); the memory is

@@ -42,7 +42,7 @@ heads (the paper mixes them with local-attention heads; the encoder here has one
 No commitment loss (the paper's code adds beta * |x - sg(mu)|^2; the mixer contract returns no auxiliary
 loss). The EMA averages each batch's per-cluster mean direction and re-normalises (the paper's equation
 sums the assigned vectors; its code keeps EMAs of sums and counts); decay 0.999 as in the paper. Shared
-Q/K in the encoder as the brief asks (the paper's code shares them only in decoders). Self is masked as in
+Q/K in the encoder (the paper's code shares them only in decoders). Self is masked as in
 Reformer. Causal decoding (the paper's setting) is not registered here: this is the bidirectional form.
 """
 from __future__ import annotations

@@ -40,14 +40,14 @@ matmuls, so the kernel needs O(H N sqrt L) memory, not the (H, N/2, L) powers of
 Speed: torch.compile generates no code for complex operations (each runs as a kernel of its own, a conjugate as a
 copy), so the Vandermonde product and the convolution's spectral products are written in real arithmetic, which
 it fuses; and the FFT convolution has a written backward (``CircularConv``: the adjoint convolution for the
-input, the correlation for the kernel, two real FFTs each way), where autograd's backward of rfft/irfft ran a
+input, the correlation for the kernel, two real FFTs each way), where autograd's backward of rfft/irfft runs a
 complex FFT over a zero-filled (B, H, 2L) buffer and several slice-and-scatter copies of it.
 Precision: the kernel (complex64 at least) and the FFT convolution run in fp32 even under bf16 autocast (powers
 Ab^k over thousands of steps and FFT sums lose everything in bf16); the GELU and output projection follow autocast.
 Padding: padded inputs are zeroed before the convolution, so they reach no output; the FFT has length 2L, so
 nothing wraps around, and each K_k depends on k only, so appending padding leaves real outputs unchanged.
 Deviations from the S4D code: no kernel caching and no CUDA/keops Vandermonde kernel (the factored matmul
-instead); dt is parameterised by exp (S4D's default, the S4 repo now defaults to softplus); Linear instead of the
+instead); dt is parameterised by exp (S4D's default; the S4 repository's default is softplus); Linear instead of the
 equivalent Conv1d(kernel_size=1).
 """
 from __future__ import annotations

@@ -30,16 +30,18 @@ Three executions of the dot-product variants (``backend``, an attribute: how it 
 kernel; ``explicit`` forms the (B, H, N, N) logits itself (Q K^T from bf16 operands with fp32 products and sums, as
 a fused kernel's), adds S, and applies an fp32 softmax, the dropout and the product with V as separate operations
 that ``torch.compile`` fuses, the same steps as the variants without the dot product; its memory is O(B H N^2) for
-the saved weights (on an H200 1.12x slower than ``sdpa`` at 4K, 1.30x at 16K, one layer, with about 4x the memory).
+the saved weights (one compiled layer: slower than ``sdpa`` at 4K and 16K, in several times its memory;
+results/layer_bench.csv, rows ``lra synthesizer(backend=explicit)``).
 ``flex`` runs FlexAttention with a score_mod that adds S[h, i, j] to each score, read from the table itself (fp32;
 its gradient summed over the batch in the kernel's backward) and padded keys left out by a BlockMask: no (B, H, N,
 N) bias is built, where SDPA's float mask, once padding makes it per example, is one, and its gradient another, and
-the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``. On an H200 one layer (batch
-32, heads of 64, bf16, compiled) ran 1.19x faster than ``sdpa`` at 1K and 1.57x at 4K in 0.32x its memory, and
-LRA's Text run (padded, attention dropout) trained 5.1 steps/s in 10.4 GB against 2.7 in 29.0 GB
-(results/README.md). ``auto`` is ``flex`` for the random variants (one table for the batch, as measured) on a CUDA
-device whose shared memory holds its tiles (``flex_fits``: Hopper's 228 KiB do, an A100's 164 do not), else
-``sdpa`` (``dense``'s per-example fp32 tables would double SDPA's bf16 bias).
+the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``. One compiled layer (batch
+32, heads of 64, bf16) runs faster than ``sdpa`` at 1K and 4K in less memory (results/layer_bench.csv,
+rows ``lra synthesizer`` and ``lra synthesizer(backend=flex)``), and LRA's Text run (padded, attention dropout)
+trains faster in less memory (results/README.md). ``auto`` is ``flex`` for the random variants (one table for the
+batch) on a CUDA device whose shared memory holds its tiles (``flex_fits``: compute capability 9.0's 228 KiB per
+multiprocessor do, 8.0's 164 KiB do not), else ``sdpa`` (``dense``'s per-example fp32 tables would double SDPA's
+bf16 bias).
 
 Padding: padded keys are masked (-inf) in every variant and S is indexed by absolute position, so
 appending padding leaves outputs at real positions exactly unchanged, and padded token content never
@@ -61,11 +63,11 @@ VARIANTS = ("dense", "random", "factorized_random")
 BACKENDS = ("auto", "sdpa", "explicit", "flex")
 
 
-# Triton stages each tile of the fp32 table through shared memory, once per pipeline stage. An H200 found no kernel
-# for 245,760 bytes of its 232,448: 3 stages x 64 KiB of table + 48 KiB of q, k and v, Inductor's 128 x 128 forward
-# tiles for bf16 heads of 64 (the kernel named was the forward's). The forward takes 64 x 64 tiles
-# (patterns.SMALL_FORWARD_TILES: 72 KiB) and the backward 2 stages of its 64 x 128 and 128 x 64 tiles (176 KiB
-# even if its two loops' buffers add up).
+# Triton stages each tile of the fp32 table through shared memory, once per pipeline stage. With Inductor's 128 x 128
+# forward tiles for bf16 heads of 64 the forward asks for 245,760 bytes, 3 stages x 64 KiB of table + 48 KiB of q, k
+# and v, more than the 232,448 a compute capability 9.0 multiprocessor offers: no kernel fits. The forward takes 64 x
+# 64 tiles (patterns.SMALL_FORWARD_TILES: 72 KiB) and the backward 2 stages of its 64 x 128 and 128 x 64 tiles (176
+# KiB even if its two loops' buffers add up).
 TABLE_BACKWARD = {"bwd_num_stages": 2}
 FLEX_SHARED_MEMORY = 176 * 1024  # bytes of shared memory per multiprocessor those tiles may ask for
 

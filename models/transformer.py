@@ -8,11 +8,11 @@ Padded keys are masked out; padded queries still compute an output, which the en
 Packed rows (``segments``, ``lra/packing.py``): each example's queries see its own keys only. On CUDA the
 row's runs of one segment (each example, and the padding after the last one) become the sequences of a
 jagged nested tensor, for which SDPA runs the variable-length fused kernels, attention dropout included: a
-dense block-diagonal mask would leave SDPA only its memory-efficient kernel, 3.4x slower at ListOps' shape
-with LRA's dropout, which made packed training slower than unpacked. ``backend = "varlen"`` calls that same
-variable-length flash kernel directly (fp16/bf16 on CUDA, the default there; the jagged path otherwise): a profile
-of the jagged path put half of a packed step's host time in the nested tensor's Python dispatch, and on an H200
-ListOps trained 33.2 steps/s packed through varlen, 11.5 through the nested tensor, 28.9 unpacked. Elsewhere (or
+dense block-diagonal mask would leave SDPA only its memory-efficient kernel, with which packed training under
+LRA's attention dropout is slower than unpacked training. ``backend = "varlen"`` calls that same
+variable-length flash kernel directly (fp16/bf16 on CUDA, the default there; the jagged path otherwise), without
+the nested tensor, whose Python dispatch takes about half of a packed step's host time: through varlen, packed
+ListOps trains faster than unpacked, through the nested tensor slower (results/README.md, packing). Elsewhere (or
 ``backend = "dense"``) the (B, 1, N, N) block-diagonal mask, the reference the tests hold both to.
 
 Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored).
@@ -32,7 +32,7 @@ from .registry import Taxonomy, register_model
 class Transformer(MultiHeadMixer):
     taxonomy = Taxonomy("Vaswani et al. 2017, arXiv 1706.03762", "N^2", (), decode=True)
     backends = ("auto", "varlen", "jagged", "dense")  # the values of ``backend`` (how it runs, not what it computes)
-    accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, 30% faster
+    accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, faster than its masked ones
     supports_segments = True
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
@@ -52,7 +52,7 @@ class Transformer(MultiHeadMixer):
                segments: torch.Tensor | None = None) -> torch.Tensor:
         d_head = q.shape[-1]
         # The fused CUDA kernels take head sizes in multiples of 8; off that SDPA falls back to the math kernel,
-        # which stores the N x N scores (Pathfinder's head size 4: 10x slower, 30 GB at batch 512).
+        # which stores the N x N scores and is far slower (Pathfinder's head size is 4).
         q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8)
         path = "dense" if segments is None else self.packed_path(q)
         if path != "dense":

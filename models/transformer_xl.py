@@ -30,10 +30,10 @@ Execution (``backend``, an attribute: how it runs, not what it computes): ``expl
 window's scores, softmax and dropout as tensors, keeping only the scores for the backward, which recomputes the
 weights (``base.softmax_values``); ``sdpa`` hands (q + u), the keys and the values to fused SDPA with
 the position term (b) + (d) as its float mask, so that of the (B, H, n, S, L) tensors only that bias is stored,
-not the scores, the probabilities and the dropout mask. ``auto`` = explicit: on an H200 (one layer, compiled) sdpa
-was slower at every length (2.74 against 2.14 ms at 1K, 6.00 against 5.52 at 4K) for 3% less memory; a float
-mask is read from memory for every score. Recomputing the weights then made explicit both faster and leaner (4.58
-ms at 4K, 1.29x SDPA's speed, and 1.38x its memory, from 5.52 ms and 1.67x).
+not the scores, the probabilities and the dropout mask. ``auto`` = explicit: in the compiled layer it is faster
+than ``sdpa`` at every length, since SDPA reads its float mask from memory for every score, and with the weights
+recomputed it takes less memory too (results/layer_bench.csv, rows ``lra transformer_xl`` and
+``lra transformer_xl(backend=sdpa)``).
 Padding: padded keys are masked in every window (memory included) and the window before the first segment is
 masked too, so appending padding leaves real outputs unchanged (segments are counted from the start). Padded
 queries get an output the encoder ignores. Masking fills the finite dtype minimum, not -inf, so a padded query
@@ -48,9 +48,10 @@ Deviations from the paper:
 * Memory counted in segments (``memory`` x ``segment`` tokens = the paper's mem_len); the paper's training
   runs used mem_len = tgt_len, i.e. ``memory: 1``.
 * u and v belong to each layer (the original code's ``untie_r``); its default shares them across layers,
-  which a per-layer mixer cannot. No ``clamp_len`` (sinusoids cover any distance; it was an eval-time knob).
+  which a per-layer mixer cannot. No ``clamp_len`` (sinusoids cover any distance; the original code's
+  ``clamp_len`` is an evaluation-time knob).
 * Training differs from the paper's only in what a step covers: the paper updates the weights between
-  segments, so its memory was produced by older weights; here one step sees every segment of an example.
+  segments, so its memory is produced by older weights; here one step sees every segment of an example.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ from torch import nn
 from .base import MultiHeadMixer, chosen_backend, softmax_values
 from .registry import Taxonomy, register_model
 
-BACKENDS = ("auto", "explicit", "sdpa")  # auto = explicit (module docstring: measured)
+BACKENDS = ("auto", "explicit", "sdpa")  # auto = explicit (the module docstring says why)
 
 
 def sinusoid(distances: torch.Tensor, d: int) -> torch.Tensor:

@@ -100,7 +100,7 @@ def test_mixed_backend_runs_the_long_products_in_bf16_and_stays_close():
         model.backend = "auto"
         auto = model(x, mask).float()
     assert not torch.equal(mixed, full)
-    assert torch.equal(auto, mixed)  # auto = mixed (the module docstring's measurement)
+    assert torch.equal(auto, mixed)  # auto = mixed (the module docstring says why)
     for got in (mixed, full):
         torch.testing.assert_close(got[0], reference[0], atol=0.01, rtol=0.01)
         torch.testing.assert_close(got[1, :37], reference[1, :37], atol=0.01, rtol=0.01)
