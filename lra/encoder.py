@@ -291,7 +291,7 @@ def pool_packed(h: torch.Tensor, segments: torch.Tensor, starts: torch.Tensor, m
 class Classifier(nn.Module):
     """Encoder + pooling + head. ``pair=True`` takes (B, 2, N) tokens and classifies the pair.
     ``padded=False`` promises that no token is 0 (pixel tasks): the padding mask is dropped, which lets the
-    transformer use SDPA's unmasked kernels (about 30% faster per layer); the outputs are the same.
+    transformer use SDPA's unmasked kernels (faster than the masked ones); the outputs are the same.
     ``head``: "mlp" is LRA's Dense-ReLU-Dense of width ``d_hidden`` (a pair: 4D -> d_hidden -> d_hidden/2 -> C);
     "linear" one Linear from the pooled features to the classes (the S4 family's decoder; single sequences only)."""
 

@@ -86,11 +86,10 @@ def host_gpus() -> int:
 
 def cpu_threads(requested: int | None, device: torch.device | None = None) -> int:
     """Threads for this process: ``requested``, else its share of the cores it may run on. Every process of a
-    multi-GPU host otherwise takes all the cores (torch's default) and they thrash: four runs side by side ran at
-    half the speed of one alone. ``LRA_LOCAL_JOBS`` (set by the launcher and the data-parallel ranks) says how many
-    jobs share the host; a process on a GPU takes at most one GPU's share of the cores, as runs started by hand,
-    one per GPU, share the host unknown to each other (seen on a 4 x H200 host: a 2-GPU run started by hand beside
-    two 1-GPU runs, every process taking all 64 cores, trained at a third of that run's speed alone)."""
+    multi-GPU host otherwise takes all the cores (torch's default) and they thrash, each run training far slower
+    than it does alone. ``LRA_LOCAL_JOBS`` (set by the launcher and the data-parallel ranks) says how many jobs
+    share the host; a process on a GPU takes at most one GPU's share of the cores, since runs started by hand, one
+    per GPU, share the host unknown to each other."""
     if requested:
         return int(requested)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -108,9 +107,9 @@ def configure(device: torch.device, threads: int | None = None) -> None:
         if device.index is not None:
             torch.cuda.set_device(device.index)
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-        # Saving AOTAutograd's cache entry at the first backward segfaults now and then on CUDA (pytorch#177442:
-        # pickling a compiled graph); a ListOps performer job died so on a fresh machine. The cache only saves a
-        # recompile of a graph another process compiled before; Inductor's own kernel cache stays on.
+        # Saving AOTAutograd's cache entry at the first backward can segfault on CUDA (pytorch#177442: pickling a
+        # compiled graph), killing the run. The cache only saves a recompile of a graph another process compiled
+        # before; Inductor's own kernel cache stays on.
         torch._functorch.config.enable_autograd_cache = False
 
 
@@ -120,11 +119,11 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 
 # How far a compiled model's gradients may stray from the eager model's: TF32 products and another order of the
-# reductions move them by ~1e-3 of their size. Inductor's CUDA code once gave Mamba dt gradients 0.5x to 2.6e4x
-# their size where eager CUDA, aot_eager and the CPU were exact (results/README.md).
+# reductions move them by ~1e-3 of their size. Inductor's CUDA code can be wrong by orders of magnitude where eager
+# CUDA, aot_eager and the CPU are exact (Mamba's dt gradients at an odd length, torch 2.11: models/mamba.py).
 GRADIENT_TOLERANCE = 2e-2
-# The same under bf16 autocast, where each execution rounds its own way: Mamba's rightly compiled model stood up to
-# 0.1 from fp64 there, and its wrongly compiled one 7x (H200).
+# The same under bf16 autocast, where each execution rounds its own way: a rightly compiled Mamba stays within 0.1
+# of fp64 there, a wrongly compiled one is off by 7 times the gradient's size.
 GRADIENT_TOLERANCE_BF16 = 0.3
 
 
@@ -319,13 +318,13 @@ def peak_memory_mb(device: torch.device) -> float:
 def release_leftovers(device: torch.device) -> float:
     """Frees what earlier measurements left on the GPU (reference cycles, the last compiled model's graphs, cached
     blocks) and returns the MB still allocated (a package's or a mixer's module-level caches, say), which a
-    measurement takes off its peak: otherwise a row after a leaky one counts the leak (a layer bench's SDPA row once
-    read 2,312 MB where it takes 1,350). Off CUDA the peak is the process's, and nothing is taken off."""
+    measurement takes off its peak: otherwise a row after a leaky one counts the leak as its own memory. Off CUDA the
+    peak is the process's, and nothing is taken off."""
     if device.type != "cuda":
         return 0.0
     gc.collect()
     torch._dynamo.reset()  # before the count: a measurement's own reset would free them inside it
-    # cuBLAS keeps its workspace (64 MB on an H200) from the first matmul on: freed so that every row pays its own,
+    # cuBLAS keeps its workspace (tens of MB) from the first matmul on: freed so that every row pays its own,
     # as a row alone in its process does, and not only the first row of a sweep
     getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
     torch.cuda.empty_cache()

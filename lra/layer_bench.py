@@ -16,7 +16,8 @@ and peak MB (``cuda_max_allocated``, CUDA only, less what earlier rows left allo
 ``--peers`` times the public packages' layers (lra/peers.py; ``pip install 'lra[peers]'``) of the chosen models,
 and the bare SDPA layer as the baseline, in the same process on the same card with the same timing loop, and
 sets ours beside them. Without it, the packages' numbers are the stored ``peers_h200_layer`` rows of
-``results/published.csv`` (an H200, torch 2.11: another card than this one, so their ms compare only roughly).
+``results/published.csv`` (timed on the card and torch their rows name, not this one, so their ms compare only
+roughly).
 ``--compile`` puts every timed layer (ours, the packages', SDPA's) through ``torch.compile`` first, as the runner
 compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. ``--compile-mode`` picks
 torch.compile's mode (``trainer.compile_mode``'s choices; it implies ``--compile``, and rows say ``compile_mode``):

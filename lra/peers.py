@@ -187,7 +187,8 @@ PEERS: list[Peer] = [
     Peer("reformer", "reformer-pytorch", "(4 hashes)", "reformer_pytorch", _reformer(4)),
     Peer("nystromformer", "nystrom-attention", "(128 landmarks)", "nystrom_attention",
          lambda na, n: na.NystromAttention(D_MODEL, dim_head=D_HEAD, heads=HEADS, num_landmarks=128, dropout=0.0)),
-    # fails under bf16 autocast on CUDA (PEERS.md): its rows then say error, ours still run
+    # fails under bf16 autocast on CUDA (a scatter's dtype mismatch, as its results/layer_bench.csv rows say): its
+    # rows then say error, ours still run
     Peer("sinkhorn", "sinkhorn-transformer", "(bucket 64)", "sinkhorn_transformer",
          lambda st, n: st.SinkhornSelfAttention(D_MODEL, bucket_size=64, max_seq_len=n, heads=HEADS, dim_head=D_HEAD,
                                                 dropout=0.0, attn_dropout=0.0)),

@@ -27,7 +27,7 @@ def is_stopped(status) -> bool:
 # Keys added after runs were recorded (the backbone's, a mixer's options, the schedule's), with the values that
 # computed what those runs computed: at these values they are left out of the hash, so a run recorded or
 # checkpointed before they existed keeps its hash (it resumes, and a finished one is still recognised). Fixed
-# values, not the schema's defaults. The model's were added to s4d; any mixer's option of one of those names is
+# values, not the schema's defaults. The model's are s4d's options; any mixer's option of one of those names is
 # left out at that value too, so a new mixer gives such a name only that meaning.
 HASHED_ONLY_IF_NOT = {
     "backbone": {"norm": "layernorm", "prenorm": True, "mlp": True, "head": "mlp", "embedding": "tokens",

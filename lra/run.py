@@ -569,10 +569,10 @@ class Trainer:
         ``engine.GRADIENT_TOLERANCE`` of its size, the compiled model computes something else: with
         ``trainer.compile=auto`` the run trains eagerly (the log and ``compile_error.txt`` say why; the row says
         compiled=False), with ``true`` it stops, saying so. Costs one more compilation (of the check's graphs, dropped
-        after it). Where the fp32 graphs fail to compile (DeBERTa's did on CUDA, before its prefix sum was reordered)
-        and the run trains in bf16, the check runs under its autocast (``engine.GRADIENT_TOLERANCE_BF16``); where no
-        graph compiles, it says the gradients are unchecked and leaves the failure to the training step's own
-        fallback."""
+        after it). Where the fp32 graphs fail to compile (Inductor's code generation can fail in fp32 where it
+        succeeds in bf16) and the run trains in bf16, the check runs under its autocast
+        (``engine.GRADIENT_TOLERANCE_BF16``); where no graph compiles, it says the gradients are unchecked and
+        leaves the failure to the training step's own fallback."""
         cfg = self.cfg
         if not self.compiled or cfg.trainer.compile_check == "false" or (
                 cfg.trainer.compile_check == "auto" and self.device.type != "cuda"):

@@ -14,7 +14,7 @@ from lra.data.listops import OPERATORS, VOCAB, generate, generate_trees, read_ts
 
 @pytest.fixture(scope="module")
 def reference_trees():
-    """Spec 2.2: the original algorithm, random.seed(0), run to 3,000 accepted trees."""
+    """LRA's algorithm (lra_benchmarks/data/listops.py), random.seed(0), run to 3,000 accepted trees."""
     return generate_trees(random.Random(0), 3000)
 
 
@@ -31,7 +31,7 @@ def op_depth(source: str) -> int:
 
 def test_generator_matches_reference_statistics(reference_trees):
     rows, drawn = reference_trees
-    assert drawn == 36_618  # the spec's count: same RNG call order as the original
+    assert drawn == 36_618  # the original's count at seed 0: same RNG call order as the original
     lengths = [len(tokenize(s)) for s, _ in rows]
     assert min(lengths) > 500 and max(lengths) < 2000
     assert statistics.median(lengths) == pytest.approx(994.5, abs=30)

@@ -1,5 +1,6 @@
 """Image: CIFAR-10 (Krizhevsky, 2009, "Learning Multiple Layers of Features from Tiny Images") as a sequence
-of 1,024 grayscale pixels, LRA's ``image`` task on ``cifar10`` (Tay et al. 2021, arXiv 2011.04006, spec 1.2).
+of 1,024 grayscale pixels, LRA's ``image`` task on ``cifar10`` (Tay et al. 2021, arXiv 2011.04006; preprocessing
+as ``lra_benchmarks/image/input_pipeline.py`` in github.com/google-research/long-range-arena).
 
 Grayscale exactly as TF ``rgb_to_grayscale`` (what LRA used): in float32, g = (0.2989 R + 0.5870 G +
 0.1140 B) / 255, back to uint8 as truncate(g * 255.5). PIL ``convert("L")`` / torchvision rounds with
@@ -11,7 +12,7 @@ reproduces LRA, which fed raw pixels and so masked black pixels as padding (voca
 Splits: LRA took TFDS ``train[:90%]`` / ``train[90%:]`` / ``test`` in TFDS's own order, which only TFDS
 reproduces; we split the 50,000 training images 45,000 / 5,000 like ``torch.utils.data.random_split``
 with ``data.split_seed`` (42, the S4 / Mega convention). Membership depends on the source's row order
-(the hub copy keeps the original order; ``../shared/data/cifar10`` is sorted by label). Test = test.
+(the hub copy keeps the original order; a local copy sorted by label splits otherwise). Test = test.
 Sources (``data.path``): ``uoft-cs/cifar10`` on the hub, or a local folder / template of its parquet files.
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """ListOps (Nangia & Bowman 2018) as LRA generated it (``lra_benchmarks/data/listops.py``), seeded.
 
 Generator: LRA's algorithm, with the same RNG call order as the original (children are drawn before the
-operator), so ``random.Random(0)`` reproduces the spec's reference statistics. Unlike the original, which
-dumped a Python ``set`` (hash order), rows keep first-seen order and the process is seeded, so the same
-seed gives byte-identical files. Generation runs in fixed chunks, each with its own seed, so the output
+operator), so ``generate_trees`` with ``random.Random(0)`` draws the trees the original draws after
+``random.seed(0)`` (tests/test_listops.py checks their statistics). Unlike the original, which dumps a Python
+``set`` (hash order), rows keep first-seen order and the process is seeded, so the same seed gives
+byte-identical files. Generation runs in fixed chunks, each with its own seed, so the output
 does not depend on the number of worker processes.
 
 Loader: ``basic_{train,val,test}.tsv`` (header ``Source<TAB>Target``) from an LRA release folder or from

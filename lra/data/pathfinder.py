@@ -1,6 +1,8 @@
 """Pathfinder and Path-X (Linsley et al., 2018, "Learning long-range spatial dependencies with horizontal
 gated recurrent units", arXiv 1805.08315): are the two dots joined by one dashed contour? LRA's ``image``
-task on ``pathfinder32_hard`` / ``pathfinder128_hard`` (Tay et al. 2021, arXiv 2011.04006, spec 1.2-1.3).
+task on ``pathfinder32_hard`` / ``pathfinder128_hard`` (Tay et al. 2021, arXiv 2011.04006; preprocessing as
+``get_pathfinder_base_datasets`` in ``lra_benchmarks/image/input_pipeline.py`` of
+github.com/google-research/long-range-arena, the files as its ``lra_release`` archive holds them).
 
 Reads the ``lra_release`` layout: ``pathfinder{res}/{folder}/metadata/<k>.npy`` (plain text, one line per
 image: ``imgs/<k> sample_<i>.png <i> <label> ...``) and ``imgs/<k>/sample_<i>.png`` (8-bit gray), with

@@ -14,8 +14,8 @@ with bytescale + LANCZOS; each carries a keep-out mask (its line dilated by a di
 Cost: a growth step is O(candidates * |margin disk|) with patches, placed paddles, candidate sets and their turn
 weights cached (an image redraws its target pair hundreds of times over the same few); a distractor seed
 attempt is one H*W dilation by the seed kernel. snakes2 redraws failed target pairs, so an image costs hundreds
-of attempts (32 px hard ~300, 128 px hard ~350). Measured on a loaded 2-core EPYC: ~34 images/s/core at 32 px
-hard, ~2.8 at 128 px hard (a literal cv2 port of snakes2: ~1-3 and ~0.15). Memory O(H*W) plus caches (< 100 MB).
+of attempts (32 px hard ~300, 128 px hard ~350). A 128 px image costs many 32 px ones; both are generated far
+faster than by a literal cv2 port of snakes2, thanks to the caches. Memory O(H*W) plus caches (< 100 MB).
 
 Random calls mirror snakes2 one for one (``rng.integers`` for ``np.random.randint``, ``rng.random`` for
 ``np.random.rand``), so with a RandomState adapter this code reproduces a literal Python 3 + cv2 port of

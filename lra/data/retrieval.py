@@ -1,5 +1,6 @@
 """Retrieval: do two ACL Anthology Network papers cite each other (Radev et al., 2013, "The ACL Anthology
-Network Corpus")? LRA's ``matching`` task (Tay et al. 2021, arXiv 2011.04006, spec 1.2), read from the
+Network Corpus")? LRA's ``matching`` task (Tay et al. 2021, arXiv 2011.04006; preprocessing as
+``lra_benchmarks/matching/input_pipeline.py`` in github.com/google-research/long-range-arena), read from the
 ``lra_release`` archive's ``tsv_data/new_aan_pairs.{train,eval,test}.tsv``.
 
 Format as LRA's input pipeline reads it: no header, tab-delimited, no quote handling, five fields

@@ -1,12 +1,13 @@
 """Text: IMDb sentiment (Maas et al., 2011, "Learning Word Vectors for Sentiment Analysis") classified from
-raw UTF-8 bytes, as LRA's ``text_classification`` task (Tay et al. 2021, arXiv 2011.04006, spec 1.2).
+raw UTF-8 bytes, as LRA's ``text_classification`` task (Tay et al. 2021, arXiv 2011.04006; preprocessing as
+``lra_benchmarks/text_classification/input_pipeline.py`` in github.com/google-research/long-range-arena).
 
 Tokens: LRA's ``ByteTextEncoder``: id = byte + 1, vocab 257, 0 = pad; raw text (``<br />`` kept, no
 lowercasing), truncated and right-padded to ``task.seq_len``. Splits as LRA: train = ``train``,
 validation = test = ``test`` (IMDb has no validation set; LRA reports the last checkpoint).
 
 Sources (``data.path``): a Hugging Face dataset id (``stanfordnlp/imdb``), a local folder of the hub's
-parquet files (``../shared/data/imdb``), a parquet template with ``{split}``, or the original ``aclImdb``
+parquet files (e.g. ``data/imdb``), a parquet template with ``{split}``, or the original ``aclImdb``
 folder (``{train,test}/{pos,neg}/<id>_<rating>.txt``; files not named like that are skipped and counted).
 """
 from __future__ import annotations
