@@ -123,6 +123,9 @@ class TrainerConfig:
     time_limit: Optional[float] = None
     timing_warmup: int = 20
     progress: bool = True
+    # torch's deterministic kernels (docs/protocol.md): the same command and seed give the same weights on the same
+    # kind of GPU and software, more slowly; an op with no deterministic kernel stops the run, naming it
+    deterministic: bool = False
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch._functorch.config
+import torch._inductor.config
 import torch.nn.functional as F
 
 from lra.encoder import Classifier, build_classifier
@@ -99,10 +100,47 @@ def cpu_threads(requested: int | None, device: torch.device | None = None) -> in
     return max(1, int(cores // jobs))
 
 
-def configure(device: torch.device, threads: int | None = None) -> None:
-    """Sets up this process for ``device``: its CPU threads (``threads``, else its share: ``cpu_threads``), and on
-    CUDA the device, TF32 for fp32 matmuls and no AOTAutograd cache."""
+# The cuBLAS workspace settings under which torch lets a matmul run in deterministic mode (cuBLAS's documented ones)
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+NONDETERMINISTIC_OP = re.compile(r"(\S+) does not have a deterministic implementation")
+
+
+def set_deterministic(on: bool) -> None:
+    """``trainer.deterministic``: torch's deterministic kernels (an op that has only a nondeterministic one raises at
+    its first call), cuDNN's deterministic algorithms without benchmarking, Inductor's deterministic mode and the
+    cuBLAS workspace setting they need. Mixers read the mode as well (``models.base``: ``nondeterministic_backends``,
+    ``cumsum``). Off, torch is left as it is, except that what an earlier deterministic run of this process set is
+    undone (runs that share a process: tests)."""
+    if not on and not torch.are_deterministic_algorithms_enabled():
+        return
+    if on and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in DETERMINISTIC_CUBLAS:
+        # read when cuBLAS sets up its workspace (the process's first matmul, after this) and before each call by
+        # torch's check, which raises without it
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS[0]
+    # warn_only=False, not True: under the warning-only mode the flash and memory-efficient SDPA kernels keep the
+    # backward that sums by atomic adds and cuDNN's attention stays eligible; under the strict one torch runs the first
+    # two's deterministic backward and leaves cuDNN's attention out
+    torch.use_deterministic_algorithms(on)
+    if hasattr(torch._inductor.config, "deterministic"):  # no kernel chosen by timing (the line above sets it too)
+        torch._inductor.config.deterministic = on
+    torch.backends.cudnn.deterministic = on
+    if on:
+        torch.backends.cudnn.benchmark = False  # benchmarking picks an algorithm by its timing, run by run
+
+
+def nondeterministic_op(error: BaseException) -> str | None:
+    """The op named by torch's error for an op without a deterministic implementation under deterministic mode (e.g.
+    ``cumsum_cuda_kernel``), else None."""
+    found = NONDETERMINISTIC_OP.search(str(error)) if isinstance(error, RuntimeError) else None
+    return found.group(1) if found else None
+
+
+def configure(device: torch.device, threads: int | None = None, deterministic: bool = False) -> None:
+    """Sets up this process for ``device``: its CPU threads (``threads``, else its share: ``cpu_threads``), torch's
+    deterministic mode or its default (``set_deterministic``), and on CUDA the device, TF32 for fp32 matmuls and no
+    AOTAutograd cache."""
     torch.set_num_threads(cpu_threads(threads, device))
+    set_deterministic(deterministic)
     if device.type == "cuda":
         if device.index is not None:
             torch.cuda.set_device(device.index)

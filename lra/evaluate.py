@@ -186,7 +186,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
     chash = done.get("config_hash") or config_hash(OmegaConf.to_container(cfg))
     cfg = apply_overrides(cfg, list(overrides))
     device = resolve_device(cfg.device)
-    engine.configure(device, cfg.trainer.threads)
+    engine.configure(device, cfg.trainer.threads, cfg.trainer.deterministic)  # the mixers' paths the run took
     weights, step = load_weights(files, checkpoint, device)
     if done.get("status") != "ok":  # still running, stopped, diverged, ...: say what these weights are
         state = f"ended with status {done['status']}" if done else "not finished"

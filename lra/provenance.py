@@ -9,7 +9,7 @@ import json
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
 NOT_HASHED_TRAINER = ("compile", "compile_mode", "compile_check", "mixer_backend", "pack", "trim", "devices", "threads",
                       "eval_batch_size", "ckpt_every", "time_limit", "timing_warmup", "progress",
-                      "profile_steps")
+                      "profile_steps", "deterministic")
 # Where a run stops is not what it computes: the steps it does run are the full schedule's (its row says it stopped).
 NOT_HASHED_SCHEDULE = ("stop_at",)
 STOPPED = "stopped"  # a run ended by schedule.stop_at or trainer.time_limit (``stopped_status``); a prefix to test for

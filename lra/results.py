@@ -65,6 +65,7 @@ class RunRow:
     packed: bool | None = None  # several examples per row (trainer.pack); exact, so not in the config hash
     batching: str | None = None  # random (LRA's) | length_grouped (schedule.batching)
     val_is_test: bool | None = None  # validation is the test set (Text, as LRA): the final weights are the result
+    deterministic: bool | None = None  # trained in torch's deterministic mode (trainer.deterministic); not hashed
 
 
 @dataclass

@@ -202,7 +202,7 @@ def run_rank(cfg: DictConfig) -> dict:
     device = engine.resolve_device(cfg.device)
     if device.type == "cuda" and world.distributed:
         device = torch.device("cuda", world.local_rank)
-    engine.configure(device, cfg.trainer.threads)
+    engine.configure(device, cfg.trainer.threads, cfg.trainer.deterministic)
     distributed.init(world, device)
     try:
         return Trainer(cfg, world, device).fit()
@@ -229,7 +229,8 @@ class Trainer:
         # where and with what code this process trains: a row names them even when the run fails before its first step
         self.here = {"devices": device_name(device), "git_shas": git_sha()}
         self.state = {"step": 0, "best_val": -1.0, "best_step": 0, "timed_steps": 0, "timed_s": 0.0, "wall_s": 0.0,
-                      "peak_mem_mb": 0.0, "history": [], **{key: [now] for key, now in self.here.items()}}
+                      "peak_mem_mb": 0.0, "history": [], **{key: [now] for key, now in self.here.items()},
+                      "deterministic": bool(cfg.trainer.deterministic)}
 
     # -- the run ------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -263,6 +264,11 @@ class Trainer:
         except (RunInterrupted, ConfigError):
             raise
         except Exception as e:
+            if (op := engine.nondeterministic_op(e)) is not None:  # a setting that cannot run: no row
+                raise ConfigError(f"trainer.deterministic=true: model {cfg.model.name} calls {op}, which has no "
+                                  f"deterministic implementation on {self.device.type} in torch {torch.__version__}; "
+                                  f"run it with trainer.deterministic=false, or with another trainer.mixer_backend "
+                                  f"or model option that avoids the op") from e
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             raise
@@ -344,6 +350,8 @@ class Trainer:
             for key, now in self.here.items():
                 if now not in self.state[key]:
                     self.state[key].append(now)
+            # deterministic only if every step was: a checkpoint without the key predates the switch
+            self.state["deterministic"] = self.state.get("deterministic", False) and bool(cfg.trainer.deterministic)
         train_model = self.model
         if self.world.distributed:
             from torch.nn.parallel import DistributedDataParallel
@@ -697,7 +705,8 @@ class Trainer:
             split=data.info.get("split", ""), device=" + ".join(state["devices"]),
             torch=torch.__version__, git_sha=" + ".join(state["git_shas"]), config_hash=self.chash,
             timestamp=now_iso(), run_dir=str(self.files.dir), overrides=_overrides(),
-            packed=getattr(self, "packed", None), val_is_test=bool(data.info.get("val_is_test", False)))
+            packed=getattr(self, "packed", None), val_is_test=bool(data.info.get("val_is_test", False)),
+            deterministic=state["deterministic"])
         out = asdict(row)
         if self.world.is_main:
             save_row(cfg, self.files, out, state["history"])

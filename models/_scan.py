@@ -62,7 +62,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from .base import pad_head_dim, upcast
+from .base import cumsum, pad_head_dim, upcast
 
 Scan = Literal["auto", "fla", "chunked", "recurrent"]
 # Per-key decays inside a chunk are factorised, exp(G_i - G_j) = exp(G_i) * exp(-G_j), while a chunk's total log
@@ -106,7 +106,7 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     T = x.shape[-1]
     ones = torch.ones(T, T, dtype=torch.bool, device=x.device)
     x = x[..., :, None].expand(*x.shape, T).masked_fill(~ones.tril(-1), 0.0)  # (..., T, T): [i, j] = x_i, i > j
-    s = x.cumsum(-2)  # (..., T, T): [i, j] = sum_{j < m <= i} x_m
+    s = cumsum(x, -2)  # (..., T, T): [i, j] = sum_{j < m <= i} x_m
     return s.masked_fill(~ones.tril(), float("-inf"))
 
 
@@ -140,7 +140,7 @@ def chunk_ends(total: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     group_end = local[:, :, :, -1]  # (B, H, groups, K, V): each group's own state at its end
     across = segsum(t.sum(-1)).exp()  # (B, H, 1 | K, groups, groups): decay from group f's end to group g's
     ends = torch.einsum("bhkgf,bhfkv->bhgkv", across, group_end)  # (B, H, groups, K, V): state at each group's end
-    into = t.cumsum(-1).exp().permute(0, 1, 3, 4, 2)[..., None]  # (B, H, groups, m, 1 | K, 1): start to chunk i
+    into = cumsum(t, -1).exp().permute(0, 1, 3, 4, 2)[..., None]  # (B, H, groups, m, 1 | K, 1): start to chunk i
     return (local + into * entering(ends)[:, :, :, None]).flatten(2, 3)[:, :, :n]  # (B, H, n, K, V)
 
 
@@ -154,7 +154,7 @@ def chunked(q, k, v, g, chunk: int, scale: float = 1.0, reset: torch.Tensor | No
     n, C = (N + pad) // chunk, chunk
     q, k, v, g = (t.unflatten(2, (n, C)) for t in (q, k, v, g))  # (B, H, n, C, .)
     q = q * scale
-    G = g.cumsum(3)  # (B, H, n, C, 1 | K): log decay from the chunk's start through step i (inclusive), <= 0
+    G = cumsum(g, 3)  # (B, H, n, C, 1 | K): log decay from the chunk's start through step i (inclusive), <= 0
     same = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C): j <= i
     if reset is not None:  # cut each chunk into parts at its resets; no weight crosses from one part to the next
         cut = F.pad(reset, (0, pad)).reshape(B, 1, n, C)  # (B, 1, n, C): an example begins at step i
@@ -269,11 +269,16 @@ def fla_refusal(device_index: int, fall_back: bool = True) -> str | None:
 
 
 def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0, reset: torch.Tensor | None = None) -> torch.Tensor:
-    """``mode`` "auto": fla on CUDA (the chunked form where fla's kernels are known to be wrong), ``chunked``
-    elsewhere; "fla": fla's kernels or an error saying why they cannot run here; "chunked" / "recurrent": that form
-    anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
+    """``mode`` "auto": fla on CUDA (the chunked form where fla's kernels are known to be wrong, and under torch's
+    deterministic mode), ``chunked`` elsewhere; "fla": fla's kernels or an error saying why they cannot run here;
+    "chunked" / "recurrent": that form anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
     if mode not in get_args(Scan):
         raise ValueError(f"model.scan must be one of {', '.join(get_args(Scan))}, got {mode!r}")
+    # fla's Triton kernels are outside what torch's deterministic mode (trainer.deterministic) checks or replaces
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if mode == "fla" and deterministic:
+        raise ValueError("model.scan=fla runs flash-linear-attention's Triton kernels, which torch's deterministic "
+                         "mode (trainer.deterministic=true) does not cover: set model.scan=chunked")
     if mode == "fla":
         if not q.is_cuda:
             raise ValueError("model.scan=fla runs flash-linear-attention's Triton kernels, on CUDA only: here set "
@@ -282,7 +287,7 @@ def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0, reset: torch.
         if reason is not None:
             raise RuntimeError(f"model.scan=fla: {reason}; model.scan=auto runs the chunked form instead")
         return fla(q, k, v, g, scale, reset)
-    if mode == "auto" and q.is_cuda and fla_refusal(q.device.index or 0) is None:
+    if mode == "auto" and q.is_cuda and not deterministic and fla_refusal(q.device.index or 0) is None:
         return fla(q, k, v, g, scale, reset)
     if mode == "recurrent":
         return recurrent(q, k, v, g, scale, reset=reset)[0]

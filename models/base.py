@@ -39,12 +39,25 @@ def compiled(fn, dynamic: bool | None = None):
     return torch.compile(fn, dynamic=dynamic)
 
 
+def runnable_backends(mixer) -> tuple[str, ...]:
+    """The mixer's ``backends`` it may run now: under torch's deterministic mode (lra's ``trainer.deterministic``)
+    those left after its ``nondeterministic_backends``, whose backward adds in no fixed order with no deterministic
+    kernel to take its place; otherwise all."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return tuple(mixer.backends)
+    return tuple(b for b in mixer.backends if b not in getattr(mixer, "nondeterministic_backends", ()))
+
+
 def checked_backend(mixer, value: str, label: str | None = None) -> str:
-    """``value`` if it is one of the mixer's ``backends`` (how it runs, not what), else a ValueError that lists them,
-    prefixed by ``label`` (default: the mixer's class name)."""
+    """``value`` if it is one of the mixer's ``backends`` (how it runs, not what) that may run now
+    (``runnable_backends``), else a ValueError that lists them, prefixed by ``label`` (default: the mixer's class
+    name)."""
+    label = label or type(mixer).__name__
     if value not in mixer.backends:
-        raise ValueError(f"{label or type(mixer).__name__}: backend must be one of {', '.join(mixer.backends)}, "
-                         f"got {value!r}")
+        raise ValueError(f"{label}: backend must be one of {', '.join(mixer.backends)}, got {value!r}")
+    if value not in (allowed := runnable_backends(mixer)):
+        raise ValueError(f"{label}: backend {value} sums its gradients in no fixed order, and torch's deterministic "
+                         f"mode is on (trainer.deterministic): choose one of {', '.join(allowed)}")
     return value
 
 
@@ -55,10 +68,31 @@ def chosen_backend(mixer) -> str:
 
 def takes_fused_path(mixer, fused: str, on_cuda: bool) -> bool:
     """Whether a mixer with two executions, ``backends = ("auto", fused, reference)``, takes its fused one: when its
-    ``backend`` names it, or under "auto" on CUDA (``on_cuda``: the caller's condition, e.g. also no dropout). The
-    attribute is checked as ``chosen_backend`` checks it."""
+    ``backend`` names it, or under "auto" on CUDA (``on_cuda``: the caller's condition, e.g. also no dropout) where
+    it may run now (``runnable_backends``). The attribute is checked as ``chosen_backend`` checks it."""
     backend = chosen_backend(mixer)
-    return backend == fused or (backend == "auto" and on_cuda)
+    return backend == fused or (backend == "auto" and on_cuda and fused in runnable_backends(mixer))
+
+
+def cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.cumsum(dim)``; for a floating CUDA tensor under torch's deterministic mode (``trainer.deterministic``),
+    ``ordered_cumsum``: torch has no deterministic CUDA kernel for a floating cumsum (it raises in that mode), and
+    the scan Inductor generates for a long one adds in an order set by the timing of its blocks."""
+    if x.is_cuda and x.is_floating_point() and torch.are_deterministic_algorithms_enabled():
+        return ordered_cumsum(x, dim)
+    return x.cumsum(dim)
+
+
+def ordered_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inclusive cumulative sum along ``dim`` as ceil(log2 n) shifted additions (Hillis and Steele's scan): after
+    the pass with shift s each entry holds the sum of the 2s entries ending at it. Elementwise work only, in one fixed
+    order on any device, O(n log n) additions; its rounding is a pairwise sum's, not the sequential one's."""
+    y = x.movedim(dim, -1)  # (..., n)
+    n, shift = y.shape[-1], 1
+    while shift < n:
+        y = y + F.pad(y[..., : n - shift], (shift, 0))  # (..., n): entry i plus entry i - shift (0 before the start)
+        shift *= 2
+    return y.movedim(-1, dim)
 
 
 def pad_head_dim(size: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer, pad_head_dim, takes_fused_path
+from .base import MultiHeadMixer, cumsum, pad_head_dim, takes_fused_path
 from .patterns import flex_attend, flex_call, padding_block_mask, score_table
 from .registry import Taxonomy, register_model
 
@@ -131,7 +131,7 @@ class RelativeGather(torch.autograd.Function):
         # sum of the n alone, padded, does not compile for CUDA in fp32 at n = 1,025 (Inductor's split-scan codegen
         # fails), while this form compiles with the eager gradients (results/README.md, DeBERTa).
         grad = grad.to(torch.promote_types(grad.dtype, torch.float32))  # >= fp32
-        prefix = F.pad(grad, (1, 0) if dim == -1 else (0, 0, 1, 0)).cumsum(dim)  # (B, H, n + 1, n) or (B, H, n, n + 1)
+        prefix = cumsum(F.pad(grad, (1, 0) if dim == -1 else (0, 0, 1, 0)), dim)  # (B, H, n + 1, n) or (B, H, n, n + 1)
         lead = grad.shape[:2]
         total = prefix.gather(dim, ends.expand(*lead, -1, -1)) - prefix.gather(dim, starts.expand(*lead, -1, -1))
         return total.to(ctx.table_dtype), None, None, None, None
@@ -206,6 +206,9 @@ def _flex_attend(mixer: DeBERTa, q, k, v, mask):
 class DeBERTa(MultiHeadMixer):
     taxonomy = Taxonomy("He et al. 2021, arXiv 2006.03654", "N^2", (), decode=False)
     backends = ("auto", "flex", "dense")  # the values of ``backend`` (how it runs, not what it computes)
+    # FlexAttention sums the gradient of the table its score_mod reads by atomic adds (no fixed order), and torch's
+    # deterministic mode neither checks nor replaces them: under it ``auto`` keeps off flex and asking for it is refused
+    nondeterministic_backends = ("flex",)
 
     def __init__(
         self,

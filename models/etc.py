@@ -138,6 +138,9 @@ def _flex_attend(mixer: ETC, q, k, v, real, G: int) -> torch.Tensor:
 class ETC(MultiHeadMixer):
     taxonomy = Taxonomy("Ainslie et al. 2020, arXiv 2004.08483", "N", ("FP", "M"), decode=False)
     backends = BACKENDS  # the values of ``backend`` (how it runs, not what it computes)
+    # FlexAttention sums the gradient of the table its score_mod reads by atomic adds (no fixed order), and torch's
+    # deterministic mode neither checks nor replaces them: under it ``auto`` keeps off flex and asking for it is refused
+    nondeterministic_backends = ("flex",)
 
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, radius: int = 84,

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from .base import (
     MultiHeadMixer,
     compiled,
+    cumsum,
     kernel_attention,
     key_summaries,
     mm,
@@ -86,7 +87,7 @@ def causal_prefix_attention(fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor
     out = torch.matmul(scores, v1)  # (B, H, n, C, E)
     # across chunks: every query sees the summaries of all earlier chunks (exclusive prefix sum)
     summary = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, n, Dh, E)
-    before = F.pad(summary.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, n, Dh, E): chunk c sees < c
+    before = F.pad(cumsum(summary, 2)[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, H, n, Dh, E): chunk c sees < c
     out = out + torch.matmul(fq, before)  # (B, H, n, C, E)
     return out.view(B, H, n * chunk, E)[:, :, :N]  # (B, H, N, E)
 

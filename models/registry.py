@@ -14,6 +14,9 @@ The contract, read by the harness and covered by the registry-wide tests:
 * ``needs_grid = True``: a 2-D mixer; ``forward(x, mask, grid=Grid(...))`` receives the pixel grid of an image
   task (the encoder refuses tasks without one).
 * ``padding_invariant = False``: the model documents why appended padding changes real outputs (default True).
+* ``nondeterministic_backends``: those of a mixer's ``backends`` whose backward sums in no fixed order, with no
+  deterministic kernel to take its place (FlexAttention's score-table gradient): under torch's deterministic mode
+  (``trainer.deterministic``) ``auto`` keeps off them and naming one is refused (``models.base.checked_backend``).
 * a parameter may carry ``_optim = {"lr": ..., "weight_decay": ...}``: the runner gives it its own optimiser
   group with those settings (the convention of the S4 code base, e.g. no weight decay on SSM parameters).
 

@@ -104,6 +104,9 @@ def _flex_attend(mixer: Synthesizer, q, k, v, synthesized, mask) -> torch.Tensor
 class Synthesizer(MultiHeadMixer):
     taxonomy = Taxonomy("Tay et al. 2021, arXiv 2005.00743", "N^2", ("LR", "LP"), decode=True)
     backends = BACKENDS  # the values of ``backend`` (how it runs, not what it computes)
+    # FlexAttention sums the gradient of the table its score_mod reads by atomic adds (no fixed order), and torch's
+    # deterministic mode neither checks nor replaces them: under it ``auto`` keeps off flex and asking for it is refused
+    nondeterministic_backends = ("flex",)
     accepts_no_mask = True  # mask=None: the random variants' bias stays (1, H, N, N), broadcast over the batch
 
     def __init__(

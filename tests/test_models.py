@@ -71,12 +71,15 @@ def test_a_taxonomy_with_an_unknown_complexity_or_class_is_refused():
 @pytest.mark.parametrize("name", MODELS)
 def test_a_mixer_with_several_executions_lists_them(name):
     """A ``backend`` attribute (how a mixer runs) comes with ``backends``, its values, "auto" (the default) first:
-    what trainer.mixer_backend and the benches' variants are checked against before anything runs."""
+    what trainer.mixer_backend and the benches' variants are checked against before anything runs. Those declared
+    ``nondeterministic_backends`` are some of them, never "auto" and never all: trainer.deterministic runs another."""
     mixer = make(name)
     if hasattr(mixer, "backend"):
         assert mixer.backend == "auto" and mixer.backends[0] == "auto" and len(set(mixer.backends)) >= 2
+        unordered = set(getattr(mixer, "nondeterministic_backends", ()))
+        assert unordered <= set(mixer.backends[1:]) and set(mixer.backends[1:]) - unordered
     else:
-        assert not hasattr(mixer, "backends")
+        assert not hasattr(mixer, "backends") and not hasattr(mixer, "nondeterministic_backends")
 
 
 @pytest.mark.parametrize("name", MODELS)
