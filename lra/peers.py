@@ -1,7 +1,7 @@
 """The public PyTorch packages of the methods we implement, one attention layer each, for
 ``python -m lra.layer_bench --peers``: timed in the same process, on the same card, with the same loop as ours.
 
-Protocol (results/README.md, "One attention layer"): d 256, 4 heads of 64, projections included, no dropout,
+Protocol (results/README.md, `layer_bench.csv`): d 256, 4 heads of 64, projections included, no dropout,
 no mask. Each entry builds the package's own layer with the settings its stored rows (``peers_h200_layer`` in
 results/published.csv) were measured with, and is named as those rows' ``note``: a live row and a stored row
 of one name are the same layer. The packages are optional (``pip install 'lra[peers]'``): a missing one turns

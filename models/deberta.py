@@ -129,7 +129,7 @@ class RelativeGather(torch.autograd.Function):
             starts, ends = starts.t(), ends.t()  # (T, n)
         # The leading 0 goes in before the prefix sum (S[k] = sum of the first k, n + 1 of them), not after: the
         # sum of the n alone, padded, does not compile for CUDA in fp32 at n = 1,025 (Inductor's split-scan codegen
-        # fails), while this form compiles with the eager gradients (results/README.md, DeBERTa).
+        # fails), while this form compiles with the eager gradients (docs/gpu.md).
         grad = grad.to(torch.promote_types(grad.dtype, torch.float32))  # >= fp32
         prefix = cumsum(F.pad(grad, (1, 0) if dim == -1 else (0, 0, 1, 0)), dim)  # (B, H, n + 1, n) or (B, H, n, n + 1)
         lead = grad.shape[:2]

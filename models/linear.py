@@ -11,7 +11,7 @@ key sum and each query's normaliser are two reductions beside them (``models.bas
 with Performer). Unpacked rows take ``LinearAttentionFn``, the same computation with a hand-written backward that
 keeps only q, k, v and the small summaries (autograd would keep fp32 N x Dh maps): one layer takes less peak
 memory than autograd's form and than linear-attention-transformer's, in about that package's time from 1K to 16K
-(results/layer_bench.csv, rows ``lra linear`` and ``linear-attention-transformer 0.19.1``; results/README.md).
+(results/layer_bench.csv, rows ``lra linear`` and ``linear-attention-transformer 0.19.1``; docs/performance.md).
 Causal (``causal: true``, paper Sec. 3.2): out_i uses only the prefix j <= i. ``attend`` computes it in
 parallel (chunked prefix sums: exact C x C causal products inside each chunk of ``chunk_size`` tokens plus an
 exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x Dh) prefix tensor is stored;
@@ -25,7 +25,7 @@ Complexity: O(N Dh^2) time and O(N Dh) memory per head (causal: O(N (C + Dh) Dh)
 Precision: the feature maps, key sums and normaliser run in fp32 even under bf16 autocast (a bf16 key sum over
 thousands of tokens loses the normaliser's precision). The non-causal form's two products with values (and their
 backward) take bf16 operands under autocast with fp32 accumulation, as SDPA multiplies its probabilities by V:
-faster than fp32 products at 4K and 16K (results/README.md), for 0.35% relative error against fp64 (0.2% of it
+faster than fp32 products at 4K and 16K (docs/performance.md), for 0.35% relative error against fp64 (0.2% of it
 from rounding q, k, v to bf16; tested).
 The causal form keeps fp32 products (its in-chunk scores and prefix sums are the accumulation).
 Padding: phi(k) is zeroed at padded keys, so padding never contributes to any output; padded queries get an

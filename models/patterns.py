@@ -282,7 +282,7 @@ def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, length: int, mask
 
 # The forward kernel's work tile where many tiles evaluate a mask_mod that reads tensors. Inductor's default
 # forward tile on Hopper (bf16, head 64) is 128 x 128; with such a mask_mod inside, the forward is then many times
-# slower than the backward (ListOps with LRA's 64-blocks and key padding; results/README.md has the figures).
+# slower than the backward (ListOps with LRA's 64-blocks and key padding; docs/gpu.md).
 # Full tiles keep the default.
 SMALL_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
 

@@ -38,7 +38,7 @@ N) bias is built, where SDPA's float mask, once padding makes it per example, is
 the bias keeps SDPA off its flash kernel. Attention dropout through ``_flex_dropout``. One compiled layer (batch
 32, heads of 64, bf16) runs faster than ``sdpa`` at 1K and 4K in less memory (results/layer_bench.csv,
 rows ``lra synthesizer`` and ``lra synthesizer(backend=flex)``), and LRA's Text run (padded, attention dropout)
-trains faster in less memory (results/README.md). ``auto`` is ``flex`` for the random variants (one table for the
+trains faster in less memory (docs/gpu.md). ``auto`` is ``flex`` for the random variants (one table for the
 batch) on a CUDA device whose shared memory holds its tiles (``flex_fits``: compute capability 9.0's 228 KiB per
 multiprocessor do, 8.0's 164 KiB do not), else ``sdpa`` (``dense``'s per-example fp32 tables would double SDPA's
 bf16 bias).

@@ -12,7 +12,7 @@ dense block-diagonal mask would leave SDPA only its memory-efficient kernel, wit
 LRA's attention dropout is slower than unpacked training. ``backend = "varlen"`` calls that same
 variable-length flash kernel directly (fp16/bf16 on CUDA, the default there; the jagged path otherwise), without
 the nested tensor, whose Python dispatch takes about half of a packed step's host time: through varlen, packed
-ListOps trains faster than unpacked, through the nested tensor slower (results/README.md, packing). Elsewhere (or
+ListOps trains faster than unpacked, through the nested tensor slower (docs/performance.md, packing). Elsewhere (or
 ``backend = "dense"``) the (B, 1, N, N) block-diagonal mask, the reference the tests hold both to.
 
 Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored).

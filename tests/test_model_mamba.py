@@ -105,7 +105,7 @@ def test_chunked_equals_the_recurrence_in_both_directions_with_padding(chunk):
 
 
 def test_the_mixer_runs_over_whole_chunks_and_returns_its_own_length(monkeypatch):
-    """Inductor's CUDA code gave wrong dt_bias gradients at an odd length (results/README.md): the mixer pads a
+    """Inductor's CUDA code gave wrong dt_bias gradients at an odd length (docs/gpu.md, compilation): the mixer pads a
     row to whole chunks (29 steps -> 32) and cuts its outputs back; the padded steps change no real output, on
     ragged and on packed rows (segments, no mask)."""
     lengths = []

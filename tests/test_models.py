@@ -197,7 +197,7 @@ def test_a_compiled_model_in_training_is_one_graph(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_on_cuda_a_compiled_model_has_its_eager_gradients(name):
     """Inductor's CUDA code has given wrong gradients where eager CUDA, ``aot_eager`` and the CPU were exact (Mamba:
-    its dt gradients 0.5x to 2.6e4x off in the whole model, at init, in fp32; results/README.md). Compiled on the
+    its dt gradients 0.5x to 2.6e4x off in the whole model, at init, in fp32; docs/gpu.md, compilation). Compiled on the
     GPU, every model's gradients are its eager ones, by the runner's compile check (``engine.compiled_gradient_check``:
     fp32, eval mode, the training loss; under bf16 autocast where the fp32 graphs do not compile): one layer, an
     Image row (1,024 pixels and the CLS token: 1,025 positions)."""

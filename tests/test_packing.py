@@ -80,7 +80,7 @@ def test_pack_equals_the_layout_written_out_example_by_example(n, cls_token):
 
 def test_packing_a_batch_takes_as_many_tensor_operations_for_64_examples_as_for_4():
     """On a GPU the host builds each packed batch while the device waits: one operation per example (a Python loop)
-    cost more host time than packing saved (results/README.md), so the count must not grow with the batch."""
+    cost more host time than packing saved (docs/performance.md, packing), so the count must not grow with the batch."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
