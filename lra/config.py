@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -192,6 +193,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
+    # the experiment's settings per task, per model and per task/model (conf/experiment/<name>.yaml), which compose
+    # through ``register_protocols``; emptied by ``validate`` once checked
+    protocol: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -304,6 +308,65 @@ def sweep_folder(name: str | None) -> str:
 OmegaConf.register_new_resolver("lra.sweep_folder", sweep_folder, replace=True)
 OmegaConf.register_new_resolver("lra.unnamed_keys", unnamed_keys, replace=True)
 ConfigStore.instance().store(name="lra_schema", node=RunConfig)
+
+TASK_NAMES = tuple(sorted(p.stem for p in (Path(__file__).parent / "conf" / "task").glob("*.yaml")))
+PROTOCOL_GROUPS = ("experiment_task", "experiment_model", "experiment_task_model")  # config.yaml's defaults list
+
+
+def experiment_protocols(folder: Path) -> dict[str, dict]:
+    """Each experiment's ``protocol`` (``folder/<name>.yaml``), with the entries of the experiments its defaults
+    list names (``- lra``: a preset that changes a few of LRA's settings inherits the rest). An entry of its own
+    replaces the inherited one of that name whole, so each entry reads complete where it stands; one set to null
+    drops it."""
+    files = {f.stem: OmegaConf.load(f) for f in sorted(folder.glob("*.yaml"))}
+
+    def merged(name: str, seen: tuple[str, ...] = ()) -> dict:
+        if name in seen:
+            raise ValueError(f"conf/experiment/{name}.yaml: its defaults list leads back to itself ({seen})")
+        cfg, out = files[name], {}
+        for parent in cfg.get("defaults", []):
+            if isinstance(parent, str) and parent in files:
+                out.update(merged(parent, (*seen, name)))
+        for key, entry in (cfg.get("protocol") or {}).items():
+            if entry is None:
+                out.pop(key, None)
+            else:
+                out[key] = entry
+        return out
+
+    return {name: merged(name) for name in files}
+
+
+def register_protocols(folder: Path = Path(__file__).parent / "conf" / "experiment") -> None:
+    """Each experiment's protocol entries as the configs config.yaml's defaults list picks by name after the
+    experiment itself: ``<task>`` as experiment_task/<experiment>_<task>, ``<model>`` as
+    experiment_model/<experiment>_<model>, ``<task>/<model>`` as experiment_task_model/<experiment>_<task>_<model>.
+    So a protocol lives in one readable file, and still composes as Hydra composes files: over the task, the model
+    and the experiment, under the command line."""
+    store = ConfigStore.instance()
+    for experiment, entries in experiment_protocols(folder).items():
+        for key, entry in entries.items():
+            group = PROTOCOL_GROUPS[2 if "/" in key else 0 if key in TASK_NAMES else 1]
+            store.store(group=group, name=f"{experiment}_{key.replace('/', '_')}", node=entry, package="_global_")
+
+
+register_protocols()
+
+
+def check_protocol(cfg: DictConfig) -> None:
+    """Every entry of the composed experiment's protocol names a task, a model, or a task/model pair: a misspelt
+    one would never apply. Then the protocol leaves the config (its entries are applied, and the run's saved config
+    holds their values)."""
+    from models.registry import list_models
+
+    models = set(list_models())
+    for key in cfg.get("protocol") or {}:
+        task, _, model = str(key).rpartition("/")
+        if not ((not task and (model in TASK_NAMES or model in models)) or (task in TASK_NAMES and model in models)):
+            raise ConfigError(f"experiment={cfg.experiment}: its protocol entry {key!r} names no task, model or "
+                              f"task/model (tasks: {', '.join(TASK_NAMES)}; models: python -m lra.taxonomy)")
+    with open_dict(cfg):
+        cfg.protocol = {}
 ConfigStore.instance().store(name="lra_bench_schema", node=BenchRunConfig)
 
 CHOICES = {
@@ -361,6 +424,7 @@ def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
 def validate(cfg: DictConfig) -> DictConfig:
     """Check a composed run config; normalise choice values (``True`` -> ``"true"``). Raises ConfigError."""
     unknown_keys(cfg, RunConfig)
+    check_protocol(cfg)
     for key, allowed in CHOICES.items():
         value = str(_get(cfg, key)).lower()
         if allowed is not None and value not in allowed:

@@ -6,7 +6,7 @@ import hashlib
 import json
 
 # Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
-NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep")
+NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep", "protocol")
 NOT_HASHED_TRAINER = ("compile", "compile_mode", "compile_check", "mixer_backend", "pack", "trim", "devices", "threads",
                       "eval_batch_size", "ckpt_every", "time_limit", "timing_warmup", "progress",
                       "profile_steps", "deterministic")

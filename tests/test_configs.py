@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
-from lra.config import ConfigError, TrainerConfig, eval_batch_size, validate
+from lra.config import ConfigError, TrainerConfig, eval_batch_size, experiment_protocols, validate
 from lra.data import list_tasks
 from models import list_models, model_options
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
@@ -64,25 +64,49 @@ def test_every_task_composes_and_validates_with_every_experiment(task, experimen
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_composes_with_every_task(model):
     """A model's yaml or a task's composes with every partner or with none; what one (task, model) pair alone adds
-    is its own file, conf/experiment_task_model/lra_<task>_<model>.yaml (LRA's per-model settings, picked by the
-    default experiment). So each model composes with ListOps and with every task it has such a file for (composing
-    all pairs took 17 s of the suite)."""
-    paired = [task for task in TASKS if (CONF / "experiment_task_model" / f"lra_{task}_{model}.yaml").exists()]
+    is its protocol entry, `<task>/<model>` in conf/experiment/lra.yaml (LRA's per-model settings, composed under
+    the default experiment). So each model composes with ListOps and with every task it has such an entry for
+    (composing all pairs took 17 s of the suite)."""
+    protocol = experiment_protocols(CONF / "experiment")["lra"]
+    paired = [task for task in TASKS if f"{task}/{model}" in protocol]
     for task in dict.fromkeys(["listops", *paired]):
         cfg = compose_cfg([f"task={task}", f"model={model}", "run_dir=x"])
         assert cfg.model.name == model and cfg.task.name == task
 
 
-def test_every_file_picked_by_name_names_an_experiment_a_task_and_a_model():
-    """conf/config.yaml picks experiment_task/<experiment>_<task>, experiment_model/<experiment>_<model> and
-    experiment_task_model/<experiment>_<task>_<model> by name, if they exist: a misspelt file is never picked, so
-    it would leave its settings out of every run without an error."""
-    expected = {"experiment_task": {f"{e}_{t}" for e in EXPERIMENTS for t in TASKS},
-                "experiment_model": {f"{e}_{m}" for e in EXPERIMENTS for m in MODELS},
-                "experiment_task_model": {f"{e}_{t}_{m}" for e in EXPERIMENTS for t in TASKS for m in MODELS}}
-    for group, names in expected.items():
-        files = {p.stem for p in (CONF / group).glob("*.yaml")}
-        assert files and files <= names, f"conf/{group}/: never picked: {sorted(files - names)}"
+def test_every_protocol_entry_names_a_task_a_model_or_a_pair():
+    """An experiment's protocol entries compose by name (lra.config.register_protocols): a misspelt one would never
+    apply, so every entry of every preset names a task, a model or a task/model pair."""
+    names = {*TASKS, *MODELS, *(f"{t}/{m}" for t in TASKS for m in MODELS)}
+    protocols = experiment_protocols(CONF / "experiment")
+    assert set(protocols) == set(EXPERIMENTS) and protocols["lra"]
+    for experiment, entries in protocols.items():
+        assert set(entries) <= names, f"{experiment}: entries that name nothing: {sorted(set(entries) - names)}"
+
+
+def test_a_misspelt_protocol_entry_stops_the_run(tmp_path):
+    """One that slipped past the test above (a preset of one's own) fails at start, naming the entry."""
+    cfg = compose_cfg(["run_dir=x"])
+    with open_dict(cfg):
+        cfg.protocol = {"listop": {"optim": {"lr": 0.1}}}
+    with pytest.raises(ConfigError, match="'listop' names no task, model or task/model"):
+        validate(cfg)
+
+
+def test_a_preset_inherits_the_protocol_of_the_one_it_extends(tmp_path):
+    """`defaults: [lra]` takes lra's entries; the child's own replace them whole, and a null drops one."""
+    (tmp_path / "lra.yaml").write_text("protocol:\n  listops: {optim: {lr: 0.1}, schedule: {steps: 9}}\n"
+                                       "  performer: {model: {kernel: relu}}\n")
+    (tmp_path / "child.yaml").write_text("defaults:\n  - lra\n  - _self_\nprotocol:\n"
+                                         "  listops: {optim: {lr: 0.2}}\n  performer: null\n")
+    child = experiment_protocols(tmp_path)["child"]
+    assert OmegaConf.to_container(child["listops"]) == {"optim": {"lr": 0.2}}
+    assert "performer" not in child
+
+
+def test_the_command_line_wins_over_a_protocol_entry():
+    cfg = compose_cfg(["task=listops", "model=performer", "model.n_features=7", "run_dir=x"])
+    assert (cfg.model.kernel, cfg.model.n_features, cfg.model.redraw_every) == ("softmax", 7, 1)
 
 
 def test_overrides_reach_the_config():

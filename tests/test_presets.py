@@ -1,5 +1,5 @@
-"""experiment=lra's per-model settings for Image and Pathfinder-32: one preset per (task, model) in
-conf/experiment_task_model/, picked by Hydra from the task and the model. Each composed config equals LRA's table
+"""experiment=lra's per-model settings for Image and Pathfinder-32: one protocol entry per (task, model) in
+conf/experiment/lra.yaml, composed by Hydra for that task and model. Each composed config equals LRA's table
 (LRA's released configs, transcribed once more below: the presets are the other transcription) except for the
 departures its file names; experiment=defaults, and a model LRA did not run, keep the task's own backbone; every
 preset builds a model that runs on a 32 x 32 image."""
@@ -11,11 +11,25 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lra.config import BackboneConfig, model_options, validate
+from lra.config import BackboneConfig, experiment_protocols, model_options, validate
 from lra.engine import TaskShape, build_model
 from tests.conftest import CONF, compose_cfg
 
-PRESETS = CONF / "experiment_task_model"
+LRA_FILE = CONF / "experiment" / "lra.yaml"
+PROTOCOL = experiment_protocols(CONF / "experiment")["lra"]
+
+
+def entry_comment(key: str) -> str:
+    """The comments of protocol entry ``key`` in lra.yaml: those above it (up to the blank line before) and those
+    in its body."""
+    lines = LRA_FILE.read_text().splitlines()
+    start = end = lines.index(f"  {key}:")
+    while start > 0 and lines[start - 1].strip():
+        start -= 1
+    end += 1
+    while end < len(lines) and lines[end].startswith("    "):
+        end += 1
+    return " ".join(line.split("#", 1)[1] for line in lines[start:end] if "#" in line)
 TASKS = ("image", "pathfinder")
 LRA_MODELS = ("transformer", "local", "sparse", "longformer", "linformer", "reformer", "sinkhorn", "synthesizer",
               "bigbird", "linear", "performer")
@@ -131,23 +145,20 @@ def test_the_table_is_transcribed_whole():
                                             "attn_dropout": "0.2", "positions": "learned"}
 
 
-def test_one_preset_per_lra_model_on_image_and_pathfinder():
-    found = {p.stem for t in TASKS for p in PRESETS.glob(f"lra_{t}_*.yaml")}
-    assert found == {f"lra_{t}_{m}" for t, m in CASES}
+def test_one_entry_per_lra_model_on_image_and_pathfinder():
+    found = {key for key in PROTOCOL if key.partition("/")[0] in TASKS and "/" in key}
+    assert found == {f"{t}/{m}" for t, m in CASES}
 
 
 @pytest.mark.parametrize("task,model", CASES)
-def test_preset_file_is_global_says_where_it_comes_from_and_holds_lras_whole_row(task, model):
-    path = PRESETS / f"lra_{task}_{model}.yaml"
-    lines = path.read_text().splitlines()
-    assert lines[0] == "# @package _global_"
-    assert lines[1].startswith(f"# experiment=lra, task={task}, model={model}: LRA's")
-    comment = " ".join(line for line in lines if line.startswith("#"))
+def test_entry_says_where_it_comes_from_and_holds_lras_whole_row(task, model):
+    comment = entry_comment(f"{task}/{model}")
+    assert comment.lstrip().startswith("LRA's")
     assert "lra_benchmarks/" in comment  # the LRA config file it transcribes
     assert ("Departure" in comment) == ((task, model) in DEPARTURES), "a departure must be explained, and only one"
-    own = flat(OmegaConf.to_container(OmegaConf.load(path)))
-    assert {f"backbone.{k}" for k in PER_MODEL_BACKBONE} <= set(own), "the preset restates LRA's whole row"
-    assert set(own) <= set(expected(task, model)), "the preset sets a value the table does not hold"
+    own = flat(OmegaConf.to_container(PROTOCOL[f"{task}/{model}"]))
+    assert {f"backbone.{k}" for k in PER_MODEL_BACKBONE} <= set(own), "the entry restates LRA's whole row"
+    assert set(own) <= set(expected(task, model)), "the entry sets a value the table does not hold"
 
 
 @pytest.mark.parametrize("task,model", CASES)
@@ -176,7 +187,7 @@ def test_a_model_without_a_preset_gets_the_tasks_backbone(task):
     assert others
     backbone, weight_decay = task_defaults(task)
     for model in others:
-        assert not (PRESETS / f"lra_{task}_{model}.yaml").exists()
+        assert f"{task}/{model}" not in PROTOCOL
         cfg = compose_cfg([f"task={task}", f"model={model}", "run_dir=x"])
         assert (cfg.experiment, cfg.model.name) == ("lra", model)
         assert OmegaConf.to_container(cfg.backbone) == backbone, model
