@@ -26,6 +26,9 @@ Table 1. Rules:
 * averages, when every task they need is present: ``avg4`` = ListOps, Text, Image, Pathfinder (LRA's five without
   Retrieval, whose AAN files a user may not have); ``avg5`` = the paper's LRA score (Path-X excluded); ``avg6`` =
   six tasks with Path-X counted as 50 when it failed (50 +- 1 %) or is missing (S4's Table 10 convention);
+* ranks with confidence per task and on ``avg4`` / ``avg5`` within each experiment (``lra.rank``: a bootstrap over
+  seeds and test examples; ``rank``, ``rank_lo``-``rank_hi``, ``best_group``; ``test_lo``-``test_hi`` the value's
+  interval);
 * ``published`` = the LRA Table 1 cell and ``diff`` = ours - published; a recipe's rows (an experiment in
   ``RECIPE_PAPERS``) are set beside the paper the recipe comes from instead (S4D's recipe: S4D-LegS's numbers).
 
@@ -33,7 +36,7 @@ Accuracies are percentages; a runs file holding fractions (every accuracy <= 1) 
 
     python -m lra.leaderboard [--results DIR] [--runs DIR/runs.csv] [--out DIR/leaderboard.csv]
                               [--published results/published.csv] [--baselines results/baselines.csv]
-                              [--experiment lra]
+                              [--experiment lra] [--readme README.md]
 """
 from __future__ import annotations
 
@@ -42,8 +45,10 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from lra import rank
 from lra.provenance import PARTIAL_PRESETS, departures, is_stopped
 
 TASKS4 = ["listops", "text", "image", "pathfinder"]
@@ -54,6 +59,11 @@ PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
 SUPERSEDED = "+superseded_data"  # the experiment suffix of rows on older Pathfinder images (``superseded_data``)
 STALL_BAND = 1.0  # points above the stall baseline within which a run counts as stalled
 PROJECT_RESULTS = Path(__file__).resolve().parent.parent / "results"
+# test split sizes of LRA's tasks, whose whole test splits the runs evaluate (baselines.csv counts them in our data):
+# the rank bootstrap's test-set noise
+TEST_SIZES = {"listops": 2000, "text": 25000, "retrieval": 17437, "image": 10000, "pathfinder": 20000,
+              "pathx": 20000}
+RANKED_AVERAGES = ("avg4", "avg5")  # plain means of their tasks; avg6's Path-X = 50 convention is not a measurement
 PUBLISHED_SOURCE = "lra_table1"
 # a recipe's rows are compared with the paper it reproduces: experiment -> (published.csv source, our model name ->
 # the model name in that source's rows)
@@ -61,7 +71,7 @@ RECIPE_PAPERS = {"s4d_lra": ("s4d_2022", {"s4d": "s4d_legs"})}
 DEFAULT_RESULTS = os.environ.get("LRA_RESULTS_DIR", "outputs/results")
 LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "n_failed", "n_stalled",
                        "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "headline", "published", "diff",
-                       "note"]
+                       *rank.RANK_COLUMNS, "note"]
 PRIOR_COLUMNS = ["val_majority", "val_baseline"]  # what a run that learned nothing scores
 ACC_COLUMNS = ["val_acc", "test_acc", "final_val_acc", "final_test_acc", *PRIOR_COLUMNS]
 AVG_NOTES = {"avg4": "4-task mean (ListOps, Text, Image, Pathfinder): LRA's five without Retrieval",
@@ -285,12 +295,52 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
         lb.at[i, "diff"] = None if value is None or pd.isna(r["test_acc"]) else r["test_acc"] - value
         if value is None and note.startswith("FAIL"):
             lb.at[i, "note"] = "; ".join(x for x in (r["note"], "LRA Table 1: FAIL") if x)
+    lb = add_ranks(lb, runs[runs["best"]])
     for c in ["test_acc", "test_std", "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "published",
-              "diff"]:
+              "diff", "test_lo", "test_hi", "p_best"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce")
-    for c in ["n_seeds", "n_failed", "n_stalled"]:
+    for c in ["n_seeds", "n_failed", "n_stalled", "rank", "rank_lo", "rank_hi"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce").astype("Int64")
+    lb["best_group"] = lb["best_group"].astype("boolean")
     return sort_leaderboard(lb)
+
+
+def cell_replicates(best: pd.DataFrame) -> dict[tuple[str, str, str], np.ndarray]:
+    """(experiment, model, task) -> ``lra.rank.replicates`` of its selected runs' (``best``) headline accuracies, for
+    each task of known test size (``TEST_SIZES``)."""
+    seeds = best.assign(value=headline(best)).groupby(["experiment", "model", "task"], sort=False)["value"].agg(list)
+    return {key: rank.replicates(values, TEST_SIZES[key[2]], "/".join(map(str, key)))
+            for key, values in seeds.items() if key[2] in TEST_SIZES}
+
+
+def average_replicates(draws: dict, experiment: str, model: str, tasks: list[str]) -> np.ndarray | None:
+    """The replicates of a model's mean over ``tasks``: the mean of its tasks' (``cell_replicates``); None unless it
+    has every task."""
+    parts = [draws.get((experiment, model, t)) for t in tasks]
+    return None if any(p is None for p in parts) else np.mean(parts, axis=0)
+
+
+def add_ranks(lb: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """``lra.rank``'s columns on each cell with a value and each ``RANKED_AVERAGES`` row, ranked among the models of
+    its experiment with a value in that column; ``best`` = the selected runs behind the cells. A task of unknown
+    test size (not in ``TEST_SIZES``) is not ranked."""
+    draws = cell_replicates(best)
+    for r in lb[lb["task"].isin(RANKED_AVERAGES)].itertuples():
+        mean = average_replicates(draws, r.experiment, r.model, AVERAGES[r.task])
+        if mean is not None:
+            draws[(r.experiment, r.model, r.task)] = mean
+    lb = lb.astype({c: object for c in rank.RANK_COLUMNS})  # floats, ints and a bool: typed by the caller
+    drawn = pd.Series([k in draws for k in zip(lb["experiment"], lb["model"], lb["task"], strict=True)], index=lb.index)
+    ranked = pd.to_numeric(lb["test_acc"], errors="coerce").notna() & drawn
+    for (experiment, task), g in lb[ranked].groupby(["experiment", "task"], sort=False):
+        table = rank.rank_table(g.set_index("model")["test_acc"].astype(float),
+                                {m: draws[(experiment, m, task)] for m in g["model"]})
+        lb.loc[g.index, rank.RANK_COLUMNS] = table.loc[g["model"], rank.RANK_COLUMNS].to_numpy()
+        one_seed = g.index[pd.to_numeric(g["n_seeds"], errors="coerce") == 1]
+        noise = ("one seed: its interval is test-set noise only" if task not in AVERAGES else
+                 "a task with one seed varies by test-set noise only")
+        lb.loc[one_seed, "note"] = ["; ".join(x for x in (note, noise) if x) for note in lb.loc[one_seed, "note"]]
+    return lb
 
 
 def published_cells(published: pd.DataFrame | None, experiment: str = "lra") -> dict:
@@ -380,7 +430,90 @@ def format_leaderboard(lb: pd.DataFrame) -> str:
     lines += [f"{t}: final weights' accuracy (its validation split is the test set, as in LRA)" for t in final]
     if "retrieval" not in tasks:
         lines.append("retrieval: no runs (it needs the LRA release's AAN files: data.root=<lra_release>)")
-    return "\n".join(lines)
+    return "\n".join(lines + format_ranks(lb, labels))
+
+
+def format_ranks(lb: pd.DataFrame, labels: dict) -> list[str]:
+    """One line per ranked column: its models, best first, as ``model rank [lo-hi]``, ``*`` on the best group."""
+    if "rank" not in lb or lb["rank"].isna().all():
+        return []
+    lines = [f"ranks, 1 = best [{rank.LEVEL[0]:g}-{rank.LEVEL[1]:g} percentiles over a bootstrap of seeds and test "
+             f"examples]; * = best group (p(first) >= {rank.BEST_P:.1%})"]
+    ranked = lb.dropna(subset=["rank"])
+    for (experiment, task), g in ranked.groupby(["experiment", "task"], sort=False):
+        g = g.sort_values(["rank", "model"], kind="stable")
+        entries = [f"{labels[(experiment, r.model)]} {r.rank} [{r.rank_lo}-{r.rank_hi}]"
+                   + ("*" if in_best_group(r.best_group) else "") for r in g.itertuples()]
+        lines.append(f"{task}: " + ", ".join(entries))
+    return lines
+
+
+README_BEGIN = "<!-- results: generated by python -m lra.leaderboard --results results --readme README.md -->"
+README_END = "<!-- /results -->"
+
+
+def in_best_group(flag) -> bool:
+    """A ``best_group`` cell as read back from the CSV: True, False or blank (not ranked)."""
+    return bool(pd.notna(flag) and flag)
+
+
+def _readme_cell(r) -> str:
+    """One task of one model in the README's table: mean +- std, seeds and stalled ones; bold in the best group."""
+    if pd.isna(r.test_acc):
+        return f"failed x{int(r.n_failed)}" if pd.notna(r.n_failed) and r.n_failed else "-"
+    value = f"{r.test_acc:.2f}" + (f" ± {r.test_std:.2f}" if pd.notna(r.test_std) else "")
+    value = f"**{value}**" if in_best_group(r.best_group) else value
+    seeds = f"{int(r.n_seeds)} seed{'s' if r.n_seeds > 1 else ''}"
+    stalled = f", {int(r.n_stalled)} stalled" if pd.notna(r.n_stalled) and r.n_stalled else ""
+    return f"{value} ({seeds}{stalled})"
+
+
+def readme_table(lb: pd.DataFrame, experiment: str = "lra") -> str:
+    """The README's results block: every model of ``experiment`` on the four tasks, its 4-task average with its
+    interval and its rank with its interval, LRA Table 1's average beside; then what the marks mean."""
+    lb = lb[lb["experiment"] == experiment]
+    cells = lb.set_index(["model", "task"])
+    head = ["model", "ListOps", "Text", "Image", "Pathfinder", "4-task average (95% interval)",
+            "rank (95% interval)", "LRA Table 1 average"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model in dict.fromkeys(lb["model"]):
+        row = [_readme_cell(cells.loc[(model, t)]) if (model, t) in cells.index else "-" for t in TASKS4]
+        avg = cells.loc[(model, "avg4")] if (model, "avg4") in cells.index else None
+        if avg is None or pd.isna(avg.test_acc):
+            row += ["-", "-", "-"]
+        else:
+            best = in_best_group(avg.best_group)
+            row += [f"{avg.test_acc:.2f} ({avg.test_lo:.2f}-{avg.test_hi:.2f})",
+                    ("**{}**" if best else "{}").format(f"{avg['rank']} ({avg.rank_lo}-{avg.rank_hi})"),
+                    "-" if pd.isna(avg.published) else f"{avg.published:.2f}"]
+        lines.append(f"| `{model}` | " + " | ".join(row) + " |")
+    stall = lb[lb["task"].isin(TASKS4)].groupby("task")["stall_baseline"].max().reindex(TASKS4)
+    baselines = ", ".join(f"{t} {v:.2f}" for t, v in stall.items() if pd.notna(v))
+    notes = [
+        "Test accuracy %, mean ± std over seeds, of the best-validation checkpoint (Text: of the final weights, its "
+        "validation split being the test set, as in LRA); experiment `lra`. The average and its rank cover the models "
+        "with all four tasks.",
+        f"Intervals and **bold** (the best group of each column: models that rank first in at least "
+        f"{rank.BEST_P:.1%} of the replicates) come from a bootstrap over seeds and test examples (`lra.rank`); a "
+        f"cell of one seed varies by test-set noise alone, so its interval is narrower than another seed would show.",
+        f"Stalled: best validation within {STALL_BAND:g} point of the task's stall baseline, what classifiers that "
+        f"cannot use its long-range structure score on validation (`lra.baseline`, `results/baselines.csv`: "
+        f"{baselines}); stalled runs count in the means.",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def update_readme(path: Path, lb: pd.DataFrame) -> bool:
+    """Replace the block between the results markers with ``readme_table``; returns whether the file changed."""
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise SystemExit(f"{path} has no results block ({README_BEGIN} ... {README_END})")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    new = f"{head}{README_BEGIN}\n{readme_table(lb)}\n{README_END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
 
 
 def whole_lra_minutes(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
@@ -428,6 +561,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--baselines", default=str(PROJECT_RESULTS / "baselines.csv"),
                     help="stall baselines per task (python -m lra.baseline), for rows without their own")
     ap.add_argument("--experiment", default="lra", help="comma-separated experiment names, or 'all'")
+    ap.add_argument("--readme", type=Path, default=None, help="rewrite this file's results block (the project's: "
+                    "README.md)")
     args = ap.parse_args(argv)
     runs_path = Path(args.runs or Path(args.results) / "runs.csv")
     out = Path(args.out or Path(args.results) / "leaderboard.csv")
@@ -444,6 +579,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         print("\nWall time of a whole LRA (the four tasks run here), minutes:")
         print(minutes.to_string(index=False))
     print(f"written to {out}")
+    if args.readme:
+        print(f"{args.readme}: {'updated' if update_readme(args.readme, pd.read_csv(out)) else 'unchanged'}")
     return lb
 
 
