@@ -12,9 +12,12 @@ Table 1. Rules:
   note with its accuracy so far, while its seed has no ok run, and never averaged either;
 * per (experiment, model, task, seed) the ok run with the best validation accuracy (a re-run of the same seed
   replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
-  1 point of the validation split's majority-class share: it still counts, and ``n_stalled`` says so; it
-  *collapsed* when it learned (not stalled) but its final weights' validation accuracy is back within that point:
-  its best-validation checkpoint still counts, and the note says so (the final weights' test is beside it);
+  1 point of its *stall baseline*, the higher of the validation split's majority-class share (``val_majority``)
+  and ``val_baseline``, what classifiers that cannot use the task's long-range structure score (``lra.baseline``;
+  rows older than the column take their task's from ``results/baselines.csv``): it still counts, and
+  ``n_stalled`` says so; it *collapsed* when it learned (not stalled) but its final weights' validation accuracy is
+  back within that point: its best-validation checkpoint still counts, and the note says so (the final weights'
+  test is beside it);
 * per (experiment, model, task) the mean and sample std over seeds of the best-validation checkpoint's test
   accuracy (``test_acc``) and of the final weights' (``final_test_acc``, LRA's own protocol), and ``n_seeds``;
 * where the validation split is the test set (a row's ``val_is_test``: Text, whose IMDb has no validation set, as
@@ -23,13 +26,17 @@ Table 1. Rules:
 * averages, when every task they need is present: ``avg4`` = ListOps, Text, Image, Pathfinder (LRA's five without
   Retrieval, whose AAN files a user may not have); ``avg5`` = the paper's LRA score (Path-X excluded); ``avg6`` =
   six tasks with Path-X counted as 50 when it failed (50 +- 1 %) or is missing (S4's Table 10 convention);
+* ranks with confidence per task and on ``avg4`` / ``avg5`` within each experiment (``lra.rank``: a bootstrap over
+  seeds and test examples; ``rank``, ``rank_lo``-``rank_hi``, ``best_group``; ``test_lo``-``test_hi`` the value's
+  interval);
 * ``published`` = the LRA Table 1 cell and ``diff`` = ours - published; a recipe's rows (an experiment in
   ``RECIPE_PAPERS``) are set beside the paper the recipe comes from instead (S4D's recipe: S4D-LegS's numbers).
 
 Accuracies are percentages; a runs file holding fractions (every accuracy <= 1) is scaled by 100.
 
     python -m lra.leaderboard [--results DIR] [--runs DIR/runs.csv] [--out DIR/leaderboard.csv]
-                              [--published results/published.csv] [--experiment lra]
+                              [--published results/published.csv] [--baselines results/baselines.csv]
+                              [--experiment lra] [--readme README.md]
 """
 from __future__ import annotations
 
@@ -38,8 +45,10 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from lra import rank
 from lra.provenance import PARTIAL_PRESETS, departures, is_stopped
 
 TASKS4 = ["listops", "text", "image", "pathfinder"]
@@ -48,15 +57,23 @@ TASKS6 = TASKS5 + ["pathx"]
 AVERAGES = {"avg4": TASKS4, "avg5": TASKS5, "avg6": TASKS5}
 PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
 SUPERSEDED = "+superseded_data"  # the experiment suffix of rows on older Pathfinder images (``superseded_data``)
-STALL_BAND = 1.0  # points above the majority-class share within which a run counts as stalled
+STALL_BAND = 1.0  # points above the stall baseline within which a run counts as stalled
+PROJECT_RESULTS = Path(__file__).resolve().parent.parent / "results"
+# test split sizes of LRA's tasks, whose whole test splits the runs evaluate (baselines.csv counts them in our data):
+# the rank bootstrap's test-set noise
+TEST_SIZES = {"listops": 2000, "text": 25000, "retrieval": 17437, "image": 10000, "pathfinder": 20000,
+              "pathx": 20000}
+RANKED_AVERAGES = ("avg4", "avg5")  # plain means of their tasks; avg6's Path-X = 50 convention is not a measurement
 PUBLISHED_SOURCE = "lra_table1"
 # a recipe's rows are compared with the paper it reproduces: experiment -> (published.csv source, our model name ->
 # the model name in that source's rows)
 RECIPE_PAPERS = {"s4d_lra": ("s4d_2022", {"s4d": "s4d_legs"})}
 DEFAULT_RESULTS = os.environ.get("LRA_RESULTS_DIR", "outputs/results")
 LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "n_failed", "n_stalled",
-                       "val_acc", "final_test_acc", "final_test_std", "headline", "published", "diff", "note"]
-ACC_COLUMNS = ["val_acc", "test_acc", "final_val_acc", "final_test_acc", "val_majority"]
+                       "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "headline", "published", "diff",
+                       *rank.RANK_COLUMNS, "note"]
+PRIOR_COLUMNS = ["val_majority", "val_baseline"]  # what a run that learned nothing scores
+ACC_COLUMNS = ["val_acc", "test_acc", "final_val_acc", "final_test_acc", *PRIOR_COLUMNS]
 AVG_NOTES = {"avg4": "4-task mean (ListOps, Text, Image, Pathfinder): LRA's five without Retrieval",
              "avg5": "5-task mean, Path-X excluded (LRA's score)",
              "avg6": "6-task mean, failed/missing Path-X = 50 (S4 convention)"}
@@ -67,12 +84,32 @@ def as_percent(runs: pd.DataFrame) -> pd.DataFrame:
     cols = [c for c in ACC_COLUMNS if c in runs]
     for c in cols:
         runs[c] = pd.to_numeric(runs[c], errors="coerce")
-    values = runs[[c for c in cols if c != "val_majority"]].stack()
+    values = runs[[c for c in cols if c not in PRIOR_COLUMNS]].stack()
     if len(values) and values.max() <= 1.0:  # fractions: no real run scores <= 1 % everywhere
         runs[cols] = runs[cols] * 100
-    elif "val_majority" in runs and runs["val_majority"].max() <= 1.0:
-        runs["val_majority"] = runs["val_majority"] * 100
+    else:
+        for c in [c for c in PRIOR_COLUMNS if c in runs and runs[c].max() <= 1.0]:
+            runs[c] = runs[c] * 100
     return runs
+
+
+def read_baselines(path: str | Path | None = PROJECT_RESULTS / "baselines.csv") -> pd.DataFrame | None:
+    """``lra.baseline``'s table (one row per task, accuracies as fractions), indexed by task; None without one."""
+    if path is None or not Path(path).exists():
+        return None
+    return pd.read_csv(path).set_index("task")
+
+
+def stall_baselines(runs: pd.DataFrame, baselines: pd.DataFrame | None = None) -> pd.Series:
+    """Each row's stall baseline (%): the higher of its ``val_majority`` and ``val_baseline``, each taken from its
+    task's row of ``baselines`` (``read_baselines``) where the run's row has none (rows older than the column)."""
+    prior = pd.DataFrame(index=runs.index)
+    for c in PRIOR_COLUMNS:
+        own = pd.to_numeric(runs[c], errors="coerce") if c in runs else pd.Series(float("nan"), index=runs.index)
+        if baselines is not None and c in baselines:
+            own = own.fillna(runs["task"].map(100 * pd.to_numeric(baselines[c], errors="coerce")))
+        prior[c] = own
+    return prior.max(axis=1)  # NaN only where neither is known: never flagged
 
 
 def normalise(runs: pd.DataFrame) -> pd.DataFrame:
@@ -139,14 +176,16 @@ def val_is_test(runs: pd.DataFrame) -> pd.Series:
     return as_bool(runs["val_is_test"]).fillna(recipe).astype(bool)
 
 
-def select_runs(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
+def select_runs(runs: pd.DataFrame, experiment: str | None = "lra",
+                baselines: pd.DataFrame | None = None) -> pd.DataFrame:
     """All rows of the chosen experiments, with ``best`` marking one ok row per (experiment, model, task, seed):
-    the best by validation accuracy (the latest on a tie; the latest where validation is the test set) and
-    ``stalled`` on those that stalled."""
-    return select_normalised(normalise(runs), experiment)
+    the best by validation accuracy (the latest on a tie; the latest where validation is the test set), their
+    ``stall_baseline`` (``stall_baselines``) and ``stalled`` on those that stalled."""
+    return select_normalised(normalise(runs), experiment, baselines)
 
 
-def select_normalised(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
+def select_normalised(runs: pd.DataFrame, experiment: str | None = "lra",
+                      baselines: pd.DataFrame | None = None) -> pd.DataFrame:
     """``select_runs`` on rows ``normalise`` has read already."""
     if experiment not in (None, "", "all"):
         runs = runs[runs["experiment"].isin(experiment.split(","))]
@@ -155,12 +194,12 @@ def select_normalised(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.
     order = ["_by"] + (["timestamp"] if "timestamp" in ok else [])
     best = ok.sort_values(order, na_position="first", kind="stable")
     best = best.drop_duplicates(["experiment", "model", "task", "seed"], keep="last")
-    runs = runs.assign(best=runs.index.isin(best.index))
-    unknown = pd.Series(float("nan"), index=runs.index)  # older rows without the column: never flagged
-    at_majority = runs.get("val_majority", unknown) + STALL_BAND  # within the band: no better than the prior
-    stalled = runs["best"] & (runs["val_acc"] <= at_majority)
+    runs = runs.assign(best=runs.index.isin(best.index), stall_baseline=stall_baselines(runs, baselines))
+    unknown = pd.Series(float("nan"), index=runs.index)
+    at_baseline = runs["stall_baseline"] + STALL_BAND  # within the band: no better than what needs no structure
+    stalled = runs["best"] & (runs["val_acc"] <= at_baseline)
     return runs.assign(stalled=stalled,
-                       collapsed=runs["best"] & ~stalled & (runs.get("final_val_acc", unknown) <= at_majority))
+                       collapsed=runs["best"] & ~stalled & (runs.get("final_val_acc", unknown) <= at_baseline))
 
 
 def headline(best: pd.DataFrame) -> pd.Series:
@@ -186,7 +225,7 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     unresolved = (g["status"] != "ok") & ~ended_early & open_seed
     failed = int(unresolved.sum())
     row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
-               n_stalled=int(best["stalled"].sum()), note="")
+               n_stalled=int(best["stalled"].sum()), stall_baseline=best["stall_baseline"].max(), note="")
     notes = []
     if n:
         final, values = bool(best["val_is_test"].all()), headline(best)
@@ -204,11 +243,11 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
         kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()
         notes.append("failed: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))
     if row["n_stalled"]:
-        notes.append(f"{row['n_stalled']} of {n} seeds stalled (best val within {STALL_BAND:g} point of the "
-                     f"majority class)")
+        notes.append(f"{row['n_stalled']} of {n} seeds stalled (best val within {STALL_BAND:g} point of the stall "
+                     f"baseline {row['stall_baseline']:.2f})")
     if best["collapsed"].any():
         notes.append(f"{int(best['collapsed'].sum())} of {n} seeds collapsed (final val back within {STALL_BAND:g} "
-                     f"point of the majority class; the best-val checkpoint counts)")
+                     f"point of the stall baseline; the best-val checkpoint counts)")
     if task == "pathx" and n and abs(row["test_acc"] - PATHX_CHANCE) <= PATHX_FAIL_BAND:
         notes.append("FAIL (50 +- 1 %)")
     row["note"] = "; ".join(notes)
@@ -236,11 +275,12 @@ def _averages(cells: pd.DataFrame) -> list[dict]:
 
 
 def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
-                      experiment: str | None = "lra") -> pd.DataFrame:
-    """Long format: one row per (experiment, model, task) and per average; columns ``LEADERBOARD_COLUMNS``."""
+                      experiment: str | None = "lra", baselines: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Long format: one row per (experiment, model, task) and per average; columns ``LEADERBOARD_COLUMNS``.
+    ``baselines`` (``read_baselines``) gives rows without their own stall baseline their task's."""
     runs = normalise(runs)
     set_apart = superseded_counts(runs)
-    runs = select_normalised(runs, experiment)
+    runs = select_normalised(runs, experiment, baselines)
     rows = [_cell(e, m, t, g) for (e, m, t), g in runs.groupby(["experiment", "model", "task"], sort=False)]
     for row in rows:  # say where a cell's rows on older Pathfinder images went
         if n := set_apart.get((row["experiment"], row["model"], row["task"])):
@@ -255,11 +295,52 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
         lb.at[i, "diff"] = None if value is None or pd.isna(r["test_acc"]) else r["test_acc"] - value
         if value is None and note.startswith("FAIL"):
             lb.at[i, "note"] = "; ".join(x for x in (r["note"], "LRA Table 1: FAIL") if x)
-    for c in ["test_acc", "test_std", "val_acc", "final_test_acc", "final_test_std", "published", "diff"]:
+    lb = add_ranks(lb, runs[runs["best"]])
+    for c in ["test_acc", "test_std", "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "published",
+              "diff", "test_lo", "test_hi", "p_best"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce")
-    for c in ["n_seeds", "n_failed", "n_stalled"]:
+    for c in ["n_seeds", "n_failed", "n_stalled", "rank", "rank_lo", "rank_hi"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce").astype("Int64")
+    lb["best_group"] = lb["best_group"].astype("boolean")
     return sort_leaderboard(lb)
+
+
+def cell_replicates(best: pd.DataFrame) -> dict[tuple[str, str, str], np.ndarray]:
+    """(experiment, model, task) -> ``lra.rank.replicates`` of its selected runs' (``best``) headline accuracies, for
+    each task of known test size (``TEST_SIZES``)."""
+    seeds = best.assign(value=headline(best)).groupby(["experiment", "model", "task"], sort=False)["value"].agg(list)
+    return {key: rank.replicates(values, TEST_SIZES[key[2]], "/".join(map(str, key)))
+            for key, values in seeds.items() if key[2] in TEST_SIZES}
+
+
+def average_replicates(draws: dict, experiment: str, model: str, tasks: list[str]) -> np.ndarray | None:
+    """The replicates of a model's mean over ``tasks``: the mean of its tasks' (``cell_replicates``); None unless it
+    has every task."""
+    parts = [draws.get((experiment, model, t)) for t in tasks]
+    return None if any(p is None for p in parts) else np.mean(parts, axis=0)
+
+
+def add_ranks(lb: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """``lra.rank``'s columns on each cell with a value and each ``RANKED_AVERAGES`` row, ranked among the models of
+    its experiment with a value in that column; ``best`` = the selected runs behind the cells. A task of unknown
+    test size (not in ``TEST_SIZES``) is not ranked."""
+    draws = cell_replicates(best)
+    for r in lb[lb["task"].isin(RANKED_AVERAGES)].itertuples():
+        mean = average_replicates(draws, r.experiment, r.model, AVERAGES[r.task])
+        if mean is not None:
+            draws[(r.experiment, r.model, r.task)] = mean
+    lb = lb.astype({c: object for c in rank.RANK_COLUMNS})  # floats, ints and a bool: typed by the caller
+    drawn = pd.Series([k in draws for k in zip(lb["experiment"], lb["model"], lb["task"], strict=True)], index=lb.index)
+    ranked = pd.to_numeric(lb["test_acc"], errors="coerce").notna() & drawn
+    for (experiment, task), g in lb[ranked].groupby(["experiment", "task"], sort=False):
+        table = rank.rank_table(g.set_index("model")["test_acc"].astype(float),
+                                {m: draws[(experiment, m, task)] for m in g["model"]})
+        lb.loc[g.index, rank.RANK_COLUMNS] = table.loc[g["model"], rank.RANK_COLUMNS].to_numpy()
+        one_seed = g.index[pd.to_numeric(g["n_seeds"], errors="coerce") == 1]
+        noise = ("one seed: its interval is test-set noise only" if task not in AVERAGES else
+                 "a task with one seed varies by test-set noise only")
+        lb.loc[one_seed, "note"] = ["; ".join(x for x in (note, noise) if x) for note in lb.loc[one_seed, "note"]]
+    return lb
 
 
 def published_cells(published: pd.DataFrame | None, experiment: str = "lra") -> dict:
@@ -335,20 +416,104 @@ def format_leaderboard(lb: pd.DataFrame) -> str:
     tasks = list(wide(lb).columns)
     labels = {(e, m): m if e == "lra" else f"{m} [{e}]" for e, m in zip(lb["experiment"], lb["model"], strict=True)}
     width = max(12, max(map(len, labels.values())) + 2)
+    cells = lb.set_index(["experiment", "model", "task"])
+    texts = {key: format_cell(r.to_dict() | {"task": key[2]}) for key, r in cells.iterrows()}
+    column = max(24, max(map(len, texts.values())) + 2)  # a space between cells however long they get
     lines = ["test accuracy %: mean +- std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper); "
              "!n failed runs, ~n stalled",
-             "model".ljust(width) + "".join(t.rjust(24) for t in tasks)]
-    cells = lb.set_index(["experiment", "model", "task"])
+             "model".ljust(width) + "".join(t.rjust(column) for t in tasks)]
     for key, label in labels.items():
-        out = [format_cell(cells.loc[(*key, t)].to_dict() | {"task": t}) if (*key, t) in cells.index else "-"
-               for t in tasks]
-        lines.append(label.ljust(width) + "".join(c.rjust(24) for c in out))
+        out = [texts.get((*key, t), "-") for t in tasks]
+        lines.append(label.ljust(width) + "".join(c.rjust(column) for c in out))
     lines += [f"{name}: {note}" for name, note in AVG_NOTES.items() if name in tasks]
     final = sorted(set(lb.loc[lb["headline"] == "final", "task"])) if "headline" in lb else []
     lines += [f"{t}: final weights' accuracy (its validation split is the test set, as in LRA)" for t in final]
     if "retrieval" not in tasks:
         lines.append("retrieval: no runs (it needs the LRA release's AAN files: data.root=<lra_release>)")
-    return "\n".join(lines)
+    return "\n".join(lines + format_ranks(lb, labels))
+
+
+def format_ranks(lb: pd.DataFrame, labels: dict) -> list[str]:
+    """One line per ranked column: its models, best first, as ``model rank [lo-hi]``, ``*`` on the best group."""
+    if "rank" not in lb or lb["rank"].isna().all():
+        return []
+    lines = [f"ranks, 1 = best [{rank.LEVEL[0]:g}-{rank.LEVEL[1]:g} percentiles over a bootstrap of seeds and test "
+             f"examples]; * = best group (p(first) >= {rank.BEST_P:.1%})"]
+    ranked = lb.dropna(subset=["rank"])
+    for (experiment, task), g in ranked.groupby(["experiment", "task"], sort=False):
+        g = g.sort_values(["rank", "model"], kind="stable")
+        entries = [f"{labels[(experiment, r.model)]} {r.rank} [{r.rank_lo}-{r.rank_hi}]"
+                   + ("*" if in_best_group(r.best_group) else "") for r in g.itertuples()]
+        lines.append(f"{task}: " + ", ".join(entries))
+    return lines
+
+
+README_BEGIN = "<!-- results: generated by python -m lra.leaderboard --results results --readme README.md -->"
+README_END = "<!-- /results -->"
+
+
+def in_best_group(flag) -> bool:
+    """A ``best_group`` cell as read back from the CSV: True, False or blank (not ranked)."""
+    return bool(pd.notna(flag) and flag)
+
+
+def _readme_cell(r) -> str:
+    """One task of one model in the README's table: mean +- std, seeds and stalled ones; bold in the best group."""
+    if pd.isna(r.test_acc):
+        return f"failed x{int(r.n_failed)}" if pd.notna(r.n_failed) and r.n_failed else "-"
+    value = f"{r.test_acc:.2f}" + (f" ± {r.test_std:.2f}" if pd.notna(r.test_std) else "")
+    value = f"**{value}**" if in_best_group(r.best_group) else value
+    seeds = f"{int(r.n_seeds)} seed{'s' if r.n_seeds > 1 else ''}"
+    stalled = f", {int(r.n_stalled)} stalled" if pd.notna(r.n_stalled) and r.n_stalled else ""
+    return f"{value} ({seeds}{stalled})"
+
+
+def readme_table(lb: pd.DataFrame, experiment: str = "lra") -> str:
+    """The README's results block: every model of ``experiment`` on the four tasks, its 4-task average with its
+    interval and its rank with its interval, LRA Table 1's average beside; then what the marks mean."""
+    lb = lb[lb["experiment"] == experiment]
+    cells = lb.set_index(["model", "task"])
+    head = ["model", "ListOps", "Text", "Image", "Pathfinder", "4-task average (95% interval)",
+            "rank (95% interval)", "LRA Table 1 average"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model in dict.fromkeys(lb["model"]):
+        row = [_readme_cell(cells.loc[(model, t)]) if (model, t) in cells.index else "-" for t in TASKS4]
+        avg = cells.loc[(model, "avg4")] if (model, "avg4") in cells.index else None
+        if avg is None or pd.isna(avg.test_acc):
+            row += ["-", "-", "-"]
+        else:
+            best = in_best_group(avg.best_group)
+            row += [f"{avg.test_acc:.2f} ({avg.test_lo:.2f}-{avg.test_hi:.2f})",
+                    ("**{}**" if best else "{}").format(f"{avg['rank']} ({avg.rank_lo}-{avg.rank_hi})"),
+                    "-" if pd.isna(avg.published) else f"{avg.published:.2f}"]
+        lines.append(f"| `{model}` | " + " | ".join(row) + " |")
+    stall = lb[lb["task"].isin(TASKS4)].groupby("task")["stall_baseline"].max().reindex(TASKS4)
+    baselines = ", ".join(f"{t} {v:.2f}" for t, v in stall.items() if pd.notna(v))
+    notes = [
+        "Test accuracy %, mean ± std over seeds, of the best-validation checkpoint (Text: of the final weights, its "
+        "validation split being the test set, as in LRA); experiment `lra`. The average and its rank cover the models "
+        "with all four tasks.",
+        f"Intervals and **bold** (the best group of each column: models that rank first in at least "
+        f"{rank.BEST_P:.1%} of the replicates) come from a bootstrap over seeds and test examples (`lra.rank`); a "
+        f"cell of one seed varies by test-set noise alone, so its interval is narrower than another seed would show.",
+        f"Stalled: best validation within {STALL_BAND:g} point of the task's stall baseline, what classifiers that "
+        f"cannot use its long-range structure score on validation (`lra.baseline`, `results/baselines.csv`: "
+        f"{baselines}); stalled runs count in the means.",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def update_readme(path: Path, lb: pd.DataFrame) -> bool:
+    """Replace the block between the results markers with ``readme_table``; returns whether the file changed."""
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise SystemExit(f"{path} has no results block ({README_BEGIN} ... {README_END})")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    new = f"{head}{README_BEGIN}\n{readme_table(lb)}\n{README_END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
 
 
 def whole_lra_minutes(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.DataFrame:
@@ -392,8 +557,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     help="results folder: reads runs.csv, writes leaderboard.csv (the project's: results)")
     ap.add_argument("--runs", default=None, help="runs file (default: RESULTS/runs.csv)")
     ap.add_argument("--out", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
-    ap.add_argument("--published", default=str(Path(__file__).resolve().parent.parent / "results" / "published.csv"))
+    ap.add_argument("--published", default=str(PROJECT_RESULTS / "published.csv"))
+    ap.add_argument("--baselines", default=str(PROJECT_RESULTS / "baselines.csv"),
+                    help="stall baselines per task (python -m lra.baseline), for rows without their own")
     ap.add_argument("--experiment", default="lra", help="comma-separated experiment names, or 'all'")
+    ap.add_argument("--readme", type=Path, default=None, help="rewrite this file's results block (the project's: "
+                    "README.md)")
     args = ap.parse_args(argv)
     runs_path = Path(args.runs or Path(args.results) / "runs.csv")
     out = Path(args.out or Path(args.results) / "leaderboard.csv")
@@ -401,7 +570,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise SystemExit(f"no runs at {runs_path}: train with `python -m lra` first (or --results results for the "
                          f"project's published runs)")
     published = pd.read_csv(args.published) if Path(args.published).exists() else None
-    lb = build_leaderboard(pd.read_csv(runs_path), published, args.experiment)
+    lb = build_leaderboard(pd.read_csv(runs_path), published, args.experiment, read_baselines(args.baselines))
     out.parent.mkdir(parents=True, exist_ok=True)
     lb.to_csv(out, index=False, float_format="%.4f")
     print(format_leaderboard(lb))
@@ -410,6 +579,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         print("\nWall time of a whole LRA (the four tasks run here), minutes:")
         print(minutes.to_string(index=False))
     print(f"written to {out}")
+    if args.readme:
+        print(f"{args.readme}: {'updated' if update_readme(args.readme, pd.read_csv(out)) else 'unchanged'}")
     return lb
 
 

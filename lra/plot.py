@@ -8,7 +8,9 @@ drawing function turns it into a figure.
 https://arxiv.org/abs/2011.04006): x = training examples/s at one length (4K) from ``bench.csv``, y = the 5-task
 LRA average (or the mean over chosen tasks) from ``leaderboard.csv``, bubble *area* = peak memory at that length.
 ``bubble_points`` (ours), ``paper_points`` (the paper's Table 1 score, Table 2 4K steps/s x 32 and 4K memory on
-TPU v3, drawn hollow beside ours), ``draw_bubbles``.
+TPU v3, drawn hollow beside ours), ``draw_bubbles``. Given the runs behind the leaderboard, a vertical bar through
+each of our bubbles whose score rests on several seeds of some task spans the score's 95 % interval from the
+leaderboard's bootstrap over seeds and test examples (``average_spread``, ``lra.rank``).
 (b) The accuracy chart of one task: our mean test accuracy per model with the std over seeds as error bars, LRA
 Table 1's value beside. ``accuracy_points``, ``draw_accuracy``.
 (c) Steps/s or peak memory against N, one line per model, log-log. ``length_points``, ``draw_lengths``.
@@ -34,7 +36,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from lra.leaderboard import DEFAULT_RESULTS, TASKS5, pick_device, seed_accuracies
+from lra import rank
+from lra.leaderboard import (
+    DEFAULT_RESULTS,
+    TASKS5,
+    average_replicates,
+    cell_replicates,
+    pick_device,
+    seed_accuracies,
+    select_runs,
+)
 from lra.results import BENCH_PROTOCOL, as_text
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
@@ -248,6 +259,23 @@ def bubble_points(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 
     ours.attrs["protocol"] = protocol_label(protocol)  # named in the chart's title, with the card
     ours.attrs["device"] = device
     return ours, missing
+
+
+def average_spread(runs: pd.DataFrame, tasks: list[str] | None = None) -> pd.DataFrame:
+    """``model, y_lo, y_hi``: the 2.5th and 97.5th percentiles of the bootstrap of each ``lra`` model's mean over
+    ``tasks`` (None: LRA's five), for the models with every task and more than one seed on at least one of them:
+    the spread a bubble's bar shows (a single seed everywhere has only test-set noise, no seed spread)."""
+    tasks = TASKS5 if tasks is None else tasks
+    best = select_runs(runs)
+    best = best[best["best"] & best["task"].isin(tasks)]
+    draws = cell_replicates(best)
+    rows = []
+    for model, g in best.groupby("model"):
+        mean = average_replicates(draws, "lra", model, tasks)
+        if mean is not None and g.groupby("task")["seed"].nunique().max() > 1:
+            lo, hi = np.percentile(mean, rank.LEVEL)
+            rows.append(dict(model=model, y_lo=lo, y_hi=hi))
+    return pd.DataFrame(rows, columns=["model", "y_lo", "y_hi"])
 
 
 def _table2_at(published: pd.DataFrame, length: int) -> pd.DataFrame:
@@ -481,8 +509,9 @@ def draw_bubbles(ours: pd.DataFrame, paper: pd.DataFrame | None = None, missing:
                  length: int = 4096, device: str | None = None, tasks: list[str] | None = None,
                  x_range: tuple[float, float] | None = None, max_area: float = 2500.0) -> Figure:
     """The bubble chart of ``bubble_points`` (ours, filled, gid ``ours``) and ``paper_points`` (hollow, gid
-    ``published``); ``missing`` is listed under it. ``x_range`` (``speed_range``) fixes the x axis; by default the
-    drawn points'."""
+    ``published``); ``missing`` is listed under it. Where ``ours`` has ``y_lo``, ``y_hi`` (``average_spread``), a
+    vertical bar through the bubble spans them (gid ``ours_spread``). ``x_range`` (``speed_range``) fixes the x axis;
+    by default the drawn points'."""
     paper = paper if paper is not None else pd.DataFrame(columns=POINT_COLUMNS)
     missing = missing or {}
     drawn = pd.concat([p for p in (ours, paper) if len(p)] or [ours])
@@ -495,11 +524,15 @@ def draw_bubbles(ours: pd.DataFrame, paper: pd.DataFrame | None = None, missing:
     for points, style, gid in ((ours, OURS_STYLE, "ours"), (paper, PAPER_STYLE, "published")):
         if len(points):
             ax.scatter(points["x"], points["y"], s=points["mem_gb"] * scale, **style).set_gid(gid)
+    spread = ours.dropna(subset=["y_lo", "y_hi"]) if {"y_lo", "y_hi"} <= set(ours) else ours.iloc[:0]
+    if len(spread):  # over the bubbles: a bar hidden behind its own bubble would show nothing
+        ax.vlines(spread["x"], spread["y_lo"], spread["y_hi"], colors="tab:blue", linewidths=1.5, zorder=3,
+                  label="ours: 95% bootstrap interval").set_gid("ours_spread")
     _set_speed_axis(ax, x_range, length)
     ax.margins(y=0.15)  # room for the bubbles themselves (their size is not in data units)
     ax.grid(alpha=0.3)
     if mems:
-        _size_legend(ax, mems, scale, with_series=bool(len(paper)))
+        _size_legend(ax, mems, scale, with_series=bool(len(paper)) or bool(len(spread)))
     _bubble_texts(fig, ax, ours, missing, length, device, tasks)
     _label_bubbles(fig, ax, [(ours, scale, OURS_TEXT, True), (paper, scale, PAPER_TEXT, False)])
     return fig
@@ -507,15 +540,20 @@ def draw_bubbles(ours: pd.DataFrame, paper: pd.DataFrame | None = None, missing:
 
 def bubble_chart(bench: pd.DataFrame, leaderboard: pd.DataFrame, length: int = 4096, device: str | None = None,
                  published: pd.DataFrame | None = None, max_area: float = 2500.0,
-                 tasks: list[str] | None = None) -> Figure:
+                 tasks: list[str] | None = None, runs: pd.DataFrame | None = None) -> Figure:
     """LRA Figure 3 with our numbers, from the CSVs: ``bubble_points``, ``paper_points`` (when ``published`` is
-    given) and ``speed_range`` drawn by ``draw_bubbles``.
+    given) and ``speed_range`` drawn by ``draw_bubbles``, with ``average_spread``'s bars given the ``runs`` behind the
+    leaderboard.
 
     ``tasks`` = None: y is the LRA score (the ``avg5`` rows; the paper's 5-task average). A list of tasks: y is
     the mean over those tasks, for ours and for the paper's Table 1 alike (say, the four tasks without
     Retrieval when its AAN files are missing), and the axis and title name them."""
     ours, missing = bubble_points(bench, leaderboard, length, device, tasks)
     device = ours.attrs["device"]  # the card bubble_points chose when none was given
+    if runs is not None:
+        attrs = ours.attrs
+        ours = ours.merge(average_spread(runs, tasks), on="model", how="left")
+        ours.attrs = attrs
     paper = paper_points(published, length, tasks) if published is not None else None
     return draw_bubbles(ours, paper, missing, length=length, device=device, tasks=tasks, max_area=max_area,
                         x_range=speed_range(bench, length, device, published))
@@ -756,12 +794,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _leaderboard_charts(args, bench: pd.DataFrame, board: pd.DataFrame, tasks: list[str] | None) -> list[Path]:
     published = pd.read_csv(args.published) if args.published else None
-    fig = bubble_chart(bench, board, args.length, args.device, published, tasks=tasks)
+    runs_path = Path(args.results) / "runs.csv"  # the runs behind the leaderboard: each seed's accuracy
+    runs = pd.read_csv(runs_path) if runs_path.exists() else None
+    fig = bubble_chart(bench, board, args.length, args.device, published, tasks=tasks, runs=runs)
     suffix = f"_{len(tasks)}tasks" if tasks else ""
     written = list(save(fig, args.out, f"lra_bubble_{length_label(args.length)}{suffix}"))
     task = args.errorbars_task
-    runs_path = Path(args.results) / "runs.csv"  # the runs behind the leaderboard: each seed's accuracy
-    points = accuracy_points(board, task, pd.read_csv(runs_path) if runs_path.exists() else None)
+    points = accuracy_points(board, task, runs)
     if len(points):
         written += save(draw_accuracy(points, task), args.out, f"{task}_accuracy")
     else:

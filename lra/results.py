@@ -40,7 +40,8 @@ class RunRow:
     best_step: int | None = None
     final_val_acc: float | None = None
     final_test_acc: float | None = None  # test accuracy of the final weights (LRA's own protocol)
-    val_majority: float | None = None  # the validation split's majority-class share: a run near it has stalled
+    val_majority: float | None = None  # the validation split's majority-class share
+    val_baseline: float | None = None  # the stall baseline (lra.baseline): a run no better than it has stalled
     steps: int | None = None
     seq_len: int | None = None
     batch_size: int | None = None  # the global batch

@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from lra import distributed, engine
+from lra import baseline, distributed, engine
 from lra.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.config import ConfigError, eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
@@ -685,6 +685,15 @@ class Trainer:
         return {"val_acc": self.state["best_val"], "test_acc": best_test, "best_step": self.state["best_step"],
                 "final_val_acc": self.state["history"][-1]["val_acc"], "final_test_acc": final_test}
 
+    def stall_baseline(self) -> float | None:
+        """``lra.baseline``'s stall baseline of this run's data, for the leaderboard to judge the row by; None where
+        it cannot be measured, which must not cost the run its row."""
+        try:
+            return baseline.measure(self.data).val_baseline
+        except Exception as e:  # noqa: BLE001 - the row matters more than the baseline beside it
+            log.warning("no stall baseline for this row (%s: %s)", type(e).__name__, e)
+            return None
+
     def record(self, status: str, metrics: dict | None = None, detail: str = "") -> dict:
         """The result row, appended once (rank 0); accuracies and timings only for an ``ok`` run and one stopped by
         ``schedule.stop_at``."""
@@ -693,11 +702,12 @@ class Trainer:
         if status != "ok" and not stopped:
             log.error("%s/%s: %s%s", cfg.task.name, cfg.model.name, status, f" ({detail})" if detail else "")
         ok = status == "ok" or stopped  # accuracies, speed and memory are measured
-        counts = torch.bincount(data.val.labels, minlength=data.n_classes)
         steps_per_s = self.timer.steps_per_s if ok and hasattr(self, "timer") else None
         row = RunRow(
             **run_identity(cfg), status=status, **(metrics or {}),
-            val_majority=counts.max().item() / max(len(data.val), 1), steps=state["step"], seq_len=data.seq_len,
+            val_majority=baseline.majority_share(data.val.labels, data.n_classes),
+            val_baseline=self.stall_baseline() if ok and self.world.is_main else None,  # judges accuracies only
+            steps=state["step"], seq_len=data.seq_len,
             train_steps_per_s=steps_per_s, examples_per_s=steps_per_s * cfg.schedule.batch_size if steps_per_s
             else None, peak_mem_mb=state["peak_mem_mb"] if ok else None, params=getattr(self, "n_params", None),
             wall_time_s=state["wall_s"] + time.time() - self.wall_start, precision=self.precision,

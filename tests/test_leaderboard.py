@@ -130,7 +130,8 @@ def test_a_run_stopped_early_is_named_with_its_accuracy_but_never_averaged_or_fa
     assert pd.isna(cell(lb, "s4d", "text")) and cell(lb, "s4d", "text", "n_failed") == 0
     note = "seed 0 stopped at step 30,000 of 50,000, test 81.00 so far (not averaged)"  # the furthest run
     assert cell(lb, "s4d", "text", "note") == note
-    assert cell(lb, "s4d", "image") == 87.0 and cell(lb, "s4d", "image", "note") == ""  # finished since: that counts
+    assert cell(lb, "s4d", "image") == 87.0  # finished since: that counts, with nothing stopped in its note
+    assert cell(lb, "s4d", "image", "note") == "one seed: its interval is test-set noise only"
 
 
 def test_a_stopped_run_whose_validation_is_the_test_set_is_named_with_its_weights_at_the_stop():

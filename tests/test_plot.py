@@ -288,6 +288,32 @@ def test_bubble_chart_draws_its_points_and_saves(tmp_path):
     assert svg.read_text().lstrip().startswith("<?xml")
 
 
+def test_a_bubble_whose_score_rests_on_several_seeds_has_a_bar_over_its_interval():
+    """Given the runs behind the leaderboard, the transformer (three ListOps seeds far apart) gets a vertical bar
+    over the bootstrap interval of its mean, the leaderboard's; local (one seed per task) gets none."""
+    from lra.leaderboard import build_leaderboard
+
+    def row(task, model, seed, test):
+        return dict(task=task, model=model, seed=seed, experiment="lra", status="ok", val_acc=test, test_acc=test,
+                    final_test_acc=test, val_majority=10.0)
+    runs = pd.DataFrame([row("listops", "transformer", s, v) for s, v in enumerate([24.0, 36.0, 37.0])]
+                        + [row("image", "transformer", 0, 44.0), row("listops", "local", 0, 36.0),
+                           row("image", "local", 0, 40.0)])
+    tasks = ["listops", "image"]
+    spread = plot.average_spread(runs, tasks).set_index("model")
+    assert list(spread.index) == ["transformer"] and spread.at["transformer", "y_hi"] - spread.at["transformer",
+                                                                                                 "y_lo"] > 4
+    ax = plot.bubble_chart(bench_rows(), build_leaderboard(runs), tasks=tasks, runs=runs).axes[0]
+    (bars,) = [c for c in ax.collections if c.get_gid() == "ours_spread"]
+    ((x, lo), (_, hi)), = bars.get_segments()
+    assert (x, lo, hi) == (pytest.approx(32 * 26.5), pytest.approx(spread.at["transformer", "y_lo"]),
+                           pytest.approx(spread.at["transformer", "y_hi"]))
+    assert lo < (sum([24.0, 36.0, 37.0]) / 3 + 44.0) / 2 < hi
+    assert "ours: 95% bootstrap interval" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert not [c for c in plot.bubble_chart(bench_rows(), build_leaderboard(runs), tasks=tasks).axes[0].collections
+                if c.get_gid() == "ours_spread"]  # no runs given: no bars
+
+
 def test_title_names_our_device_only_when_our_points_are_drawn():
     assert GPU in plot.bubble_chart(bench_rows(), leaderboard_rows()).axes[0].get_title()
     no_avg5 = leaderboard_rows()[lambda d: d.task != "avg5"]

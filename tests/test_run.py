@@ -53,8 +53,9 @@ def test_smoke_run_writes_a_valid_row(smoke_cfg, tmp_path):
     got = df.iloc[0]
     assert (got.task, got.model, got.experiment, got.status, got.steps, got.seq_len) == \
         ("listops", "transformer", "smoke", "ok", 4, 2000)
-    for col in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "val_majority"):
+    for col in ("val_acc", "test_acc", "final_val_acc", "final_test_acc", "val_majority", "val_baseline"):
         assert 0.0 <= got[col] <= 1.0
+    assert got.val_baseline >= got.val_majority  # the stall baseline is never below the prior
     assert got.train_steps_per_s > 0 and math.isclose(got.examples_per_s, got.train_steps_per_s * 8, rel_tol=1e-4)
     assert got.peak_mem_mb > 0 and got.params == row["params"] > 0 and got.eval_every == 2 and got.devices == 1
     assert got.best_step in (2, 4) and got.device.startswith("cpu") and got.precision == "fp32"
@@ -587,6 +588,18 @@ def test_a_long_schedule_on_the_cpu_warns_with_its_estimate(smoke_cfg, monkeypat
     assert "training on the CPU" not in caplog.text
 
 
+def test_a_stall_baseline_that_fails_costs_the_row_only_its_baseline(smoke_cfg, tmp_path, monkeypatch, caplog):
+    def broken(data):
+        raise ValueError("no baseline here")
+
+    monkeypatch.setattr(runner.baseline, "measure", broken)
+    with caplog.at_level(logging.WARNING, logger="lra"):
+        row = runner.run(smoke_cfg(*SHORT))
+    got = rows(tmp_path).iloc[0]
+    assert row["status"] == got.status == "ok" and pd.isna(got.val_baseline) and got.val_majority > 0
+    assert "no stall baseline for this row (ValueError: no baseline here)" in caplog.text
+
+
 def test_out_of_memory_is_a_row_without_accuracies(smoke_cfg, tmp_path, monkeypatch):
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -596,6 +609,7 @@ def test_out_of_memory_is_a_row_without_accuracies(smoke_cfg, tmp_path, monkeypa
     row = runner.run(smoke_cfg(*TINY))
     got = rows(tmp_path).iloc[0]
     assert row["status"] == got.status == "oom" and pd.isna(got.test_acc) and pd.isna(got.train_steps_per_s)
+    assert pd.isna(got.val_baseline)  # nothing to judge by it
     # not a result: the same command runs it again (say, on a larger card) and records the outcome beside it
     monkeypatch.setattr(engine, "train_step", real_step)
     again = runner.run(smoke_cfg(*TINY))
