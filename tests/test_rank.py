@@ -84,9 +84,21 @@ def test_the_bootstrap_is_reproducible_and_a_cells_draws_ignore_the_other_models
     assert few.loc[("lra", "a", "listops"), "test_lo"] == more.loc[("lra", "a", "listops"), "test_lo"]
 
 
-def test_the_readme_holds_the_generated_results_table():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split(leaderboard.README_BEGIN, 1)[1].split(leaderboard.README_END, 1)[0].strip()
-    expected = leaderboard.readme_table(pd.read_csv(ROOT / "results" / "leaderboard.csv"))
-    assert block == expected, "README's results table is stale: python -m lra.leaderboard --results results " \
-                              "--readme README.md"
+@pytest.mark.parametrize("path", ["README.md", "results/README.md"])
+def test_the_readmes_hold_the_generated_tables(path):
+    """The committed tables are what the command prints from the committed CSVs: the results block from
+    leaderboard.csv, and (results/README.md) the bench block from bench.csv."""
+    text = (ROOT / path).read_text()
+    command = "python -m lra.leaderboard --results results --readme README.md results/README.md"
+    block = text.split(leaderboard.README_BEGIN, 1)[1].split(leaderboard.README_END, 1)[0].strip()
+    assert block == leaderboard.readme_table(pd.read_csv(ROOT / "results" / "leaderboard.csv")), \
+        f"{path}'s results table is stale: {command}"
+    if path == "results/README.md":
+        block = text.split(leaderboard.BENCH_BEGIN, 1)[1].split(leaderboard.BENCH_END, 1)[0].strip()
+        assert block == leaderboard.bench_table(pd.read_csv(ROOT / "results" / "bench.csv")), \
+            f"{path}'s bench table is stale: {command}"
+
+
+def test_the_results_reference_stays_short():
+    """results/README.md is a reference of files, columns and commands (explanations live in docs/)."""
+    assert len((ROOT / "results" / "README.md").read_bytes()) <= 20_000
