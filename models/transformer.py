@@ -15,11 +15,26 @@ the nested tensor, whose Python dispatch takes about half of a packed step's hos
 ListOps trains faster than unpacked, through the nested tensor slower (docs/performance.md, packing). Elsewhere (or
 ``backend = "dense"``) the (B, 1, N, N) block-diagonal mask, the reference the tests hold both to.
 
-Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored).
+Small heads (``backend = "small_head"``; under "auto" on CUDA for unpacked rows with fp16/bf16 inputs and head
+sizes up to 16): ``models/_small_head.py``, Triton kernels of the same exact attention for head sizes up to 32. SDPA's
+fused kernels take head sizes in multiples of 8, so a head of 4 (LRA's Pathfinder: 4 heads over d_qkv 16) is padded
+to 8, and FlashAttention's smallest kernel computes with 32 columns: most of its reads, products and (backward) dQ
+accumulation carry zeros. The small-head kernels pad to 16 in registers only (the least depth of a tensor-core
+product), write dQ once from a kernel of its own (deterministic, no atomics), and fold the scale into the exponent.
+Their attention dropout departs from FlashAttention's Philox: each score's keep decision is a counter-based integer
+hash of (seed, batch-head, query, key), a few integer operations per score, statistically equivalent (each score
+kept independently with probability 1 - p), the seed drawn from torch's RNG each call. Packed rows, fp32 on CUDA and
+larger heads take SDPA under "auto"; on the CPU "auto" takes SDPA (the kernels run there only under Triton's
+interpreter, for the tests).
+
+Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored); the
+small-head kernels keep O(N) per head for the backward (the output and one log-sum-exp per query).
 Deviation from LRA: none in the mechanism (LRA also masks padded queries, which only changes outputs at
 padded positions).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +42,47 @@ import torch.nn.functional as F
 from .base import MultiHeadMixer, chosen_backend, once_per_batch, pad_head_dim, same_segment
 from .registry import Taxonomy, register_model
 
+try:  # Triton comes with CUDA builds of torch; without it the small-head kernels are not available
+    from ._small_head import MAX_HEAD, small_head_attention
+except ImportError:
+    small_head_attention, MAX_HEAD = None, 0
+
+SMALL_HEAD_AUTO = 16  # under "auto", head sizes up to this take the small-head kernels (on CUDA, unpacked, fp16/bf16)
+
 
 @register_model
 class Transformer(MultiHeadMixer):
     taxonomy = Taxonomy("Vaswani et al. 2017, arXiv 1706.03762", "N^2", (), decode=True)
-    backends = ("auto", "varlen", "jagged", "dense")  # the values of ``backend`` (how it runs, not what it computes)
+    # the values of ``backend`` (how it runs, not what it computes)
+    backends = ("auto", "varlen", "jagged", "dense", "small_head")
     accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, faster than its masked ones
     supports_segments = True
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
-        self.backend = "auto"  # packed rows: "varlen", "jagged" or "dense"; how it runs, not what it computes
+        # packed rows: "varlen", "jagged" or "dense"; unpacked: "small_head" (models/_small_head.py) or SDPA; how it
+        # runs, not what it computes
+        self.backend = "auto"
+
+    def takes_small_head(self, q: torch.Tensor, segments: torch.Tensor | None) -> bool:
+        """Whether the small-head kernels run: when ``backend`` names them (unpacked rows, head size <= 32, CUDA or
+        Triton's interpreter), or under "auto" on CUDA for unpacked fp16/bf16 rows with head sizes <= 16."""
+        backend = chosen_backend(self)
+        if backend == "small_head":
+            if segments is not None:
+                raise ValueError("backend='small_head' takes unpacked rows only; packed rows (segments) run SDPA's "
+                                 "paths: set backend='auto', 'varlen', 'jagged' or 'dense'")
+            if small_head_attention is None:
+                raise ModuleNotFoundError("backend='small_head' needs the triton package (it comes with CUDA builds of "
+                                          "torch): pip install triton, or set backend='auto'")
+            if q.shape[-1] > MAX_HEAD:
+                raise ValueError(f"backend='small_head' takes head sizes up to {MAX_HEAD}, got {q.shape[-1]}")
+            if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("backend='small_head' runs on CUDA, or on the CPU under Triton's interpreter "
+                                 "(TRITON_INTERPRET=1 before triton is imported); here set backend='auto'")
+            return True
+        return (backend == "auto" and segments is None and q.is_cuda and small_head_attention is not None
+                and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= SMALL_HEAD_AUTO)
 
     def packed_path(self, q: torch.Tensor) -> str:
         """The path of packed rows: the one ``backend`` names; under "auto", "varlen" where flash runs (fp16/bf16
@@ -51,6 +96,8 @@ class Transformer(MultiHeadMixer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         d_head = q.shape[-1]
+        if self.takes_small_head(q, segments):  # no padding, no N x N scores, the cheap dropout hash
+            return small_head_attention(q, k, v, mask, self.dropout_p)  # (B, H, N, d_head), a view of (B, N, H, d)
         # The fused CUDA kernels take head sizes in multiples of 8; off that SDPA falls back to the math kernel,
         # which stores the N x N scores and is far slower (Pathfinder's head size is 4).
         q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8)

@@ -179,7 +179,7 @@ def test_the_packed_path_is_the_one_asked_for_where_it_can_run():
     mixer.backend = "varlen"
     assert mixer.packed_path(cpu) == "jagged"  # flash's kernel is CUDA's: its twin runs
     mixer.backend = "flash"
-    with pytest.raises(ValueError, match="backend must be one of auto, varlen, jagged, dense, got 'flash'"):
+    with pytest.raises(ValueError, match="backend must be one of auto, varlen, jagged, dense, small_head, got 'flash'"):
         mixer.packed_path(cpu)
 
 
