@@ -15,16 +15,16 @@ the nested tensor, whose Python dispatch takes about half of a packed step's hos
 ListOps trains faster than unpacked, through the nested tensor slower (docs/performance.md, packing). Elsewhere (or
 ``backend = "dense"``) the (B, 1, N, N) block-diagonal mask, the reference the tests hold both to.
 
-Small heads (``backend = "small_head"``; under "auto" on CUDA for unpacked rows with fp16/bf16 inputs and head
-sizes up to 16): ``models/_small_head.py``, Triton kernels of the same exact attention for head sizes up to 32. SDPA's
-fused kernels take head sizes in multiples of 8, so a head of 4 (LRA's Pathfinder: 4 heads over d_qkv 16) is padded
-to 8, and FlashAttention's smallest kernel computes with 32 columns: most of its reads, products and (backward) dQ
-accumulation carry zeros. The small-head kernels pad to 16 in registers only (the least depth of a tensor-core
-product), write dQ once from a kernel of its own (deterministic, no atomics), and fold the scale into the exponent.
-Their attention dropout departs from FlashAttention's Philox: each score's keep decision is a counter-based integer
-hash of (seed, batch-head, query, key), a few integer operations per score, statistically equivalent (each score
-kept independently with probability 1 - p), the seed drawn from torch's RNG each call. Packed rows, fp32 on CUDA and
-larger heads take SDPA under "auto"; on the CPU "auto" takes SDPA (the kernels run there only under Triton's
+Small heads (``backend = "small_head"``, unpacked rows): ``models/_small_head.py``, Triton kernels of the same exact
+attention for head sizes up to 32. SDPA's fused kernels take head sizes in multiples of 8, so a head of 4 (LRA's
+Pathfinder: 4 heads over d_qkv 16) is padded to 8, and FlashAttention's smallest kernel computes with 32 columns:
+most of its reads, products and (backward) dQ accumulation carry zeros. The small-head kernels pad to 16 in
+registers only (the least depth of a tensor-core product), write dQ once from a kernel of its own (deterministic, no
+atomics), and fold the scale into the exponent. Their attention dropout departs from FlashAttention's Philox: each
+score's keep decision is a counter-based integer hash of (seed, batch-head, query, key), a few integer operations
+per score, statistically equivalent (each score kept independently with probability 1 - p), the seed drawn from
+torch's RNG each call. "auto" takes SDPA everywhere: the kernels become its choice for small heads on CUDA once
+results/layer_bench.csv holds their rows beside SDPA's at those shapes (on the CPU they run only under Triton's
 interpreter, for the tests).
 
 Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored); the
@@ -47,7 +47,6 @@ try:  # Triton comes with CUDA builds of torch; without it the small-head kernel
 except ImportError:
     small_head_attention, MAX_HEAD = None, 0
 
-SMALL_HEAD_AUTO = 16  # under "auto", head sizes up to this take the small-head kernels (on CUDA, unpacked, fp16/bf16)
 
 
 @register_model
@@ -66,7 +65,7 @@ class Transformer(MultiHeadMixer):
 
     def takes_small_head(self, q: torch.Tensor, segments: torch.Tensor | None) -> bool:
         """Whether the small-head kernels run: when ``backend`` names them (unpacked rows, head size <= 32, CUDA or
-        Triton's interpreter), or under "auto" on CUDA for unpacked fp16/bf16 rows with head sizes <= 16."""
+        Triton's interpreter); "auto" keeps SDPA."""
         backend = chosen_backend(self)
         if backend == "small_head":
             if segments is not None:
@@ -81,8 +80,7 @@ class Transformer(MultiHeadMixer):
                 raise ValueError("backend='small_head' runs on CUDA, or on the CPU under Triton's interpreter "
                                  "(TRITON_INTERPRET=1 before triton is imported); here set backend='auto'")
             return True
-        return (backend == "auto" and segments is None and q.is_cuda and small_head_attention is not None
-                and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= SMALL_HEAD_AUTO)
+        return False
 
     def packed_path(self, q: torch.Tensor) -> str:
         """The path of packed rows: the one ``backend`` names; under "auto", "varlen" where flash runs (fp16/bf16
