@@ -40,7 +40,7 @@ def cli() -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    lra.config.register_plugin_model_configs()  # before Hydra composes `model=<plugin>`
+    lra.config.register_model_configs()  # before Hydra composes `model=<name>`
     os.environ.setdefault("LRA_SWEEP_NAME", lra.config.sweep_slug(sys.argv[1:]))  # a multirun's stable folder
     os.environ.setdefault("LRA_SWEPT_KEYS", ",".join(lra.config.swept_keys(sys.argv[1:])))  # its jobs' folders
     main()

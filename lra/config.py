@@ -151,7 +151,7 @@ class GenerateConfig:
 class DataConfig:
     """Every loader's settings; a task's loader reads only its own (see ``lra/data/<task>.py``)."""
 
-    cache_dir: str = "~/.cache/lra"
+    cache_dir: str = "${oc.env:LRA_CACHE_DIR,'~/.cache/lra'}"  # generated data and tokenised tensors
     limit: LimitConfig = field(default_factory=LimitConfig)
     root: Optional[str] = None  # a release folder (ListOps, retrieval, Pathfinder)
     path: Optional[str] = None  # a Hugging Face id or local parquet (text, image)
@@ -164,24 +164,26 @@ class DataConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"
+    name: str = "none"  # none | wandb (logger=wandb)
     project: str = "lra"
     entity: Optional[str] = None
-    mode: str = "online"
+    mode: str = "online"  # online | offline | disabled
     tags: List[str] = field(default_factory=list)
 
 
 @dataclass
 class ResultsConfig:
-    dir: str = "outputs/results"
+    # runs.csv is appended here (the project's published rows: results.dir=results)
+    dir: str = "${oc.env:LRA_RESULTS_DIR,outputs/results}"
 
 
 @dataclass
 class RunConfig:
     experiment: str = "lra"  # the preset that ran (conf/experiment/<name>.yaml); recorded in every row
-    sweep: Optional[str] = None  # a multirun's folder name (outputs/multirun/<sweep>); null: from its overrides
+    sweep: Optional[str] = None  # a multirun's folder under outputs/multirun (null: named after its overrides)
     seed: int = 0
-    device: str = "auto"
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
+    # auto: continue an unfinished run in run_dir, report a finished one; false: start over; true: require a checkpoint
     resume: str = "auto"
     run_dir: str = MISSING
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -200,22 +202,31 @@ class RunConfig:
 
 @dataclass
 class BenchSettings:
-    """``python -m lra.bench``: LRA Table 2's protocol (conf/bench.yaml documents each key)."""
+    """``python -m lra.bench``: LRA Table 2's protocol. Each default lives here; ``conf/bench.yaml`` picks the task."""
 
+    # null: every registered model; a listed transformer runs first (relative figures divide by it; without it, by
+    # the latest transformer row of the same shape in ``out``)
     models: Optional[List[str]] = None
+    # more rows with model options changed, labelled by them: [{model: bigbird, block: 64}] -> bigbird(block=64);
+    # ``backend`` sets how a mixer runs ({model: synthesizer, backend: explicit}), on every layer
     variants: List[Dict[str, Any]] = field(default_factory=list)
+    # attention dropout of every mixer: 0 = none for all (like with like: the kernel, low-rank and block-sparse mixers
+    # have no attention matrix to drop); null = the task's (LRA's 0.1, which only the mixers with an attention matrix
+    # pay: SDPA then leaves its fastest kernels)
     attn_dropout: Optional[float] = 0.0
     lengths: List[int] = field(default_factory=lambda: [1024, 2048, 3072, 4096])
-    batch_size: int = 32
-    batch_sizes: Dict[int, int] = field(default_factory=dict)
-    warmup: int = 5
-    steps: int = 20
-    compile: str = "auto"
-    compile_mode: str = "default"
-    precision: str = "auto"
-    vocab_size: int = 257
-    out: str = "outputs/results/bench.csv"
-    progress: bool = True
+    batch_size: int = 32  # LRA Table 2: 32 (the global batch)
+    # per-length batch (8 at 8K and 16K, where 32 does not fit); add one with +bench.batch_sizes.2048=16
+    batch_sizes: Dict[int, int] = field(default_factory=lambda: {8192: 8, 16384: 8})
+    warmup: int = 5  # untimed steps first (compilation, allocator, cuDNN autotuning)
+    steps: int = 20  # timed steps; steps/s = 1 / median step time, the 10th and 90th percentiles beside it
+    compile: str = "auto"  # torch.compile the model: auto = on CUDA only
+    compile_mode: str = "default"  # torch.compile's mode (trainer.compile_mode's choices)
+    precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU | bf16 | fp32
+    vocab_size: int = 257  # byte ids 1..256, 0 = pad (never drawn: the inputs have no padding)
+    # appended to; relative figures may use its earlier transformer rows
+    out: str = "${oc.env:LRA_RESULTS_DIR,outputs/results}/bench.csv"
+    progress: bool = True  # tqdm progress bar
 
 
 @dataclass
@@ -523,19 +534,21 @@ def validate_model(cfg: DictConfig) -> None:
         raise ConfigError(error)
 
 
-def register_plugin_model_configs() -> None:
-    """A model registered from outside the package (entry point ``lra.models`` or ``LRA_MODEL_MODULES``) has no
-    ``conf/model/<name>.yaml``: give it a config node of its name and its constructor's defaults, so that
-    ``model=<name>`` composes."""
-    from pathlib import Path
-
+def register_model_configs() -> None:
+    """Every registered model's constructor options and their defaults as ``model_options/<name>``, which
+    ``conf/model/<name>.yaml`` takes first (the constructor is the schema and the one home of each default); a model
+    registered from outside the package (entry point ``lra.models`` or ``LRA_MODEL_MODULES``) has no yaml and gets
+    ``model/<name>`` made of the same, so that ``model=<name>`` composes. Call before composing (the CLI, lra.prepare
+    and the tests do)."""
     from models.registry import list_models
     from models.registry import model_options as constructor_options
 
+    store = ConfigStore.instance()
     shipped = {p.stem for p in (Path(__file__).parent / "conf" / "model").glob("*.yaml")}
     for name in list_models():
+        store.store(group="model_options", name=name, node=constructor_options(name))
         if name not in shipped:
-            ConfigStore.instance().store(group="model", name=name, node={"name": name, **constructor_options(name)})
+            store.store(group="model", name=name, node={"name": name, **constructor_options(name)})
 
 
 def model_options(cfg: DictConfig) -> dict:

@@ -23,7 +23,7 @@ from lra.data import DataError, TaskData, load_task
 
 def compose_run(overrides: list[str]) -> DictConfig:
     """The configuration ``python -m lra <overrides>`` runs with (no Hydra output folder is made)."""
-    lra.config.register_plugin_model_configs()
+    lra.config.register_model_configs()
     with initialize_config_module("lra.conf", version_base=None):
         # run_dir names Hydra's output folder, which only a run has: a placeholder, never created
         return validate(compose("config", overrides=["run_dir=outputs/prepare", *overrides]))

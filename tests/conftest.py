@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 
 import lra.config  # registers the config schema with Hydra's ConfigStore
 
-lra.config.register_plugin_model_configs()  # models from outside the package compose as model=<name> too
+lra.config.register_model_configs()  # model=<name> composes from the constructors (conf/model/*.yaml take them)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "lra" / "conf"

@@ -12,7 +12,7 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf, open_dict
 
-from lra.config import ConfigError, TrainerConfig, eval_batch_size, experiment_protocols, validate
+from lra.config import BenchRunConfig, ConfigError, RunConfig, eval_batch_size, experiment_protocols, validate
 from lra.data import list_tasks
 from models import list_models, model_options
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
@@ -31,24 +31,47 @@ def test_every_registered_task_has_a_config_and_back():
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_model_config_holds_only_its_own_options_with_the_constructor_defaults(model):
-    cfg = OmegaConf.load(CONF / "model" / f"{model}.yaml")
-    assert cfg.name == model
-    own = model_options(model)
-    assert set(cfg) - {"name"} <= set(own), f"{model}.yaml sets options its constructor does not take"
-    for key in set(cfg) - {"name"}:
-        assert cfg[key] == own[key], f"{model}.yaml: {key}={cfg[key]!r} but the constructor says {own[key]!r}"
+def test_a_models_options_and_defaults_are_its_constructors_alone(model):
+    """conf/model/<model>.yaml names the model and takes its options from the constructor (the one home of each
+    default): it sets none itself, and the composed config holds exactly the constructor's."""
+    own = OmegaConf.load(CONF / "model" / f"{model}.yaml")
+    assert set(own) == {"defaults", "name"} and own.name == model
+    cfg = compose_cfg([f"model={model}", "experiment=defaults", "run_dir=x"])
+    assert OmegaConf.to_container(cfg.model) == {"name": model, **model_options(model)}
 
 
-def test_the_trainer_yaml_lists_every_trainer_setting_with_the_schemas_default():
-    """conf/trainer/default.yaml is where a user reads what a run's execution can be told: every field of the schema,
-    at the schema's default (compile_mode and compile_check were missing from it)."""
-    listed = yaml.safe_load((CONF / "trainer" / "default.yaml").read_text())
-    schema = {field.name: field.default for field in dataclasses.fields(TrainerConfig)}
-    assert sorted(listed) == sorted(schema)
-    differ = {key: (listed[key], default) for key, default in schema.items()
-              if str(listed[key]).lower() != str(default).lower()}  # YAML's false is the schema's "false"
-    assert not differ, differ
+def schema_defaults(schema) -> dict:
+    """Every leaf default of a schema dataclass, by dotted key."""
+    out = {}
+    for f in dataclasses.fields(schema):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        if dataclasses.is_dataclass(default):
+            out.update({f"{f.name}.{k}": v for k, v in schema_defaults(type(default)).items()})
+        elif default is not None or f.default is None:
+            out[f.name] = default
+    return out
+
+
+def leaves(node, prefix="") -> dict:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in leaves(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node}
+
+
+@pytest.mark.parametrize("path,schema", [("config.yaml", RunConfig), ("bench.yaml", BenchRunConfig),
+                                         ("logger/none.yaml", RunConfig), ("logger/wandb.yaml", RunConfig)])
+def test_each_default_is_defined_once(path, schema):
+    """The schema (lra/config.py) holds the defaults of the trainer, data, logger, results and bench settings; the
+    YAML that every run composes sets only what the schema cannot (the output folder, group choices) and never
+    restates one of its defaults (two copies drift: the bench's per-length batches once did)."""
+    text = yaml.safe_load((CONF / path).read_text()) or {}
+    text.pop("defaults", None)
+    text.pop("hydra", None)
+    defaults = schema_defaults(schema)
+    restated = {k: v for k, v in leaves(text).items() if k in defaults and str(defaults[k]).lower() == str(v).lower()}
+    assert not restated, f"{path} restates the schema's defaults: {restated}"
+    assert not (CONF / "trainer").exists(), "the trainer's settings are the schema's (TrainerConfig)"
 
 
 @pytest.mark.parametrize("task", TASKS)
