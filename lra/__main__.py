@@ -12,9 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 import lra.config  # registers the config schema with Hydra's ConfigStore
-from lra.config import EXIT_USER_ERROR, ConfigError
-from lra.data import DataError
-from lra.distributed import EXIT_INTERRUPTED
+from lra.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, ConfigError, DataError
 from lra.run import RunInterrupted, run
 
 

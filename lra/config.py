@@ -18,14 +18,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from lra.errors import ConfigError
 from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot run; the message names the key, the value and what is allowed."""
-
-
-EXIT_USER_ERROR = 2  # the exit code of the commands for an error the user can fix (a bad value, missing data)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-EXIT_INTERRUPTED = 75  # a run stopped by a signal; its checkpoint is saved (EX_TEMPFAIL: rerun to resume)
+from lra.errors import EXIT_INTERRUPTED
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lra import engine
 from lra.checkpoint import RunFiles
-from lra.config import EXIT_USER_ERROR, ConfigError, RunConfig, eval_batch_size, model_options, validate
-from lra.data import DataError, TaskData, load_task
+from lra.config import RunConfig, eval_batch_size, model_options, validate
+from lra.data import TaskData, load_task
+from lra.errors import EXIT_USER_ERROR, ConfigError, DataError
 from lra.provenance import config_hash
 from lra.results import append_row, device_name, git_sha, now_iso
 from lra.run import check_writable, evaluate, seed_everything, task_shape

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from lra.data.common import atomic_write_text, temporary_name
+from lra.io import atomic_write_text, temporary_name
 
 
 @dataclass

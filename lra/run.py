@@ -33,8 +33,9 @@ from tqdm import tqdm
 
 from lra import distributed, engine
 from lra.checkpoint import RunFiles, rng_state, set_rng_state
-from lra.config import ConfigError, eval_batch_size, model_options, validate
+from lra.config import eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
+from lra.errors import EXIT_INTERRUPTED, ConfigError
 from lra.packing import model_inputs, packed_share, real_ends, trim
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
 from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
@@ -208,7 +209,7 @@ def run_rank(cfg: DictConfig) -> dict:
         return Trainer(cfg, world, device).fit()
     except RunInterrupted:
         if world.distributed:  # the other ranks are stopped by their own copy of the signal
-            raise SystemExit(distributed.EXIT_INTERRUPTED) from None
+            raise SystemExit(EXIT_INTERRUPTED) from None
         raise
     finally:
         distributed.shutdown()

@@ -12,8 +12,9 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lra.config import ConfigError, TrainerConfig, eval_batch_size, validate
+from lra.config import TrainerConfig, eval_batch_size, validate
 from lra.data import list_tasks
+from lra.errors import ConfigError
 from models import list_models, model_options
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
 
@@ -176,7 +177,7 @@ def test_a_launcher_without_its_extra_names_the_extra(monkeypatch):
     lra.config.check_launcher(["-m", "hydra/launcher=gpus", "hydra/launcher=slurm", "model=transformer"])  # installed
     for launcher, dist in (("gpus", "hydra-joblib-launcher"), ("slurm", "hydra-submitit-launcher")):
         monkeypatch.setitem(lra_launchers.UNAVAILABLE, launcher, "No module named 'joblib'")
-        with pytest.raises(lra.config.ConfigError,
+        with pytest.raises(ConfigError,
                            match=rf"hydra/launcher={launcher} needs {dist}.*No module named 'joblib'.*lra\[sweep\]"):
             lra.config.check_launcher(["-m", f"hydra/launcher={launcher}", "model=transformer"])
     lra.config.check_launcher(["-m", "hydra/launcher=local", "model=transformer"])  # Hydra's own: nothing to check

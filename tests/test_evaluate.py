@@ -14,10 +14,10 @@ import pytest
 import lra.evaluate as ev
 import lra.run as runner
 from lra import engine
-from lra.config import ConfigError
-from lra.data import DataError, TaskData
+from lra.data import TaskData
 from lra.data.common import Split
 from lra.data.listops import generate
+from lra.errors import ConfigError, DataError
 from tests.conftest import ROOT, compose_cfg, in_background
 from tests.test_run import SHORT
 

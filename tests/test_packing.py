@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 import lra.run as runner
 import models.base as base
-from lra.config import ConfigError
 from lra.data import BatchOrder, Split
 from lra.encoder import build_classifier
+from lra.errors import ConfigError
 from lra.packing import first_fit_decreasing, model_inputs, pack, real_ends, real_lengths, trim
 from models import create_model, list_models
 from models.registry import get_model_class

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 import lra.run as runner
 from lra import engine
-from lra.config import ConfigError, model_options, validate
+from lra.config import model_options, validate
 from lra.encoder import Block, Classifier, Encoder, LayerNorm, MaskedBatchNorm, pool
+from lra.errors import ConfigError
 from lra.provenance import config_hash
 from models import create_model
 from models.base import TiedDropout

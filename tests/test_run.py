@@ -21,8 +21,8 @@ import torch
 import lra.run as runner
 from lra import engine
 from lra.checkpoint import RunFiles
-from lra.config import ConfigError
-from lra.data import DataError, Split
+from lra.data import Split
+from lra.errors import ConfigError, DataError
 from lra.results import RUN_COLUMNS, curve_path
 from tests.conftest import ROOT, in_background
 

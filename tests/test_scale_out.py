@@ -20,8 +20,9 @@ import lra.run as runner
 from hydra_plugins.lra_launchers.lra_launchers import JobCrashed, claim_gpus, gpu_placement, job_state, run_isolated
 from lra import distributed
 from lra.checkpoint import RunFiles
-from lra.config import ConfigError, sweep_slug
+from lra.config import sweep_slug
 from lra.engine import cpu_threads
+from lra.errors import ConfigError
 from tests.conftest import ROOT, in_background
 
 FAST = ["experiment=smoke", "task.seq_len=200", "backbone.n_layers=1", "schedule.steps=4", "schedule.eval_every=2",

@@ -23,9 +23,10 @@ from functools import partial
 import numpy as np
 import torch
 
+from lra.errors import DataError
+
 from . import register_task
 from .common import (
-    DataError,
     Split,
     TaskData,
     cached,

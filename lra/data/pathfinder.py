@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lra.errors import DataError
+
 from . import register_task
 from .common import (
     SPLITS,
-    DataError,
     Split,
     TaskData,
     cached,
