@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from lra.errors import ConfigError
+from lra.launchers import unavailable
 from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
 
 
@@ -270,16 +271,11 @@ LAUNCHER_PLUGIN = {"gpus": "hydra-joblib-launcher", "slurm": "hydra-submitit-lau
 def check_launcher(argv: list[str]) -> None:
     """A ``hydra/launcher=gpus|slurm`` whose plugin cannot be imported (not installed, or a package it needs
     missing): a ConfigError naming what to install, where Hydra would say only that the launcher is unknown,
-    listing the ones it has. The reason is the one the launchers' module met (``UNAVAILABLE``)."""
+    listing the ones it has. The reason is the one the launchers' plugin met (``lra.launchers.UNAVAILABLE``)."""
     for arg in argv:
         key, _, name = arg.lstrip("+~").partition("=")
         if key == "hydra/launcher" and name in LAUNCHER_PLUGIN:
-            try:
-                from hydra_plugins.lra_launchers import lra_launchers
-
-                why = lra_launchers.UNAVAILABLE.get(name)
-            except ImportError as e:  # our own plugin folder missing: a broken install
-                why = str(e)
+            why = unavailable(name)
             if why is not None:
                 dist = LAUNCHER_PLUGIN[name]
                 raise ConfigError(f"hydra/launcher={name} needs {dist}, which cannot be imported ({why}): "

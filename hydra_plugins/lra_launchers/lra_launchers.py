@@ -33,10 +33,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
 from omegaconf import OmegaConf
 
+from lra.launchers import UNAVAILABLE
+
 # The [sweep] extra (pip install "lra[sweep]") brings both plugins; each launcher needs only its own, so a host with
-# one of them installed still has that launcher. UNAVAILABLE says why one is not registered, for the CLI's error
-# (`lra.config.check_launcher`) where Hydra would only list the launchers it has.
-UNAVAILABLE: dict[str, str] = {}
+# one of them installed still has that launcher. UNAVAILABLE (lra.launchers) says why one is not registered, for the
+# CLI's error (`lra.config.check_launcher`) where Hydra would only list the launchers it has.
 try:
     from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
     from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
