@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import html
 import logging
 import re
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -39,6 +41,7 @@ from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig re
 from lra.data import get_task
 from lra.encoder import Classifier
 from lra.results import BENCH_COLUMNS, BENCH_PROTOCOL, BenchRow, append_row, as_text, device_name, git_sha, now_iso
+from lra.taxonomy import measured_exponents
 from models import get_model_class, list_models
 from models.registry import unknown_options
 
@@ -331,9 +334,6 @@ def format_table(df: pd.DataFrame) -> str:
 
 def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
     """Log the sweep's rows, its Table-2 text and the speed/memory-vs-length charts to Weights & Biases."""
-    import html
-    import tempfile
-
     import wandb  # optional: only this logger needs it
 
     lg = cfg.logger
@@ -362,8 +362,6 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
 def format_exponents(df: pd.DataFrame) -> str:
     """The measured growth of each model's step time and memory in N (log-log slope over N >= 4K at one batch size)
     beside the complexity it declares; empty when the sweep has fewer than two such lengths."""
-    from lra.taxonomy import measured_exponents
-
     exps = measured_exponents(df.assign(device=df["device"].astype(str)))
     if not exps:
         return ""

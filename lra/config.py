@@ -13,14 +13,19 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from lra.data import get_task, image_tasks
 from lra.errors import ConfigError
 from lra.launchers import unavailable
 from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
+from models.registry import get_model_class, invalid_options, list_models
+from models.registry import model_options as constructor_options
 
 
 @dataclass
@@ -226,8 +231,6 @@ def execution_keys() -> list[str]:
 
 def swept_keys(argv: list[str]) -> list[str]:
     """The keys a multirun's command sweeps (``trainer.devices=1,2``, ``seed=range(3)``), as Hydra parses them."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -399,8 +402,6 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def validate_task(cfg: DictConfig) -> None:
-    from lra.data import get_task
-
     try:
         spec = get_task(cfg.task.name)
     except KeyError as e:
@@ -410,8 +411,6 @@ def validate_task(cfg: DictConfig) -> None:
 
 def validate_embedding(cfg: DictConfig) -> None:
     """``embedding=pixels`` reads gray values: only image tasks have them, and only as ids = pixel + 1."""
-    from lra.data import get_task, image_tasks
-
     if cfg.backbone.embedding != "pixels":
         return
     if not get_task(cfg.task.name).image:
@@ -424,16 +423,12 @@ def validate_embedding(cfg: DictConfig) -> None:
 
 def validate_head(cfg: DictConfig) -> None:
     """``head=linear`` maps one pooled sequence to the classes: a pair task combines two through the MLP head."""
-    from lra.data import get_task
-
     if cfg.backbone.head == "linear" and get_task(cfg.task.name).pair:
         raise ConfigError(f"backbone.head=linear is not valid for task {cfg.task.name}: its two documents are "
                           f"combined by the MLP head; use backbone.head=mlp")
 
 
 def validate_model(cfg: DictConfig) -> None:
-    from models.registry import get_model_class, invalid_options
-
     if "name" not in cfg.model:
         raise ConfigError("model.name is missing: choose a model with model=<name>")
     options = model_options(cfg)
@@ -450,11 +445,6 @@ def register_plugin_model_configs() -> None:
     """A model registered from outside the package (entry point ``lra.models`` or ``LRA_MODEL_MODULES``) has no
     ``conf/model/<name>.yaml``: give it a config node of its name and its constructor's defaults, so that
     ``model=<name>`` composes."""
-    from pathlib import Path
-
-    from models.registry import list_models
-    from models.registry import model_options as constructor_options
-
     shipped = {p.stem for p in (Path(__file__).parent / "conf" / "model").glob("*.yaml")}
     for name in list_models():
         if name not in shipped:

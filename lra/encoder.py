@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from lra.config import backbone_defaults  # the schema's defaults, in one place
 from models import create_model
 from models.base import make_dropout
 from models.registry import Grid, get_model_class
@@ -368,8 +369,6 @@ def build_classifier(model: str, model_options: dict, backbone, vocab_size: int,
     ``cls_token`` null meaning ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
     ``padded`` whether any token may be 0 (see ``Classifier``), ``grid`` the (height, width) of an image task.
     Keys a backbone section may lack (one saved before they existed) take today's defaults."""
-    from lra.config import backbone_defaults  # the schema's defaults, in one place
-
     b = SimpleNamespace(**{**backbone_defaults(), **backbone})
     cls_token = b.pooling == "cls" if b.cls_token is None else bool(b.cls_token)
     encoder = Encoder(

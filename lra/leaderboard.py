@@ -118,7 +118,7 @@ def superseded_data(runs: pd.DataFrame) -> pd.Series:
     if not version.notna().any():  # no row names a generator version: nothing to compare them with
         return pd.Series(False, index=runs.index)
     unrecorded = data.isna() & runs["task"].isin(["pathfinder", "pathx"])
-    from lra.data.pathfinder_gen import GENERATOR_VERSION  # imports torch: only where Pathfinder rows are
+    from lra.data.pathfinder_gen import GENERATOR_VERSION  # lra.data brings torch: only where Pathfinder rows are
 
     return ((version < GENERATOR_VERSION) | unrecorded).fillna(False).astype(bool)
 

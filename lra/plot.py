@@ -726,7 +726,7 @@ def save(fig: Figure, out_dir: Path, stem: str) -> tuple[Path, Path]:
 
 
 def _known_tasks(names: list[str], option: str) -> list[str]:
-    from lra.data import list_tasks
+    from lra.data import list_tasks  # lra.data brings torch: only where tasks are named
 
     unknown = sorted(set(names) - set(list_tasks()))
     if unknown:

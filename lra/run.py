@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from lra import distributed, engine
@@ -347,8 +349,6 @@ class Trainer:
                     self.state[key].append(now)
         train_model = self.model
         if self.world.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
             # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no copy in and out of them).
             # broadcast_buffers=False: no broadcast of rank 0's buffers before every forward. They are constants
             # (positions, hash rotations) or BatchNorm statistics, which only evaluation reads: the ranks take rank
@@ -744,8 +744,6 @@ def _overrides() -> str:
     if PARENT_OVERRIDES in os.environ:  # a rank spawned by ``run``: Hydra lives in the parent
         return os.environ[PARENT_OVERRIDES]
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         return " ".join(HydraConfig.get().overrides.task)
     except Exception:  # noqa: BLE001 - run(cfg) called directly, outside a Hydra app
         return ""

@@ -33,7 +33,7 @@ def compiled(fn, dynamic: bool | None = None):
     that. One per layer instance and length is normal here (a 4-layer model benched at six lengths is 24),
     and eager FlexAttention materialises the N x N scores (a sweep that hit the limit ran longformer at a tenth
     of the transformer's speed with ten times its memory), so the limit is raised."""
-    import torch._dynamo
+    import torch._dynamo  # Dynamo (seconds to import) only where a mixer compiles
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(fn, dynamic=dynamic)

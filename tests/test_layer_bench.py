@@ -171,7 +171,7 @@ def test_the_triton_on_the_path_first_is_recorded(monkeypatch):
             raise PackageNotFoundError(dist)
         return installed[dist]
 
-    monkeypatch.setattr("importlib.metadata.version", version)
+    monkeypatch.setattr(results, "version", version)  # results reads importlib.metadata's version
     assert results.triton_version() == "3.7.0+git1234"
     installed["triton"] = "3.6.0"
     assert results.triton_version() == "3.6.0"

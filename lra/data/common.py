@@ -3,11 +3,13 @@ the seeded batch order and the start-up summary line. A task module only turns i
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,8 +259,6 @@ def parallel_map(fn: Callable[[list], list], items: list, workers: int | None = 
     workers = min(workers or os.cpu_count() or 1, 16, len(chunks))
     if workers <= 1 or len(items) < min_parallel:
         return [r for c in chunks for r in fn(c)]
-    from concurrent.futures import ProcessPoolExecutor
-
     with ProcessPoolExecutor(workers) as pool:
         return [r for rs in pool.map(fn, chunks) for r in rs]
 
@@ -275,7 +275,7 @@ def hf_tables(path: str, splits: tuple[str, ...], how_to_get: str) -> tuple[dict
     - a hub id (``stanfordnlp/imdb``) read by ``datasets.load_dataset`` (network or the HF cache).
     Returns (tables, source fingerprint, description). Image columns keep their stored
     ``{bytes, path}`` structs (no decoding here)."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow only where a parquet source is read: lra.data loads at every command's start
     import pyarrow.parquet as pq
 
     local = Path(path).expanduser()
@@ -298,13 +298,11 @@ def hf_tables(path: str, splits: tuple[str, ...], how_to_get: str) -> tuple[dict
 
 
 def _glob(pattern: str) -> list[str]:
-    import glob
-
     return glob.glob(str(Path(pattern).expanduser()))
 
 
 def _hub_tables(dataset_id: str, splits: tuple[str, ...], how_to_get: str) -> tuple[dict, dict, str]:
-    import datasets
+    import datasets  # datasets (seconds to import) only where a hub id is read
 
     try:
         ds = datasets.load_dataset(dataset_id)

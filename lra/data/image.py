@@ -58,7 +58,7 @@ def tf_grayscale(rgb: np.ndarray) -> np.ndarray:
 
 def decode_gray(items: list, side: int) -> list:
     """Image cells (``{bytes, path}`` structs as the hub stores them) -> (side * side,) uint8 gray rows."""
-    from PIL import Image
+    from PIL import Image  # PIL only where images are decoded: lra.data loads at every command's start
 
     out = []
     for item in items:
