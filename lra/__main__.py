@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 import lra.config  # registers the config schema with Hydra's ConfigStore
 from lra.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, ConfigError, DataError
-from lra.run import RunInterrupted, run
+from lra.train.run import RunInterrupted, run
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

@@ -4,7 +4,7 @@ Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers" (ICL
 https://arxiv.org/abs/2011.04006), §4.2 / Table 2: the byte-level Text model at N = 1K, 2K, 3K, 4K, batch 32,
 steps per second and peak memory, speed also relative to the Transformer at the same N.
 
-Each (model, length) builds the shared :class:`~lra.encoder.Encoder` + :class:`~lra.encoder.Classifier` with
+Each (model, length) builds the shared :class:`~lra.train.encoder.Encoder` + :class:`~lra.train.encoder.Classifier` with
 the task's backbone and the model's ``conf/model/<name>.yaml`` options, feeds one batch of random byte ids
 (1..256, no padding) and times full training steps (forward, cross-entropy, backward, AdamW step) in the
 training precision: ``warmup`` untimed steps, then ``steps`` timed ones, each between two
@@ -36,12 +36,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from lra import engine, plot
+from lra import plot
 from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig registers the bench schema
 from lra.data import get_task
-from lra.encoder import Classifier
 from lra.results import BENCH_COLUMNS, BENCH_PROTOCOL, BenchRow, append_row, as_text, device_name, git_sha, now_iso
 from lra.taxonomy import measured_exponents
+from lra.train import engine
+from lra.train.encoder import Classifier
 from models import get_model_class, list_models
 from models.registry import unknown_options
 

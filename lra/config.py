@@ -38,7 +38,7 @@ class TaskConfig:
 
 @dataclass
 class BackboneConfig:
-    """The shared encoder around the mixer (``lra.encoder``)."""
+    """The shared encoder around the mixer (``lra.train.encoder``)."""
 
     n_layers: int = MISSING
     d_model: int = MISSING
@@ -106,12 +106,12 @@ class TrainerConfig:
     compile_mode: str = "default"
     # before the first step, a few training rows' gradients through the compiled model against the eager model's:
     # auto (on CUDA, where the model is compiled) | true | false. Where they differ, compile=auto trains eagerly
-    # and compile=true stops (lra.run's check_compiled_gradients)
+    # and compile=true stops (lra.train.run's check_compiled_gradients)
     compile_check: str = "auto"
     # how the model's mixers run: their ``backend`` attribute (e.g. flex, dense, explicit, sdpa: each mixer's
     # docstring names its own); null: each mixer's auto. Never what they compute, so a run resumes under another
     mixer_backend: Optional[str] = None
-    pack: str = "false"  # several examples per row (lra.packing): false | auto (where the model can) | true (or fail)
+    pack: str = "false"  # several examples per row (lra.train.packing): false | auto (where possible) | true (or fail)
     trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
     profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder
     devices: int = 1  # processes of one data-parallel run (DistributedDataParallel)

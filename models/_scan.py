@@ -26,7 +26,7 @@ an exact no-op, in either direction, wherever the padding sits.
   ``cu_seqlens`` (variable-length mode): padded steps are no-ops wherever they sit; packed rows use it (below).
   CUDA only.
 
-Packed rows (several examples in one row, ``lra.packing``): ``reset`` (B, N) bool marks each example's first step
+Packed rows (several examples in one row, ``lra.train.packing``): ``reset`` (B, N) bool marks each example's first step
 in scan order (``segment_starts``; for a reversed pass, the example's last position). There the state forgets
 everything before it, S_t = k_t^T v_t, as if that step carried a log decay of -inf, so every example gets exactly
 the outputs it would have alone in its own row (padding between examples is a no-op as above):

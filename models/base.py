@@ -3,7 +3,7 @@
 A subclass implements ``attend(q, k, v, mask) -> (B, H, N, Dh)`` and, if it needs them, its own options
 after the five backbone arguments.
 
-Packed rows (several examples in one row, see ``lra.packing``): a mixer that sets ``supports_segments = True``
+Packed rows (several examples in one row, see ``lra.train.packing``): a mixer that sets ``supports_segments = True``
 also takes ``segments``, a (B, N) integer tensor naming the example each position belongs to (0 = padding;
 each example's positions are contiguous), and must compute every example's output from that example's
 positions alone, exactly as if it had its own row. ``attend`` then receives ``segments=`` too. Position-indexed

@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
-from lra import engine, layer_bench, peers, results
+from lra import layer_bench, peers, results
 from lra.bench import variant_cases
+from lra.train import engine
 from models import list_models
 from tests.conftest import ROOT
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lra.config import BackboneConfig, model_options, validate
-from lra.engine import TaskShape, build_model
+from lra.train.engine import TaskShape, build_model
 from tests.conftest import CONF, compose_cfg
 
 PRESETS = CONF / "experiment_task_model"

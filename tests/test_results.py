@@ -11,10 +11,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from lra.checkpoint import RunFiles
 from lra.config import unnamed_keys, validate
 from lra.provenance import config_hash, is_stopped
 from lra.results import LAYER_BENCH_COLUMNS, RUN_COLUMNS, append_row, git_sha
+from lra.train.checkpoint import RunFiles
 from tests.conftest import ROOT, compose_cfg
 
 UNFINISHED = ROOT / "results" / "unfinished"  # sweep folders, as under outputs/multirun

@@ -58,8 +58,8 @@ def job_state(run_dir: Path) -> str:
     """finished | running | retry | resume | new, as the runner will find the job's folder (running: another process
     is training it now, and this launch of the job stops at once; retry: it ended in ``oom`` or ``error`` and runs
     again; resume: it has a checkpoint to go on from, a run stopped by ``schedule.stop_at`` included)."""
-    from lra.checkpoint import RunFiles  # lra's runner (torch) only when a sweep needs it: Hydra loads this
     from lra.provenance import is_stopped  # plugin at the start of every app
+    from lra.train.checkpoint import RunFiles  # lra's runner (torch) only when a sweep needs it: Hydra loads this
 
     files = RunFiles(run_dir)
     if files.settled() is not None:
@@ -287,7 +287,7 @@ if JoblibLauncher is not None:
             if is_run(job):
                 log.error("job %s: %s; its row says so, and relaunching the sweep runs it again from its last "
                           "checkpoint", out, crash)
-                from lra.run import record_crash  # the runner (torch) only where a job crashed, as in job_state
+                from lra.train.run import record_crash  # the runner (torch) only where a job crashed, as in job_state
 
                 record_crash(job, out, crash.how)  # the job never got to write its own row
             else:
