@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from lra import bench
+from lra.bench import bench
 from lra.results import BENCH_COLUMNS
 from lra.train import engine
 from models import registry

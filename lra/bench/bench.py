@@ -48,7 +48,7 @@ from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
 
-MODEL_CONF = Path(__file__).resolve().parent / "conf" / "model"
+MODEL_CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 BASELINE = "transformer"
 
 
@@ -374,7 +374,7 @@ def format_exponents(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="conf", config_name="bench", version_base=None)
+@hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     df = run_bench(cfg)
     print(format_table(df))
