@@ -24,7 +24,7 @@ from lra.config import RunConfig, eval_batch_size, model_options, validate
 from lra.data import TaskData, load_task
 from lra.errors import EXIT_USER_ERROR, ConfigError, DataError
 from lra.provenance import config_hash
-from lra.results import append_row, device_name, git_sha, now_iso
+from lra.report.results import append_row, device_name, git_sha, now_iso
 from lra.train import engine
 from lra.train.checkpoint import RunFiles
 from lra.train.run import check_writable, evaluate, seed_everything, task_shape

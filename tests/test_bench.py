@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lra.bench import bench
-from lra.results import BENCH_COLUMNS
+from lra.report.results import BENCH_COLUMNS
 from lra.train import engine
 from models import registry
 from tests.conftest import ROOT, compose_cfg, in_background

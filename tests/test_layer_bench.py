@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
-from lra import results
 from lra.bench import layer_bench, peers
 from lra.bench.bench import variant_cases
+from lra.report import results
 from lra.train import engine
 from models import list_models
 from tests.conftest import ROOT

@@ -21,7 +21,7 @@ import torch
 import lra.train.run as runner
 from lra.data import Split
 from lra.errors import ConfigError, DataError
-from lra.results import RUN_COLUMNS, curve_path
+from lra.report.results import RUN_COLUMNS, curve_path
 from lra.train import engine
 from lra.train.checkpoint import RunFiles
 from tests.conftest import ROOT, in_background

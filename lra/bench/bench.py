@@ -36,11 +36,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from lra import plot
 from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig registers the bench schema
 from lra.data import get_task
-from lra.results import BENCH_COLUMNS, BENCH_PROTOCOL, BenchRow, append_row, as_text, device_name, git_sha, now_iso
-from lra.taxonomy import measured_exponents
+from lra.report import plot
+from lra.report.results import (
+    BENCH_COLUMNS,
+    BENCH_PROTOCOL,
+    BenchRow,
+    append_row,
+    as_text,
+    device_name,
+    git_sha,
+    now_iso,
+)
+from lra.report.taxonomy import measured_exponents
 from lra.train import engine
 from lra.train.encoder import Classifier
 from models import get_model_class, list_models

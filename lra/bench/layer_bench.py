@@ -41,7 +41,7 @@ import yaml
 from lra.bench.bench import model_config_options, split_attributes, variant_cases
 from lra.bench.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.config import CHOICES
-from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
+from lra.report.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
 from lra.train import engine
 from models import create_model, list_models
 from models.registry import Grid

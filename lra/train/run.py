@@ -37,7 +37,7 @@ from lra.config import eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.errors import EXIT_INTERRUPTED, ConfigError
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
-from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
+from lra.report.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
 from lra.train import distributed, engine
 from lra.train.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.train.packing import model_inputs, packed_share, real_ends, trim

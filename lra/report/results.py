@@ -226,7 +226,7 @@ def git_sha(short: bool = True) -> str:
     would otherwise report the wrong commit. An installed copy with no checkout says so, with its version."""
     if os.environ.get("LRA_GIT_SHA"):
         return os.environ["LRA_GIT_SHA"]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     no_checkout = f"unknown (lra {package_version()}, no git checkout)"
     if not (root / ".git").exists():
         return no_checkout

@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     help="results folder: reads runs.csv, writes leaderboard.csv (the project's: results)")
     ap.add_argument("--runs", default=None, help="runs file (default: RESULTS/runs.csv)")
     ap.add_argument("--out", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
-    ap.add_argument("--published", default=str(Path(__file__).resolve().parent.parent / "results" / "published.csv"))
+    ap.add_argument("--published", default=str(Path(__file__).resolve().parents[2] / "results" / "published.csv"))
     ap.add_argument("--experiment", default="lra", help="comma-separated experiment names, or 'all'")
     args = ap.parse_args(argv)
     runs_path = Path(args.runs or Path(args.results) / "runs.csv")

@@ -34,12 +34,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from lra.leaderboard import DEFAULT_RESULTS, TASKS5, pick_device, seed_accuracies
-from lra.results import BENCH_PROTOCOL, as_text
+from lra.report.leaderboard import DEFAULT_RESULTS, TASKS5, pick_device, seed_accuracies
+from lra.report.results import BENCH_PROTOCOL, as_text
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
-PUBLISHED = Path(__file__).resolve().parent.parent / "results" / "published.csv"
+PUBLISHED = Path(__file__).resolve().parents[2] / "results" / "published.csv"
 MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 
 NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
