@@ -12,10 +12,8 @@ import hydra
 from omegaconf import DictConfig
 
 import lra.config  # registers the config schema with Hydra's ConfigStore
-from lra.config import EXIT_USER_ERROR, ConfigError
-from lra.data import DataError
-from lra.distributed import EXIT_INTERRUPTED
-from lra.run import RunInterrupted, run
+from lra.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, ConfigError, DataError
+from lra.train.run import RunInterrupted, run
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

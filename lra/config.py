@@ -17,16 +17,15 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from lra.data import get_task, image_tasks
+from lra.errors import ConfigError
+from lra.launchers import unavailable
 from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot run; the message names the key, the value and what is allowed."""
-
-
-EXIT_USER_ERROR = 2  # the exit code of the commands for an error the user can fix (a bad value, missing data)
+from models.registry import get_model_class, invalid_options, list_models
+from models.registry import model_options as constructor_options
 
 
 @dataclass
@@ -39,7 +38,7 @@ class TaskConfig:
 
 @dataclass
 class BackboneConfig:
-    """The shared encoder around the mixer (``lra.encoder``)."""
+    """The shared encoder around the mixer (``lra.train.encoder``)."""
 
     n_layers: int = MISSING
     d_model: int = MISSING
@@ -107,12 +106,12 @@ class TrainerConfig:
     compile_mode: str = "default"
     # before the first step, a few training rows' gradients through the compiled model against the eager model's:
     # auto (on CUDA, where the model is compiled) | true | false. Where they differ, compile=auto trains eagerly
-    # and compile=true stops (lra.run's check_compiled_gradients)
+    # and compile=true stops (lra.train.run's check_compiled_gradients)
     compile_check: str = "auto"
     # how the model's mixers run: their ``backend`` attribute (e.g. flex, dense, explicit, sdpa: each mixer's
     # docstring names its own); null: each mixer's auto. Never what they compute, so a run resumes under another
     mixer_backend: Optional[str] = None
-    pack: str = "false"  # several examples per row (lra.packing): false | auto (where the model can) | true (or fail)
+    pack: str = "false"  # several examples per row (lra.train.packing): false | auto (where possible) | true (or fail)
     trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
     profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder
     devices: int = 1  # processes of one data-parallel run (DistributedDataParallel)
@@ -249,8 +248,6 @@ def execution_keys() -> list[str]:
 
 def swept_keys(argv: list[str]) -> list[str]:
     """The keys a multirun's command sweeps (``trainer.devices=1,2``, ``seed=range(3)``), as Hydra parses them."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -294,16 +291,11 @@ LAUNCHER_PLUGIN = {"gpus": "hydra-joblib-launcher", "slurm": "hydra-submitit-lau
 def check_launcher(argv: list[str]) -> None:
     """A ``hydra/launcher=gpus|slurm`` whose plugin cannot be imported (not installed, or a package it needs
     missing): a ConfigError naming what to install, where Hydra would say only that the launcher is unknown,
-    listing the ones it has. The reason is the one the launchers' module met (``UNAVAILABLE``)."""
+    listing the ones it has. The reason is the one the launchers' plugin met (``lra.launchers.UNAVAILABLE``)."""
     for arg in argv:
         key, _, name = arg.lstrip("+~").partition("=")
         if key == "hydra/launcher" and name in LAUNCHER_PLUGIN:
-            try:
-                from hydra_plugins.lra_launchers import lra_launchers
-
-                why = lra_launchers.UNAVAILABLE.get(name)
-            except ImportError as e:  # our own plugin folder missing: a broken install
-                why = str(e)
+            why = unavailable(name)
             if why is not None:
                 dist = LAUNCHER_PLUGIN[name]
                 raise ConfigError(f"hydra/launcher={name} needs {dist}, which cannot be imported ({why}): "
@@ -487,8 +479,6 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def validate_task(cfg: DictConfig) -> None:
-    from lra.data import get_task
-
     try:
         spec = get_task(cfg.task.name)
     except KeyError as e:
@@ -498,8 +488,6 @@ def validate_task(cfg: DictConfig) -> None:
 
 def validate_embedding(cfg: DictConfig) -> None:
     """``embedding=pixels`` reads gray values: only image tasks have them, and only as ids = pixel + 1."""
-    from lra.data import get_task, image_tasks
-
     if cfg.backbone.embedding != "pixels":
         return
     if not get_task(cfg.task.name).image:
@@ -512,16 +500,12 @@ def validate_embedding(cfg: DictConfig) -> None:
 
 def validate_head(cfg: DictConfig) -> None:
     """``head=linear`` maps one pooled sequence to the classes: a pair task combines two through the MLP head."""
-    from lra.data import get_task
-
     if cfg.backbone.head == "linear" and get_task(cfg.task.name).pair:
         raise ConfigError(f"backbone.head=linear is not valid for task {cfg.task.name}: its two documents are "
                           f"combined by the MLP head; use backbone.head=mlp")
 
 
 def validate_model(cfg: DictConfig) -> None:
-    from models.registry import get_model_class, invalid_options
-
     if "name" not in cfg.model:
         raise ConfigError("model.name is missing: choose a model with model=<name>")
     options = model_options(cfg)

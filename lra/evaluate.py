@@ -5,7 +5,7 @@ generator, seed or release.
 The run's own ``config.yaml`` is loaded, the overrides are applied (data and task settings only: anything that
 would change the model the checkpoint holds is refused, naming the key), the data is loaded with the task's loader
 and the model is built as the runner builds it; the data must give that model the vocabulary, length and number of
-classes of the checkpoint. The accuracy comes from the runner's own ``lra.run.evaluate`` at the run's precision
+classes of the checkpoint. The accuracy comes from the runner's own ``lra.train.run.evaluate`` at the run's precision
 (bf16 autocast on CUDA, fp32 on CPU), eagerly. One line is printed; ``--out`` appends a row (``EvalRow``) to a CSV.
 """
 from __future__ import annotations
@@ -20,13 +20,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from lra import engine
-from lra.checkpoint import RunFiles
-from lra.config import EXIT_USER_ERROR, ConfigError, RunConfig, eval_batch_size, model_options, validate
-from lra.data import DataError, TaskData, load_task
+from lra.config import RunConfig, eval_batch_size, model_options, validate
+from lra.data import TaskData, load_task
+from lra.errors import EXIT_USER_ERROR, ConfigError, DataError
 from lra.provenance import config_hash
-from lra.results import append_row, device_name, git_sha, now_iso
-from lra.run import check_writable, evaluate, seed_everything, task_shape
+from lra.report.results import append_row, device_name, git_sha, now_iso
+from lra.train import engine
+from lra.train.checkpoint import RunFiles
+from lra.train.run import check_writable, evaluate, seed_everything, task_shape
 
 log = logging.getLogger("lra")
 CONFIG = "config.yaml"  # written by the runner into every run folder

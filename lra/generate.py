@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lra.data import pathfinder_gen
+from lra.data.listops import generate
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lra.generate", description=__doc__.split("\n\n")[0])
@@ -22,15 +25,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--test", type=int, default=2_000)
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores, at most 16)")
 
-    from .data import pathfinder_gen
-
     p = sub.add_parser("pathfinder", help="Pathfinder / Path-X images (Linsley et al. 2018, LRA parameters)")
     pathfinder_gen.add_arguments(p)
 
     args = parser.parse_args(argv)
     if args.task == "listops":
-        from .data.listops import generate
-
         folder = generate(args.out, seed=args.seed, train=args.train, val=args.val, test=args.test,
                           workers=args.workers)
         print(f"wrote {folder}")

@@ -17,8 +17,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 import lra.config
-from lra.config import EXIT_USER_ERROR, ConfigError, validate
-from lra.data import DataError, TaskData, load_task
+from lra.config import validate
+from lra.data import TaskData, load_task
+from lra.errors import EXIT_USER_ERROR, ConfigError, DataError
 
 
 def compose_run(overrides: list[str]) -> DictConfig:

@@ -26,7 +26,7 @@ an exact no-op, in either direction, wherever the padding sits.
   ``cu_seqlens`` (variable-length mode): padded steps are no-ops wherever they sit; packed rows use it (below).
   CUDA only.
 
-Packed rows (several examples in one row, ``lra.packing``): ``reset`` (B, N) bool marks each example's first step
+Packed rows (several examples in one row, ``lra.train.packing``): ``reset`` (B, N) bool marks each example's first step
 in scan order (``segment_starts``; for a reversed pass, the example's last position). There the state forgets
 everything before it, S_t = k_t^T v_t, as if that step carried a log decay of -inf, so every example gets exactly
 the outputs it would have alone in its own row (padding between examples is a no-op as above):
@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Literal, get_args
 
 import torch
@@ -186,8 +187,6 @@ def chunked(q, k, v, g, chunk: int, scale: float = 1.0, reset: torch.Tensor | No
 
 @functools.cache
 def warn_once(message: str) -> None:
-    import warnings
-
     warnings.warn(message, stacklevel=3)
 
 
@@ -200,7 +199,7 @@ def fla_ops():
     global FLA_OPS
     if FLA_OPS is None:
         try:
-            from fla.ops.gla import chunk_gla
+            from fla.ops.gla import chunk_gla  # optional: the [ssm] extra, on CUDA only
             from fla.ops.simple_gla import chunk_simple_gla
         except ImportError as e:
             raise ImportError(
@@ -247,7 +246,7 @@ def fla_refused(device_index: int) -> str | None:
     """Why fla's gated kernels cannot run on this GPU (None when they can). fla 0.6 refuses its gated backward on
     Hopper GPUs (compute capability 9) with Triton from 3.4.0 up to, not including, 3.7.1, which computes it wrongly
     there; the chunked form runs instead, said once, since no extra package fixes it short of another Triton."""
-    import triton
+    import triton  # optional: CUDA builds of torch bring it
 
     major = torch.cuda.get_device_capability(device_index)[0]
     version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])

@@ -3,7 +3,7 @@
 A subclass implements ``attend(q, k, v, mask) -> (B, H, N, Dh)`` and, if it needs them, its own options
 after the five backbone arguments.
 
-Packed rows (several examples in one row, see ``lra.packing``): a mixer that sets ``supports_segments = True``
+Packed rows (several examples in one row, see ``lra.train.packing``): a mixer that sets ``supports_segments = True``
 also takes ``segments``, a (B, N) integer tensor naming the example each position belongs to (0 = padding;
 each example's positions are contiguous), and must compute every example's output from that example's
 positions alone, exactly as if it had its own row. ``attend`` then receives ``segments=`` too. Position-indexed
@@ -33,7 +33,7 @@ def compiled(fn, dynamic: bool | None = None):
     that. One per layer instance and length is normal here (a 4-layer model benched at six lengths is 24),
     and eager FlexAttention materialises the N x N scores (a block-sparse model past the limit runs far slower than
     the transformer, in far more memory), so the limit is raised."""
-    import torch._dynamo
+    import torch._dynamo  # Dynamo (seconds to import) only where a mixer compiles
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(fn, dynamic=dynamic)

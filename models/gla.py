@@ -37,7 +37,7 @@ Padding: padded steps are exact no-ops wherever they sit: their keys and log gat
 and the write k^T v = 0 leave the state unchanged. Flipping a right-padded row puts the padding first, where
 it is a no-op too, so both passes equal the passes over the real tokens alone. Padded positions get outputs
 the encoder ignores.
-Packed rows (``segments``, ``lra.packing``): each pass's state is reset at every example's first step in its own
+Packed rows (``segments``, ``lra.train.packing``): each pass's state is reset at every example's first step in its own
 order (the reversed pass: the example's last position), ``_scan``'s ``reset``: chunked, the chunks' weights are
 masked at the resets; fla, its variable-length mode; recurrent, a zero decay. Nothing else here crosses positions
 (the norm and the gates are per position), so every example gets exactly its own row's outputs. Cost: the

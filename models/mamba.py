@@ -54,7 +54,7 @@ The mixer runs over whole chunks: a row of N steps gets padded steps at its end 
 the CLS token), Inductor's CUDA code for the scan's inputs (torch 2.11) gives dt_bias gradients up to 1e4 times
 the eager ones, enough to make Mamba's Image and ListOps training collapse; at whole chunks (1,088) the compiled
 gradients are the eager ones to 3e-6 (docs/gpu.md, compilation). At most chunk_size - 1 steps more.
-Packed rows (``segments``, ``lra.packing``): two operations cross positions, and both keep the examples apart,
+Packed rows (``segments``, ``lra.train.packing``): two operations cross positions, and both keep the examples apart,
 in each pass's own order (the reversed pass's first step of an example is its last position). The convolution's
 taps read only positions of their own example (a tap on another example reads a zero, as before a row's start:
 K - 1 comparisons and multiplies more); the scan's state resets at every example's first step (``_scan``'s

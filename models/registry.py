@@ -32,6 +32,7 @@ import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 from torch import nn
 
@@ -119,8 +120,6 @@ def load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True
-    from importlib.metadata import entry_points
-
     names = [(ep.value.split(":")[0], f"entry point {ep.name!r} ({ep.value})")
              for ep in entry_points(group=ENTRY_POINT_GROUP)]
     names += [(m.strip(), "LRA_MODEL_MODULES") for m in os.environ.get("LRA_MODEL_MODULES", "").split(",") if m.strip()]

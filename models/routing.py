@@ -20,7 +20,7 @@ position, instead of costing O(size^2). As with shared-QK Reformer, a token does
 no other key is visible (with a shared q = k its own logit is the largest possible, sqrt(d)).
 
 Centroids: drawn from the global RNG at construction (so reproducible from the run's seed, since
-``lra.run`` seeds before building the model) and normalised. In training, after the assignment, each
+``lra.train.run`` seeds before building the model) and normalised. In training, after the assignment, each
 centroid moves toward the mean direction of the real tokens assigned to it in the batch,
 mu <- normalise(decay * mu + (1 - decay) * mean_i u_i), per head and layer; a centroid that got no token
 is left alone. In eval they are frozen. They are buffers, so checkpoints (``state_dict``) carry them and a

@@ -5,7 +5,7 @@ softmax(Q K^T / sqrt(d)) V through ``torch.nn.functional.scaled_dot_product_atte
 fused kernel (cuDNN / FlashAttention / memory-efficient) on CUDA and a fused CPU kernel otherwise.
 Padded keys are masked out; padded queries still compute an output, which the encoder ignores.
 
-Packed rows (``segments``, ``lra/packing.py``): each example's queries see its own keys only. On CUDA the
+Packed rows (``segments``, ``lra/train/packing.py``): each example's queries see its own keys only. On CUDA the
 row's runs of one segment (each example, and the padding after the last one) become the sequences of a
 jagged nested tensor, for which SDPA runs the variable-length fused kernels, attention dropout included: a
 dense block-diagonal mask would leave SDPA only its memory-efficient kernel, with which packed training under

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lra import baseline, leaderboard
+from lra.report import baseline, leaderboard
 from lra.data import Split, TaskData
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,8 +10,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from lra import bench, engine
-from lra.results import BENCH_COLUMNS
+from lra.bench import bench
+from lra.report.results import BENCH_COLUMNS
+from lra.train import engine
 from models import registry
 from tests.conftest import ROOT, compose_cfg, in_background
 

@@ -12,8 +12,9 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf, open_dict
 
-from lra.config import BenchRunConfig, ConfigError, RunConfig, eval_batch_size, experiment_protocols, validate
+from lra.config import BenchRunConfig, RunConfig, eval_batch_size, experiment_protocols, validate
 from lra.data import list_tasks
+from lra.errors import ConfigError
 from models import list_models, model_options
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
 
@@ -223,7 +224,7 @@ def test_a_launcher_without_its_extra_names_the_extra(monkeypatch):
     lra.config.check_launcher(["-m", "hydra/launcher=gpus", "hydra/launcher=slurm", "model=transformer"])  # installed
     for launcher, dist in (("gpus", "hydra-joblib-launcher"), ("slurm", "hydra-submitit-launcher")):
         monkeypatch.setitem(lra_launchers.UNAVAILABLE, launcher, "No module named 'joblib'")
-        with pytest.raises(lra.config.ConfigError,
+        with pytest.raises(ConfigError,
                            match=rf"hydra/launcher={launcher} needs {dist}.*No module named 'joblib'.*lra\[sweep\]"):
             lra.config.check_launcher(["-m", f"hydra/launcher={launcher}", "model=transformer"])
     lra.config.check_launcher(["-m", "hydra/launcher=local", "model=transformer"])  # Hydra's own: nothing to check

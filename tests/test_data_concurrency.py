@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-import lra.run as runner
+import lra.train.run as runner
 from lra.data import load_task
 from tests.conftest import compose_cfg
 
@@ -37,7 +37,7 @@ def start_together(cfgs, train: bool) -> list:
     # ran torch, so no thread pool is forked mid-use, as forking this process could deadlock): a spawned child spent
     # its first seconds importing torch, eight of them about half of this module's time on two cores.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["lra.run"])
+    ctx.set_forkserver_preload(["lra.train.run"])
     queue = ctx.Queue()
     procs = [ctx.Process(target=_load_and_train, args=(cfg, train, queue)) for cfg in cfgs]
     for p in procs:

@@ -16,11 +16,11 @@ import yaml
 from omegaconf import OmegaConf
 from PIL import Image
 
-from lra.config import ConfigError
-from lra.data import DataError, load_task
+from lra.data import load_task
 from lra.data.common import parallel_map, random_split_indices, subset_indices
 from lra.data.image import tf_grayscale
 from lra.data.pathfinder import decode_pngs, images_needed
+from lra.errors import ConfigError, DataError
 from tests.conftest import ROOT, compose_cfg
 
 SHARED = ROOT.parent / "shared" / "data"

@@ -13,10 +13,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import lra.run as runner
-from lra import engine
-from lra.checkpoint import RunFiles
-from lra.config import ConfigError, sweep_slug
+import lra.train.run as runner
+from lra.train import engine
+from lra.train.checkpoint import RunFiles
+from lra.config import sweep_slug
+from lra.errors import ConfigError
 from lra.provenance import config_hash, departures
 from models import create_model, list_models
 from models._scan import scan

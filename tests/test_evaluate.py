@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 
 import lra.evaluate as ev
-import lra.run as runner
-from lra import engine
-from lra.config import ConfigError
-from lra.data import DataError, TaskData
+import lra.train.run as runner
+from lra.data import TaskData
 from lra.data.common import Split
 from lra.data.listops import generate
+from lra.errors import ConfigError, DataError
+from lra.train import engine
 from tests.conftest import ROOT, compose_cfg, in_background
 from tests.test_run import SHORT
 

@@ -10,8 +10,10 @@ import pandas as pd
 import pytest
 import torch
 
-from lra import engine, layer_bench, peers, results
-from lra.bench import variant_cases
+from lra.bench import layer_bench, peers
+from lra.bench.bench import variant_cases
+from lra.report import results
+from lra.train import engine
 from models import list_models
 from tests.conftest import ROOT
 
@@ -103,7 +105,7 @@ def test_a_rows_peak_is_the_same_beside_a_leftover_tensor():
     del kept
 
 
-# --- the public packages in the same process (lra/peers.py, --peers) ---
+# --- the public packages in the same process (lra/bench/peers.py, --peers) ---
 
 PEER_ARGS = ["--shapes", "128x2", "--warmup", "0", "--steps", "1", "--device", "cpu", "--peers"]
 OLD_HEADER = "model,seq_len,batch_size,status,ms_fwd_bwd,peak_mb,precision,device,torch,git_sha,timestamp"
@@ -113,7 +115,7 @@ OLD_HEADER = "model,seq_len,batch_size,status,ms_fwd_bwd,peak_mb,precision,devic
                          ids=lambda p: p.name())
 def test_every_peer_builds_a_layer_that_trains(peer):
     """At N 128 (past reformer's full-attention threshold of one bucket, so LSH runs), B 2. The CUDA-only packages
-    on a GPU (a GPU test), where they are installed (by hand: lra.peers.CUDA_INSTALL)."""
+    on a GPU (a GPU test), where they are installed (by hand: lra.bench.peers.CUDA_INSTALL)."""
     device = "cuda" if peer.cuda_only else "cpu"
     torch.manual_seed(0)
     try:
@@ -171,7 +173,7 @@ def test_the_triton_on_the_path_first_is_recorded(monkeypatch):
             raise PackageNotFoundError(dist)
         return installed[dist]
 
-    monkeypatch.setattr("importlib.metadata.version", version)
+    monkeypatch.setattr(results, "version", version)  # results reads importlib.metadata's version
     assert results.triton_version() == "3.7.0+git1234"
     installed["triton"] = "3.6.0"
     assert results.triton_version() == "3.6.0"

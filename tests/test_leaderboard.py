@@ -8,9 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lra import compare, leaderboard
 from lra.provenance import departures
-from lra.results import RUN_COLUMNS
+from lra.report import compare, leaderboard
+from lra.report.results import RUN_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ROOT / "results" / "published.csv"

@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from lra.data import DataError, listops
+from lra.data import listops
 from lra.data.listops import OPERATORS, VOCAB, generate, generate_trees, read_tsv, tokenize
+from lra.errors import DataError
 
 
 @pytest.fixture(scope="module")

@@ -317,7 +317,7 @@ def test_performer_schedule_breaks_a_compiled_graph_only_at_the_call_start_and_o
 def test_a_classifier_advances_its_performer_schedules_once_per_call_and_compiles_to_one_graph():
     """lra's classifier advances every performer layer's redraw schedule first in its own call: a compiled model in
     training is one graph (with each layer doing it in its own call, 3 layers made 8), and the redraws keep time."""
-    from lra.encoder import build_classifier
+    from lra.train.encoder import build_classifier
 
     backbone = dict(n_layers=3, d_model=32, n_heads=2, d_qkv=32, d_ff=32, d_classifier=32, dropout=0.0,
                     attn_dropout=0.0, positions="sinusoidal", pooling="cls")

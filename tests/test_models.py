@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-import lra.run as runner
-from lra.encoder import Classifier, Encoder
+import lra.train.run as runner
+from lra.train.encoder import Classifier, Encoder
 from models import create_model, get_model_class, list_models
 from models.registry import CLASSES, COMPLEXITIES, Grid, Taxonomy
 
@@ -201,7 +201,7 @@ def test_on_cuda_a_compiled_model_has_its_eager_gradients(name):
     GPU, every model's gradients are its eager ones, by the runner's compile check (``engine.compiled_gradient_check``:
     fp32, eval mode, the training loss; under bf16 autocast where the fp32 graphs do not compile): one layer, an
     Image row (1,024 pixels and the CLS token: 1,025 positions)."""
-    from lra import engine
+    from lra.train import engine
 
     torch.manual_seed(0)
     enc = Encoder(name, {}, vocab_size=257, seq_len=1024, n_layers=1, d_model=64, n_heads=2, d_qkv=64, d_ff=64,

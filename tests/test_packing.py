@@ -1,4 +1,4 @@
-"""Packed batches (lra.packing, trainer.pack): the layout, exact equality with unpacked rows for every mixer that
+"""Packed batches (lra.train.packing, trainer.pack): the layout, exact equality with unpacked rows for every mixer that
 declares it keeps segments apart (outputs and gradients), and the runner's use of it; trimmed batches
 (trainer.trim) and length-grouped batching (schedule.batching)."""
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import lra.run as runner
+import lra.train.run as runner
 import models.base as base
-from lra.config import ConfigError
 from lra.data import BatchOrder, Split
-from lra.encoder import build_classifier
-from lra.packing import first_fit_decreasing, model_inputs, pack, real_ends, real_lengths, trim
+from lra.errors import ConfigError
+from lra.train.encoder import build_classifier
+from lra.train.packing import first_fit_decreasing, model_inputs, pack, real_ends, real_lengths, trim
 from models import create_model, list_models
 from models.registry import get_model_class
 from models.transformer import run_starts

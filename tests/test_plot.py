@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from lra import plot
-from lra.results import BENCH_COLUMNS
+from lra.report import plot
+from lra.report.results import BENCH_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU, CPU = "NVIDIA H100 80GB HBM3", "cpu (x86_64, 2 cores)"
@@ -291,7 +291,7 @@ def test_bubble_chart_draws_its_points_and_saves(tmp_path):
 def test_a_bubble_whose_score_rests_on_several_seeds_has_a_bar_over_its_interval():
     """Given the runs behind the leaderboard, the transformer (three ListOps seeds far apart) gets a vertical bar
     over the bootstrap interval of its mean, the leaderboard's; local (one seed per task) gets none."""
-    from lra.leaderboard import build_leaderboard
+    from lra.report.leaderboard import build_leaderboard
 
     def row(task, model, seed, test):
         return dict(task=task, model=model, seed=seed, experiment="lra", status="ok", val_acc=test, test_acc=test,
@@ -347,7 +347,7 @@ def test_accuracy_points_sorted_by_mean_with_a_bar_only_over_several_seeds():
 
 def test_each_seed_of_the_selected_runs_is_drawn_beside_the_mean():
     """Given the runs, every seed behind a bar is a tick at its own accuracy: the values of the leaderboard's cell."""
-    from lra.leaderboard import build_leaderboard
+    from lra.report.leaderboard import build_leaderboard
 
     def row(model, seed, test, val=40.0, ts="2026-01-01T00:00:00Z"):
         return dict(task="listops", model=model, seed=seed, experiment="lra", status="ok", val_acc=val,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-import lra.run as runner
+import lra.train.run as runner
 from lra.prepare import prepare
 from tests.conftest import ROOT, finish_all, in_background, started
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lra.config import BackboneConfig, experiment_protocols, model_options, validate
-from lra.engine import TaskShape, build_model
+from lra.train.engine import TaskShape, build_model
 from tests.conftest import CONF, compose_cfg
 
 LRA_FILE = CONF / "experiment" / "lra.yaml"

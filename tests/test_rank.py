@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lra import leaderboard, rank
-from lra.results import RUN_COLUMNS
+from lra.report import leaderboard, rank
+from lra.report.results import RUN_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 

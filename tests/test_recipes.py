@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-import lra.run as runner
-from lra import engine
-from lra.config import ConfigError, model_options, validate
-from lra.encoder import Block, Classifier, Encoder, LayerNorm, MaskedBatchNorm, pool
+import lra.train.run as runner
+from lra.config import model_options, validate
+from lra.errors import ConfigError
 from lra.provenance import config_hash
+from lra.train import engine
+from lra.train.encoder import Block, Classifier, Encoder, LayerNorm, MaskedBatchNorm, pool
 from models import create_model
 from models.base import TiedDropout
 from tests.conftest import compose_cfg

@@ -11,10 +11,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from lra.checkpoint import RunFiles
 from lra.config import unnamed_keys, validate
 from lra.provenance import config_hash, is_stopped
-from lra.results import LAYER_BENCH_COLUMNS, RUN_COLUMNS, append_row, git_sha
+from lra.report.results import LAYER_BENCH_COLUMNS, RUN_COLUMNS, append_row, git_sha
+from lra.train.checkpoint import RunFiles
 from tests.conftest import ROOT, compose_cfg
 
 UNFINISHED = ROOT / "results" / "unfinished"  # sweep folders, as under outputs/multirun
@@ -64,7 +64,7 @@ def test_git_sha_names_this_checkout_and_the_override_wins(monkeypatch):
 
 
 def test_merge_appends_only_new_rows(tmp_path):
-    from lra.results import merge_rows
+    from lra.report.results import merge_rows
 
     remote, local = tmp_path / "remote.csv", tmp_path / "runs.csv"
     for i in range(3):
@@ -78,7 +78,7 @@ def test_merge_appends_only_new_rows(tmp_path):
 
 
 def test_merging_a_machines_rows_brings_their_curves_along(tmp_path, capsys):
-    from lra.results import curve_path, main, write_curve
+    from lra.report.results import curve_path, main, write_curve
 
     remote, local = tmp_path / "remote", tmp_path / "results"
     row = {"task": "image", "model": "s4d", "seed": 0, "experiment": "s4d_lra", "status": "ok", "config_hash": "h0",
@@ -98,7 +98,7 @@ def test_merging_a_machines_rows_brings_their_curves_along(tmp_path, capsys):
 def test_merge_keeps_each_kind_of_rows_in_its_own_schema(tmp_path):
     """A layer bench's rows (ours and a package's at one timestamp) merge into a layer_bench.csv with its own
     header; merging them into a runs.csv is refused, never a file with both headers."""
-    from lra.results import merge_rows
+    from lra.report.results import merge_rows
 
     remote, local, runs = tmp_path / "remote.csv", tmp_path / "layer_bench.csv", tmp_path / "runs.csv"
     for impl in ("lra performer", "performer-pytorch 1.1.4"):

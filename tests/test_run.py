@@ -18,12 +18,12 @@ import pandas as pd
 import pytest
 import torch
 
-import lra.run as runner
-from lra import engine
-from lra.checkpoint import RunFiles
-from lra.config import ConfigError
-from lra.data import DataError, Split
-from lra.results import RUN_COLUMNS, curve_path
+import lra.train.run as runner
+from lra.data import Split
+from lra.errors import ConfigError, DataError
+from lra.report.results import RUN_COLUMNS, curve_path
+from lra.train import engine
+from lra.train.checkpoint import RunFiles
 from tests.conftest import ROOT, in_background
 
 TINY = ("task.seq_len=256", "backbone.n_layers=1")  # the runner's behaviour, not the model's: short and shallow
@@ -310,7 +310,7 @@ def test_a_checkpoint_keeps_the_generator_of_its_own_gpu_only(monkeypatch):
     """A run resumes on whichever GPU is free, of a host that may have fewer GPUs than the one that saved it: the
     checkpoint holds its own device's CUDA generator, and one written with every GPU's (as they once were) resumes
     on a host with fewer."""
-    import lra.checkpoint as ckpt
+    import lra.train.checkpoint as ckpt
 
     got, put = [], []
     monkeypatch.setattr(ckpt.torch.cuda, "get_rng_state", lambda device: got.append(device) or torch.ones(3))
@@ -442,7 +442,7 @@ def test_sigusr2_checkpoints_then_hands_over_to_the_previous_handler(smoke_cfg, 
 
 
 class InductorError(RuntimeError):
-    """What torch raises when lowering fails (``lra.engine.is_compile_error`` tells it by its module)."""
+    """What torch raises when lowering fails (``lra.train.engine.is_compile_error`` tells it by its module)."""
 
 
 InductorError.__module__ = "torch._inductor.exc"
@@ -482,7 +482,7 @@ class Scaled(torch.nn.Module):
 def test_gradient_disagreement_is_rounding_for_a_compiled_model_and_large_for_a_wrong_one():
     """The compile check's measure: a model through torch.compile (here Inductor's CPU code) has its eager gradients
     to rounding; a model whose compiled numbers are wrong is named with the parameter that differs most."""
-    from lra.encoder import Classifier, Encoder
+    from lra.train.encoder import Classifier, Encoder
 
     torch.manual_seed(0)
     enc = Encoder("transformer", {}, vocab_size=20, seq_len=32, n_layers=1, d_model=16, n_heads=2, d_qkv=16,
@@ -622,7 +622,7 @@ def test_profiled_steps_write_a_kernel_table_and_stay_out_of_the_timing(smoke_cf
     table = (tmp_path / "run" / "profile.txt").read_text()
     assert table.startswith("steps 3-5") and "aten::" in table and (tmp_path / "run" / "profile_trace.json").exists()
     assert "== host time by operator" in table
-    assert "lra/engine.py" in table.split("== host time by function")[1]  # the training step's function among ours
+    assert "lra/train/engine.py" in table.split("== host time by function")[1]  # the training step's function, ours
     assert row["status"] == "ok" and row["train_steps_per_s"] > 0
     with pytest.raises(ConfigError, match="trainer.profile_steps=-1"):
         runner.run(smoke_cfg(*SHORT, "trainer.profile_steps=-1"))
@@ -632,11 +632,11 @@ def test_our_functions_are_found_under_a_path_the_profiler_left_unstripped():
     def call(name, us, cat="python_function"):  # an event of the exported trace
         return {"cat": cat, "name": name, "dur": us}
 
-    events = [call("/srv/x/lra/run.py(421): step", 3000.0), call("lra/run.py(421): step", 1000.0),
+    events = [call("/srv/x/lra/train/run.py(421): step", 3000.0), call("lra/train/run.py(421): step", 1000.0),
                 call("models/base.py(88): forward", 1000.0), call("torch/nn/modules/module.py(1750): _call_impl", 9e3),
                 call("aten::mm", 500.0, cat="cpu_op")]
     table = engine.own_functions(events).splitlines()
-    assert [line.split()[:4] for line in table[1:]] == [["lra/run.py(421):", "step", "4.00", "2"],
+    assert [line.split()[:4] for line in table[1:]] == [["lra/train/run.py(421):", "step", "4.00", "2"],
                                                         ["models/base.py(88):", "forward", "1.00", "1"]]
     assert "no Python calls" in engine.own_functions(events[3:])
 

@@ -16,12 +16,13 @@ import pandas as pd
 import pytest
 import torch
 
-import lra.run as runner
+import lra.train.run as runner
 from hydra_plugins.lra_launchers.lra_launchers import JobCrashed, claim_gpus, gpu_placement, job_state, run_isolated
-from lra import distributed
-from lra.checkpoint import RunFiles
-from lra.config import ConfigError, sweep_slug
-from lra.engine import cpu_threads
+from lra.config import sweep_slug
+from lra.errors import ConfigError
+from lra.train import distributed
+from lra.train.checkpoint import RunFiles
+from lra.train.engine import cpu_threads
 from tests.conftest import ROOT, in_background
 
 FAST = ["experiment=smoke", "task.seq_len=200", "backbone.n_layers=1", "schedule.steps=4", "schedule.eval_every=2",
@@ -336,7 +337,7 @@ def test_a_job_is_placed_on_the_gpus_it_holds_with_its_share_of_the_cores(monkey
 def test_a_run_on_a_gpu_takes_one_gpus_share_of_the_cores_when_no_launcher_says_more(monkeypatch):
     """Runs started by hand, one per GPU, do not know of each other: each takes its GPU's share of the host."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    monkeypatch.setattr("lra.engine.host_gpus", lambda: 4)
+    monkeypatch.setattr("lra.train.engine.host_gpus", lambda: 4)
     monkeypatch.delenv("LRA_LOCAL_JOBS", raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert (cpu_threads(None, cuda), cpu_threads(None, cpu), cpu_threads(None)) == (16, 64, 64)

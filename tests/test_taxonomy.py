@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
-from lra import taxonomy
+from lra.report import taxonomy
 from models import list_models
 from models.registry import COMPLEXITIES
 from tests.conftest import ROOT, in_background
@@ -63,8 +63,8 @@ def test_the_table_covers_the_registry_and_the_readme_holds_the_generated_one():
                                                "results --readme README.md"
 
 
-IMPORT_WITHOUT_PLOTTING = ("import sys, lra.taxonomy; assert 'matplotlib' not in sys.modules, 'lra.taxonomy imported "
-                           "matplotlib'")
+IMPORT_WITHOUT_PLOTTING = ("import sys, lra.report.taxonomy; assert 'matplotlib' not in sys.modules, "
+                           "'lra.report.taxonomy imported matplotlib'")
 
 
 @in_background(lambda folder, environ: subprocess.run([sys.executable, "-c", IMPORT_WITHOUT_PLOTTING], cwd=ROOT,

@@ -14,6 +14,7 @@ interrupted by a machine going away continues with the same command.
 """
 # No `from __future__ import annotations` here: Hydra executes plugin modules outside sys.modules, where dataclasses
 # cannot resolve string annotations.
+import ctypes
 import json
 import logging
 import multiprocessing
@@ -30,13 +31,15 @@ from typing import Any
 from filelock import FileLock, Timeout
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher, BasicLauncherConf
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from omegaconf import OmegaConf
 
+from lra.launchers import UNAVAILABLE
+
 # The [sweep] extra (pip install "lra[sweep]") brings both plugins; each launcher needs only its own, so a host with
-# one of them installed still has that launcher. UNAVAILABLE says why one is not registered, for the CLI's error
-# (`lra.config.check_launcher`) where Hydra would only list the launchers it has.
-UNAVAILABLE: dict[str, str] = {}
+# one of them installed still has that launcher. UNAVAILABLE (lra.launchers) says why one is not registered, for the
+# CLI's error (`lra.config.check_launcher`) where Hydra would only list the launchers it has.
 try:
     from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
     from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
@@ -55,8 +58,8 @@ def job_state(run_dir: Path) -> str:
     """finished | running | retry | resume | new, as the runner will find the job's folder (running: another process
     is training it now, and this launch of the job stops at once; retry: it ended in ``oom`` or ``error`` and runs
     again; resume: it has a checkpoint to go on from, a run stopped by ``schedule.stop_at`` included)."""
-    from lra.checkpoint import RunFiles
-    from lra.provenance import is_stopped
+    from lra.provenance import is_stopped  # plugin at the start of every app
+    from lra.train.checkpoint import RunFiles  # lra's runner (torch) only when a sweep needs it: Hydra loads this
 
     files = RunFiles(run_dir)
     if files.settled() is not None:
@@ -184,8 +187,6 @@ def stop_with_parent(parent: int) -> None:
     relaunch then waits for; with it each job finishes its step, checkpoints and ends, as if signalled itself.
     Elsewhere nothing (the signal still reaches a job sent to the whole process group, as a terminal's Ctrl-C)."""
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # no libc with prctl (macOS, Windows)
@@ -198,7 +199,7 @@ def _send_result(conn, fn, args, env, parent: int) -> None:
     """In the job's own process: ``fn(*args)`` with ``env`` added to its environment, its result sent back pickled
     (an exception as a RuntimeError that names it, since not every exception pickles). Loky's pickler, as joblib's
     own workers use: Hydra runs this module outside ``sys.modules``, so its classes pickle by value."""
-    from joblib.externals.loky.backend.reduction import dumps
+    from joblib.externals.loky.backend.reduction import dumps  # optional: the [sweep] extra brings joblib
 
     stop_with_parent(parent)
     os.environ.update(env)
@@ -269,8 +270,7 @@ if JoblibLauncher is not None:
         """One job in a joblib worker: claim its GPUs (``trainer.devices``, one by default), run on them in a
         process of its own, release them. A job whose process dies returns as failed, naming its folder; the
         others run on, and the sweep fails at its end (relaunched, the job resumes from its last checkpoint)."""
-        from hydra.core.utils import JobStatus
-        from hydra_plugins.hydra_joblib_launcher import _core
+        from hydra_plugins.hydra_joblib_launcher import _core  # optional: the [sweep] extra
 
         devices = int(OmegaConf.select(sweep_job(hydra_context, config, overrides), "trainer.devices", default=1))
         claimed = claim_gpus(Path(lock_dir), slots, devices)
@@ -287,7 +287,7 @@ if JoblibLauncher is not None:
             if is_run(job):
                 log.error("job %s: %s; its row says so, and relaunching the sweep runs it again from its last "
                           "checkpoint", out, crash)
-                from lra.run import record_crash
+                from lra.train.run import record_crash  # the runner (torch) only where a job crashed, as in job_state
 
                 record_crash(job, out, crash.how)  # the job never got to write its own row
             else:
@@ -305,7 +305,7 @@ if JoblibLauncher is not None:
 
     def visible_gpus() -> int:
         try:
-            import torch
+            import torch  # torch (seconds) only where the gpus launcher starts, not at Hydra's plugin scan
 
             return torch.cuda.device_count()
         except Exception:  # noqa: BLE001 - no torch or no driver: no GPUs
@@ -321,9 +321,7 @@ if JoblibLauncher is not None:
             self.joblib["n_jobs"] = self.slots
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-            from hydra.core.singleton import Singleton
-            from hydra.core.utils import configure_log, setup_globals
-            from joblib import Parallel, delayed
+            from joblib import Parallel, delayed  # optional: the [sweep] extra
 
             setup_globals()
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)

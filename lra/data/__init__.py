@@ -13,7 +13,9 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .common import BatchOrder, DataError, Split, TaskData
+from lra.errors import ConfigError, DataError
+
+from .common import BatchOrder, Split, TaskData
 
 _REGISTRY: dict[str, TaskSpec] = {}
 _NOT_TASKS = {"common", "pathfinder_gen"}  # shared code and the Pathfinder generator, not loaders
@@ -34,8 +36,6 @@ class TaskSpec:
 
     def check(self, task_cfg) -> None:
         if self.validate is not None:
-            from lra.config import ConfigError
-
             try:
                 self.validate(task_cfg)
             except (ValueError, DataError) as e:

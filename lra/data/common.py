@@ -3,23 +3,22 @@ the seeded batch order and the start-up summary line. A task module only turns i
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import os
-import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from filelock import FileLock
+
+from lra.errors import DataError
+from lra.io import atomic_save, atomic_write_text, file_sha256, lock_for
 
 log = logging.getLogger("lra.data")
-
-
-class DataError(RuntimeError):
-    """Missing or malformed data; the message says what was expected and how to get it."""
 
 
 @dataclass
@@ -74,40 +73,6 @@ def fingerprint(paths: Iterable[Path]) -> list:
 
 def cache_key(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def temporary_name(path: Path) -> Path:
-    """A sibling name no other process or thread writes (for write-then-rename publishing)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-
-
-def atomic_save(obj, path: Path) -> None:
-    """``torch.save`` to a temporary sibling, then rename: a reader sees the old file or the new one, whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_name(path)
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_name(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
-def lock_for(path: Path) -> FileLock:
-    """An inter-process lock beside ``path`` (``<path>.lock``); held while ``path`` is built or generated."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(path) + ".lock")
 
 
 def cached(cache_dir: str | Path, name: str, spec: dict, build: Callable[[], dict]) -> tuple[dict, bool]:
@@ -294,8 +259,6 @@ def parallel_map(fn: Callable[[list], list], items: list, workers: int | None = 
     workers = min(workers or os.cpu_count() or 1, 16, len(chunks))
     if workers <= 1 or len(items) < min_parallel:
         return [r for c in chunks for r in fn(c)]
-    from concurrent.futures import ProcessPoolExecutor
-
     with ProcessPoolExecutor(workers) as pool:
         return [r for rs in pool.map(fn, chunks) for r in rs]
 
@@ -312,7 +275,7 @@ def hf_tables(path: str, splits: tuple[str, ...], how_to_get: str) -> tuple[dict
     - a hub id (``stanfordnlp/imdb``) read by ``datasets.load_dataset`` (network or the HF cache).
     Returns (tables, source fingerprint, description). Image columns keep their stored
     ``{bytes, path}`` structs (no decoding here)."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow only where a parquet source is read: lra.data loads at every command's start
     import pyarrow.parquet as pq
 
     local = Path(path).expanduser()
@@ -335,13 +298,11 @@ def hf_tables(path: str, splits: tuple[str, ...], how_to_get: str) -> tuple[dict
 
 
 def _glob(pattern: str) -> list[str]:
-    import glob
-
     return glob.glob(str(Path(pattern).expanduser()))
 
 
 def _hub_tables(dataset_id: str, splits: tuple[str, ...], how_to_get: str) -> tuple[dict, dict, str]:
-    import datasets
+    import datasets  # datasets (seconds to import) only where a hub id is read
 
     try:
         ds = datasets.load_dataset(dataset_id)

@@ -24,9 +24,10 @@ from functools import partial
 import numpy as np
 import torch
 
+from lra.errors import DataError
+
 from . import register_task
 from .common import (
-    DataError,
     Split,
     TaskData,
     cached,
@@ -58,7 +59,7 @@ def tf_grayscale(rgb: np.ndarray) -> np.ndarray:
 
 def decode_gray(items: list, side: int) -> list:
     """Image cells (``{bytes, path}`` structs as the hub stores them) -> (side * side,) uint8 gray rows."""
-    from PIL import Image
+    from PIL import Image  # PIL only where images are decoded: lra.data loads at every command's start
 
     out = []
     for item in items:

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from lra.errors import DataError
+from lra.io import temporary_name
+
 from . import register_task
 from .common import (
-    DataError,
     Split,
     TaskData,
     cached,
@@ -33,7 +35,6 @@ from .common import (
     generate_once,
     resolve_root,
     smallest_int_dtype,
-    temporary_name,
 )
 
 log = logging.getLogger("lra.data")

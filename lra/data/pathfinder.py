@@ -21,6 +21,7 @@ true`` feeds raw pixels as LRA did, which masks the whole background as padding 
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from functools import partial
@@ -29,10 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lra.errors import DataError
+
 from . import register_task
 from .common import (
     SPLITS,
-    DataError,
     Split,
     TaskData,
     cached,
@@ -86,7 +88,7 @@ def read_metadata(folder: Path) -> tuple[list[str], list[int], list[Path]]:
 
 def decode_pngs(paths: list[str], side: int) -> list:
     """PNG paths -> (side * side,) uint8 rows; None for a file PIL cannot read."""
-    from PIL import Image
+    from PIL import Image  # PIL only where images are decoded: lra.data loads at every command's start
 
     out = []
     for p in paths:
@@ -114,7 +116,7 @@ def images_needed(limits: dict, full: int) -> int:
 
 def generated_folder(data, res: int, difficulty: str, limits: dict, progress: bool) -> Path:
     """Generate into the cache (once, whatever the number of concurrent runs) and return the difficulty folder."""
-    from . import pathfinder_gen
+    from . import pathfinder_gen  # the generator (and PIL) only where images are generated: as PIL above
 
     n, seed, version = images_needed(limits, int(data.generate.n)), int(data.generate.seed), \
         pathfinder_gen.GENERATOR_VERSION
@@ -132,8 +134,6 @@ def generated_folder(data, res: int, difficulty: str, limits: dict, progress: bo
 
 def data_version(folder: Path) -> str:
     """What the rows record as the data: the generator's version for generated images, else the release."""
-    import json
-
     manifest = folder / "pathfinder_gen.json"
     if manifest.exists():
         info = json.loads(manifest.read_text())

@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import io
 import json
 import math
 import os
@@ -84,6 +85,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+from tqdm import tqdm
 
 GENERATOR_VERSION = 2  # what this code draws for a given seed; the versions are listed in the module docstring
 DIFFICULTIES = {"easy": "curv_baseline", "intermediate": "curv_contour_length_9", "hard": "curv_contour_length_14"}
@@ -534,8 +536,6 @@ def generate(out_dir, resolution: int = 32, difficulty: str = "hard", n: int = 2
              progress: bool = True) -> Path:
     """Write ``out_dir/pathfinder{resolution}/{folder}/{metadata/<k>.npy, imgs/<k>/sample_<i>.png}`` and
     return that folder. Resumable: batches whose metadata exists are skipped."""
-    from tqdm import tqdm
-
     params = params or PathfinderParams.for_lra(resolution, difficulty)
     if tuple(params.window_size) != (resolution, resolution):
         raise ValueError(f"params.window_size {params.window_size} does not match resolution {resolution}")
@@ -569,8 +569,6 @@ def _batch_done(folder: Path, k: int, size: int) -> bool:
 
 def benchmark(resolution: int = 32, n: int = 200, difficulty: str = "hard", seed: int = 0) -> float:
     """Images per second on one core (render + PNG encode), printed and returned."""
-    import io
-
     params, rng = PathfinderParams.for_lra(resolution, difficulty), batch_rng(seed, 0)
     _render(params, rng)  # warm the patch caches
     t = time.perf_counter()

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from lra.errors import DataError
+
 from . import register_task
 from .common import (
     SPLITS,
-    DataError,
     Split,
     TaskData,
     cached,

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from lra.errors import DataError
+
 from . import register_task
 from .common import (
-    DataError,
     Split,
     TaskData,
     cached,

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lra import rank
+from lra.report import rank
 from lra.provenance import PARTIAL_PRESETS, departures, is_stopped
 
 TASKS4 = ["listops", "text", "image", "pathfinder"]
@@ -58,7 +58,7 @@ AVERAGES = {"avg4": TASKS4, "avg5": TASKS5, "avg6": TASKS5}
 PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
 SUPERSEDED = "+superseded_data"  # the experiment suffix of rows on older Pathfinder images (``superseded_data``)
 STALL_BAND = 1.0  # points above the stall baseline within which a run counts as stalled
-PROJECT_RESULTS = Path(__file__).resolve().parent.parent / "results"
+PROJECT_RESULTS = Path(__file__).resolve().parents[2] / "results"
 # test split sizes of LRA's tasks, whose whole test splits the runs evaluate (baselines.csv counts them in our data):
 # the rank bootstrap's test-set noise
 TEST_SIZES = {"listops": 2000, "text": 25000, "retrieval": 17437, "image": 10000, "pathfinder": 20000,
@@ -155,7 +155,7 @@ def superseded_data(runs: pd.DataFrame) -> pd.Series:
     if not version.notna().any():  # no row names a generator version: nothing to compare them with
         return pd.Series(False, index=runs.index)
     unrecorded = data.isna() & runs["task"].isin(["pathfinder", "pathx"])
-    from lra.data.pathfinder_gen import GENERATOR_VERSION  # imports torch: only where Pathfinder rows are
+    from lra.data.pathfinder_gen import GENERATOR_VERSION  # lra.data brings torch: only where Pathfinder rows are
 
     return ((version < GENERATOR_VERSION) | unrecorded).fillna(False).astype(bool)
 

@@ -6,7 +6,7 @@ Most tokens of the padded tasks are padding (ListOps averages about 1,040 real t
 its longest example saves little. Packing places the examples of a batch, longest first, into the first row
 with room (first-fit decreasing); the model then runs on fewer rows of the same length.
 
-A packed batch is four tensors, passed to :class:`lra.encoder.Classifier` in this order:
+A packed batch is four tensors, passed to :class:`lra.train.encoder.Classifier` in this order:
 
 * ``tokens`` (R, M): the examples' real tokens, 0 elsewhere (padding and each example's CLS slot);
 * ``segments`` (R, M): which example a position belongs to, 1..B in batch order (0 = padding);
@@ -109,7 +109,7 @@ def pack(tokens: torch.Tensor, cls_token: bool) -> Packed:
 
 def pack_pairs(tokens: torch.Tensor, cls_token: bool) -> Packed:
     """(B, 2, L) document pairs -> the 2B documents packed, document 2b + t being pair b's t-th
-    (:class:`~lra.encoder.Classifier` regroups them into pairs after pooling)."""
+    (:class:`~lra.train.encoder.Classifier` regroups them into pairs after pooling)."""
     B, two, L = tokens.shape
     return pack(tokens.reshape(B * two, L), cls_token)  # (2B, L): pairs side by side
 

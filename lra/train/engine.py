@@ -1,4 +1,4 @@
-"""The one training engine shared by the runner (``lra.run``) and the bench (``lra.bench``): device, precision and
+"""The one training engine shared by the runner (``lra.train.run``) and the bench (``lra.bench``): device, precision and
 compilation resolved the same way, the single training step, the optimiser with the mixers' parameter groups,
 synchronised timing and peak memory. What one measures the other measures identically.
 """
@@ -21,7 +21,7 @@ import torch._functorch.config
 import torch._inductor.config
 import torch.nn.functional as F
 
-from lra.encoder import Classifier, build_classifier
+from lra.train.encoder import Classifier, build_classifier
 from models import get_model_class
 from models.base import checked_backend
 
@@ -289,7 +289,7 @@ class TaskShape:
     seq_len: int
     n_classes: int
     pair: bool = False
-    padded: bool = True  # False: no token is ever 0, so the model runs mask-free (see ``lra.encoder.Classifier``)
+    padded: bool = True  # False: no token is ever 0, so the model runs mask-free (see ``lra.train.encoder.Classifier``)
     grid: tuple[int, int] | None = None
 
 
@@ -369,7 +369,7 @@ def release_leftovers(device: torch.device) -> float:
     return torch.cuda.memory_allocated(device) / 2**20
 
 
-# the profiler's key of a Python call of ours: "lra/run.py(421): step", or the whole path where the profiler could
+# the profiler's key of a Python call of ours: "lra/train/run.py(421): step", or the whole path where the profiler could
 # not strip it (it strips the sys.path entries it knows of)
 OWN_FUNCTION = re.compile(r"(?:^|/)((?:lra|models)/[\w/]+\.py\(\d+\): .*)")
 

@@ -13,7 +13,7 @@ at batch 32, N 16384 at batch 8; ms per forward + backward (median of ``--steps`
 ``--warmup``, and their 10th and 90th percentiles: two layers whose spreads overlap are not told apart by one run)
 and peak MB (``cuda_max_allocated``, CUDA only, less what earlier rows left allocated: each row's own).
 
-``--peers`` times the public packages' layers (lra/peers.py; ``pip install 'lra[peers]'``) of the chosen models,
+``--peers`` times the public packages' layers (lra/bench/peers.py; ``pip install 'lra[peers]'``) of the chosen models,
 and the bare SDPA layer as the baseline, in the same process on the same card with the same timing loop, and
 sets ours beside them. Without it, the packages' numbers are the stored ``peers_h200_layer`` rows of
 ``results/published.csv`` (timed on the card and torch their rows name, not this one, so their ms compare only
@@ -39,15 +39,15 @@ import pandas as pd
 import torch
 import yaml
 
-from lra import engine
-from lra.bench import model_config_options, split_attributes, variant_cases
+from lra.bench.bench import model_config_options, split_attributes, variant_cases
+from lra.bench.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.config import CHOICES
-from lra.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
-from lra.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
+from lra.report.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
+from lra.train import engine
 from models import create_model, list_models
 from models.registry import Grid
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(1024, 32), (4096, 32), (16384, 8)]  # (N, batch)
 COLUMNS = LAYER_BENCH_COLUMNS
 
@@ -140,7 +140,7 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
               steps: int = 20, compile_layer: bool = False,
               profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
-    """``time_forward`` of a public package's layer (lra/peers.py), built for length n, at (batch, n)."""
+    """``time_forward`` of a public package's layer (lra/bench/peers.py), built for length n, at (batch, n)."""
     torch.manual_seed(0)
     layer = peer.build(n).to(device).train()
     return time_forward(layer, n, batch, device, warmup, steps, compile_layer, profile_dir, compile_mode,

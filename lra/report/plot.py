@@ -36,8 +36,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from lra import rank
-from lra.leaderboard import (
+from lra.report import rank
+from lra.report.leaderboard import (
     DEFAULT_RESULTS,
     TASKS5,
     average_replicates,
@@ -46,11 +46,11 @@ from lra.leaderboard import (
     seed_accuracies,
     select_runs,
 )
-from lra.results import BENCH_PROTOCOL, as_text
+from lra.report.results import BENCH_PROTOCOL, as_text
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
-PUBLISHED = Path(__file__).resolve().parent.parent / "results" / "published.csv"
+PUBLISHED = Path(__file__).resolve().parents[2] / "results" / "published.csv"
 MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 
 NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
@@ -764,7 +764,7 @@ def save(fig: Figure, out_dir: Path, stem: str) -> tuple[Path, Path]:
 
 
 def _known_tasks(names: list[str], option: str) -> list[str]:
-    from lra.data import list_tasks
+    from lra.data import list_tasks  # lra.data brings torch: only where tasks are named
 
     unknown = sorted(set(names) - set(list_tasks()))
     if unknown:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from lra.leaderboard import DEFAULT_RESULTS, pick_device
-from lra.results import BENCH_PROTOCOL, as_text
+from lra.report.leaderboard import DEFAULT_RESULTS, pick_device
+from lra.report.results import BENCH_PROTOCOL, as_text
 from models import get_model_class, list_models
 from models.registry import CLASSES
 

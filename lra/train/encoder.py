@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from lra.config import backbone_defaults  # the schema's defaults, in one place
 from models import create_model
 from models.base import make_dropout
 from models.registry import Grid, get_model_class
@@ -196,7 +197,7 @@ class Encoder(nn.Module):
 
     @property
     def supports_segments(self) -> bool:
-        """Whether packed rows (:mod:`lra.packing`) give every example exactly its own outputs: every mixer keeps
+        """Whether packed rows (:mod:`lra.train.packing`) give every example exactly its own outputs: every mixer keeps
         segments apart, no 2-D grid is needed (a grid is one image to a row), and no tied dropout mask (one a row)
         would be shared by the examples of a row."""
         return not self.mixer_inputs and not self.tied_dropout and all(
@@ -221,7 +222,7 @@ class Encoder(nn.Module):
 
     def forward_packed(self, tokens: torch.Tensor, segments: torch.Tensor,
                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed rows (:mod:`lra.packing`): tokens, segments, positions (R, M) -> ((R, M, D), mask (R, M)). Each
+        """Packed rows (:mod:`lra.train.packing`): tokens, segments, positions (R, M) -> ((R, M, D), mask (R, M)). Each
         example gets the CLS vector in its first slot and the position embeddings from 0, as in its own row."""
         if not self.supports_segments:
             raise ValueError("packed rows need mixers that keep segments apart (supports_segments)")
@@ -343,7 +344,7 @@ class Classifier(nn.Module):
 
     def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, N) ids, or (B, 2, N) pairs -> (B, C) logits; or a packed batch's four tensors (``lra.packing``;
+        """(B, N) ids, or (B, 2, N) pairs -> (B, C) logits; or a packed batch's four tensors (``lra.train.packing``;
         for a pair task its documents are the 2B examples, pair b being documents 2b and 2b + 1)."""
         if self.training and self.scheduled:
             self.advance_schedules()
@@ -368,8 +369,6 @@ def build_classifier(model: str, model_options: dict, backbone, vocab_size: int,
     ``cls_token`` null meaning ``pooling == 'cls'``), ``model_options`` the model config without ``name``,
     ``padded`` whether any token may be 0 (see ``Classifier``), ``grid`` the (height, width) of an image task.
     Keys a backbone section may lack (one saved before they existed) take today's defaults."""
-    from lra.config import backbone_defaults  # the schema's defaults, in one place
-
     b = SimpleNamespace(**{**backbone_defaults(), **backbone})
     cls_token = b.pooling == "cls" if b.cls_token is None else bool(b.cls_token)
     encoder = Encoder(

@@ -17,8 +17,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-EXIT_INTERRUPTED = 75  # a run stopped by a signal; its checkpoint is saved (EX_TEMPFAIL: rerun to resume)
+from lra.errors import EXIT_INTERRUPTED
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,6 @@ def spawn(size: int, fn, *args) -> None:
     """Run ``fn(*args)`` in ``size`` fresh processes forming one world; SIGINT/SIGTERM/SIGUSR2 reach every rank
     (each finishes its step and rank 0 checkpoints). Raises ``SystemExit(EXIT_INTERRUPTED)`` when the ranks
     stopped on a signal, ``RuntimeError`` when one failed."""
-    import torch.multiprocessing as mp
-
     ctx = mp.start_processes(_worker, args=(size, free_port(), fn, args), nprocs=size, join=False,
                              start_method="spawn")
 

@@ -11,6 +11,7 @@ hash>_<timestamp>.csv`` (``CURVE_COLUMNS``; ``curve_path``), the evaluations of 
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import os
@@ -18,12 +19,14 @@ import platform
 import subprocess
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 
-from lra.data.common import atomic_write_text, temporary_name
+from lra import __version__
+from lra.io import atomic_write_text, temporary_name
 
 
 @dataclass
@@ -123,7 +126,7 @@ def as_text(rows, columns):
     """A DataFrame of ``rows``' ``columns`` as text, '' where a value is blank or the column absent (rows written
     before it): read back from a CSV such a blank is NaN, which pandas' comparisons and groupby would otherwise drop
     or never match."""
-    import pandas as pd
+    import pandas as pd  # pandas only where rows are read back: the runner appends its row without it
 
     return rows.reindex(columns=list(columns)).map(lambda v: "" if pd.isna(v) else str(v))
 
@@ -225,7 +228,7 @@ def git_sha(short: bool = True) -> str:
     would otherwise report the wrong commit. An installed copy with no checkout says so, with its version."""
     if os.environ.get("LRA_GIT_SHA"):
         return os.environ["LRA_GIT_SHA"]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     no_checkout = f"unknown (lra {package_version()}, no git checkout)"
     if not (root / ".git").exists():
         return no_checkout
@@ -242,13 +245,9 @@ def git_sha(short: bool = True) -> str:
 
 
 def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("lra")
     except PackageNotFoundError:
-        from lra import __version__
-
         return __version__
 
 
@@ -256,8 +255,6 @@ def triton_version() -> str:
     """The Triton that compiles the process's kernels (Inductor's and the packages'), as installed first on the path;
     '' where there is none. A layer's time moves with it (mamba's compiled layer is faster under Triton 3.7.1 than
     under 3.6)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist in ("triton", "pytorch-triton"):  # the release's name, and the nightlies'
         try:
             return version(dist)
@@ -280,7 +277,7 @@ def merge_rows(source: str | Path, dest: str | Path) -> int:
     """Append the rows of ``source`` (a runs.csv, bench.csv or layer_bench.csv, e.g. brought back from another
     machine) that ``dest`` does not hold yet (same timestamp, model, and config hash or length, and implementation);
     returns how many were added. Both files must be of one schema."""
-    import pandas as pd
+    import pandas as pd  # as in as_text
 
     src, dest = Path(source), Path(dest)
     rows = pd.read_csv(src, dtype=str, keep_default_na=False)
@@ -303,8 +300,6 @@ def merge_rows(source: str | Path, dest: str | Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m lra.results",
                                  description="Merge result rows from another results folder (e.g. a GPU "
                                              "machine's), and the validation curves beside them.")

@@ -2,7 +2,7 @@
 (speed and memory per model and length).
 
 A file with ``seed`` and ``test_acc`` columns is a ``runs.csv`` and is first reduced with the leaderboard's rules
-(:func:`lra.leaderboard.build_leaderboard`); one with ``model``, ``task``, ``test_acc`` is a ``leaderboard.csv``;
+(:func:`lra.report.leaderboard.build_leaderboard`); one with ``model``, ``task``, ``test_acc`` is a ``leaderboard.csv``;
 one with ``seq_len`` and ``steps_per_s`` is a ``bench.csv`` (its latest ok row per model, length and batch).
 Cells present in only one file are kept, with a blank on the other side.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lra.leaderboard import build_leaderboard, sort_leaderboard
+from lra.report.leaderboard import build_leaderboard, sort_leaderboard
 
 COMPARE_COLUMNS = ["experiment", "model", "task", "a", "b", "diff", "n_seeds_a", "n_seeds_b"]
 BENCH_COMPARE_COLUMNS = ["model", "seq_len", "batch_size", "steps_per_s_a", "steps_per_s_b", "speed_ratio",

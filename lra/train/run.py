@@ -10,7 +10,7 @@ rerunning the same command continues from it. A finished run rerun says so and w
 (``resume=false`` starts it over); one that ended in ``oom`` or ``error`` runs again. No wrong number is recorded:
 a non-finite loss stops the run as ``status=diverged``, an out-of-memory as ``status=oom``, a failure as
 ``status=error: ...``, all without accuracies. With ``trainer.devices=N`` (or under ``torchrun``) the run is
-data-parallel (``lra.distributed``).
+data-parallel (``lra.train.distributed``).
 """
 from __future__ import annotations
 
@@ -28,16 +28,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from lra import baseline, distributed, engine
-from lra.checkpoint import RunFiles, rng_state, set_rng_state
-from lra.config import ConfigError, eval_batch_size, model_options, validate
+from lra.config import eval_batch_size, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
-from lra.packing import model_inputs, packed_share, real_ends, trim
+from lra.errors import EXIT_INTERRUPTED, ConfigError
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
-from lra.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
+from lra.report import baseline
+from lra.report.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
+from lra.train import distributed, engine
+from lra.train.checkpoint import RunFiles, rng_state, set_rng_state
+from lra.train.packing import model_inputs, packed_share, real_ends, trim
 from models import list_models
 from models.registry import get_model_class
 
@@ -110,7 +114,7 @@ def to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
 def device_batch(split: Split, rows: slice | torch.Tensor, device: torch.device, packed: bool = False,
                  cls_token: bool = True, trimmed: bool = False) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """The examples ``rows`` of ``split`` on ``device``: the model's inputs (the ids, cut after the longest example
-    when ``trimmed``, or the packed batch: ``lra.packing``) and the labels. Nothing here waits for the GPU."""
+    when ``trimmed``, or the packed batch: ``lra.train.packing``) and the labels. Nothing here waits for the GPU."""
     tokens = trim(split.tokens[rows]) if trimmed else split.tokens[rows]
     inputs = tuple(to_device(t, device) for t in model_inputs(tokens, packed, cls_token))
     return inputs, to_device(split.labels[rows], device)
@@ -208,7 +212,7 @@ def run_rank(cfg: DictConfig) -> dict:
         return Trainer(cfg, world, device).fit()
     except RunInterrupted:
         if world.distributed:  # the other ranks are stopped by their own copy of the signal
-            raise SystemExit(distributed.EXIT_INTERRUPTED) from None
+            raise SystemExit(EXIT_INTERRUPTED) from None
         raise
     finally:
         distributed.shutdown()
@@ -354,8 +358,6 @@ class Trainer:
             self.state["deterministic"] = self.state.get("deterministic", False) and bool(cfg.trainer.deterministic)
         train_model = self.model
         if self.world.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
             # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no copy in and out of them).
             # broadcast_buffers=False: no broadcast of rank 0's buffers before every forward. They are constants
             # (positions, hash rotations) or BatchNorm statistics, which only evaluation reads: the ranks take rank
@@ -762,8 +764,6 @@ def _overrides() -> str:
     if PARENT_OVERRIDES in os.environ:  # a rank spawned by ``run``: Hydra lives in the parent
         return os.environ[PARENT_OVERRIDES]
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         return " ".join(HydraConfig.get().overrides.task)
     except Exception:  # noqa: BLE001 - run(cfg) called directly, outside a Hydra app
         return ""

@@ -4,7 +4,7 @@ Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers" (ICL
 https://arxiv.org/abs/2011.04006), §4.2 / Table 2: the byte-level Text model at N = 1K, 2K, 3K, 4K, batch 32,
 steps per second and peak memory, speed also relative to the Transformer at the same N.
 
-Each (model, length) builds the shared :class:`~lra.encoder.Encoder` + :class:`~lra.encoder.Classifier` with
+Each (model, length) builds the shared :class:`~lra.train.encoder.Encoder` + :class:`~lra.train.encoder.Classifier` with
 the task's backbone and the model's ``conf/model/<name>.yaml`` options, feeds one batch of random byte ids
 (1..256, no padding) and times full training steps (forward, cross-entropy, backward, AdamW step) in the
 training precision: ``warmup`` untimed steps, then ``steps`` timed ones, each between two
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import html
 import logging
 import re
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,17 +36,28 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from lra import engine, plot
 from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig registers the bench schema
 from lra.data import get_task
-from lra.encoder import Classifier
-from lra.results import BENCH_COLUMNS, BENCH_PROTOCOL, BenchRow, append_row, as_text, device_name, git_sha, now_iso
+from lra.report import plot
+from lra.report.results import (
+    BENCH_COLUMNS,
+    BENCH_PROTOCOL,
+    BenchRow,
+    append_row,
+    as_text,
+    device_name,
+    git_sha,
+    now_iso,
+)
+from lra.report.taxonomy import measured_exponents
+from lra.train import engine
+from lra.train.encoder import Classifier
 from models import get_model_class, list_models
 from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
 
-MODEL_CONF = Path(__file__).resolve().parent / "conf" / "model"
+MODEL_CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 BASELINE = "transformer"
 
 
@@ -331,9 +344,6 @@ def format_table(df: pd.DataFrame) -> str:
 
 def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
     """Log the sweep's rows, its Table-2 text and the speed/memory-vs-length charts to Weights & Biases."""
-    import html
-    import tempfile
-
     import wandb  # optional: only this logger needs it
 
     lg = cfg.logger
@@ -362,8 +372,6 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
 def format_exponents(df: pd.DataFrame) -> str:
     """The measured growth of each model's step time and memory in N (log-log slope over N >= 4K at one batch size)
     beside the complexity it declares; empty when the sweep has fewer than two such lengths."""
-    from lra.taxonomy import measured_exponents
-
     exps = measured_exponents(df.assign(device=df["device"].astype(str)))
     if not exps:
         return ""
@@ -375,7 +383,7 @@ def format_exponents(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="conf", config_name="bench", version_base=None)
+@hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     df = run_bench(cfg)
     print(format_table(df))

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from filelock import FileLock, Timeout
 
-from lra.config import ConfigError
-from lra.data.common import atomic_save, atomic_write_text
+from lra.errors import ConfigError
+from lra.io import atomic_save, atomic_write_text
 
 log = logging.getLogger("lra")
 SETTLED_STATUSES = ("ok", "diverged")  # a run that ended so is not run again by a relaunch
