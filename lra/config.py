@@ -24,8 +24,7 @@ from lra.data import get_task, image_tasks
 from lra.errors import ConfigError
 from lra.launchers import unavailable
 from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
-from models.registry import get_model_class, invalid_options, list_models
-from models.registry import model_options as constructor_options
+from models.registry import get_model_class, invalid_options, list_models, model_defaults
 
 
 @dataclass
@@ -448,7 +447,7 @@ def register_plugin_model_configs() -> None:
     shipped = {p.stem for p in (Path(__file__).parent / "conf" / "model").glob("*.yaml")}
     for name in list_models():
         if name not in shipped:
-            ConfigStore.instance().store(group="model", name=name, node={"name": name, **constructor_options(name)})
+            ConfigStore.instance().store(group="model", name=name, node={"name": name, **model_defaults(name)})
 
 
 def model_options(cfg: DictConfig) -> dict:

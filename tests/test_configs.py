@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from lra.config import TrainerConfig, eval_batch_size, validate
 from lra.data import list_tasks
 from lra.errors import ConfigError
-from models import list_models, model_options
+from models import list_models, model_defaults
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
 
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
@@ -35,7 +35,7 @@ def test_every_registered_task_has_a_config_and_back():
 def test_model_config_holds_only_its_own_options_with_the_constructor_defaults(model):
     cfg = OmegaConf.load(CONF / "model" / f"{model}.yaml")
     assert cfg.name == model
-    own = model_options(model)
+    own = model_defaults(model)
     assert set(cfg) - {"name"} <= set(own), f"{model}.yaml sets options its constructor does not take"
     for key in set(cfg) - {"name"}:
         assert cfg[key] == own[key], f"{model}.yaml: {key}={cfg[key]!r} but the constructor says {own[key]!r}"
