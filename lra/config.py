@@ -24,8 +24,7 @@ from lra.data import get_task, image_tasks
 from lra.errors import ConfigError
 from lra.launchers import unavailable
 from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
-from models.registry import get_model_class, invalid_options, list_models
-from models.registry import model_options as constructor_options
+from models.registry import get_model_class, invalid_options, list_models, model_defaults
 
 
 @dataclass
@@ -519,20 +518,17 @@ def validate_model(cfg: DictConfig) -> None:
 
 
 def register_model_configs() -> None:
-    """Every registered model's constructor options and their defaults as ``model_options/<name>``, which
+    """Every registered model's constructor options and their defaults as ``model_defaults/<name>``, which
     ``conf/model/<name>.yaml`` takes first (the constructor is the schema and the one home of each default); a model
     registered from outside the package (entry point ``lra.models`` or ``LRA_MODEL_MODULES``) has no yaml and gets
     ``model/<name>`` made of the same, so that ``model=<name>`` composes. Call before composing (the CLI, lra.prepare
     and the tests do)."""
-    from models.registry import list_models
-    from models.registry import model_options as constructor_options
-
     store = ConfigStore.instance()
     shipped = {p.stem for p in (Path(__file__).parent / "conf" / "model").glob("*.yaml")}
     for name in list_models():
-        store.store(group="model_options", name=name, node=constructor_options(name))
+        store.store(group="model_defaults", name=name, node=model_defaults(name))
         if name not in shipped:
-            store.store(group="model", name=name, node={"name": name, **constructor_options(name)})
+            store.store(group="model", name=name, node={"name": name, **model_defaults(name)})
 
 
 def model_options(cfg: DictConfig) -> dict:

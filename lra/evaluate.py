@@ -5,7 +5,7 @@ generator, seed or release.
 The run's own ``config.yaml`` is loaded, the overrides are applied (data and task settings only: anything that
 would change the model the checkpoint holds is refused, naming the key), the data is loaded with the task's loader
 and the model is built as the runner builds it; the data must give that model the vocabulary, length and number of
-classes of the checkpoint. The accuracy comes from the runner's own ``lra.train.run.evaluate`` at the run's precision
+classes of the checkpoint. The accuracy comes from the runner's own ``lra.train.run.accuracy`` at the run's precision
 (bf16 autocast on CUDA, fp32 on CPU), eagerly. One line is printed; ``--out`` appends a row (``EvalRow``) to a CSV.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lra.provenance import config_hash
 from lra.report.results import append_row, device_name, git_sha, now_iso
 from lra.train import engine
 from lra.train.checkpoint import RunFiles
-from lra.train.run import check_writable, evaluate, seed_everything, task_shape
+from lra.train.run import accuracy, check_writable, seed_everything, task_shape
 
 log = logging.getLogger("lra")
 CONFIG = "config.yaml"  # written by the runner into every run folder
@@ -206,11 +206,11 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
     model.to(device)
     precision = engine.resolve_precision(cfg.trainer.precision, device)
     examples = getattr(data, split)
-    accuracy = evaluate(model, examples, eval_batch_size(cfg), device, engine.autocast(precision, device))
+    acc = accuracy(model, examples, eval_batch_size(cfg), device, engine.autocast(precision, device))
 
     row = EvalRow(
         task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment, checkpoint=checkpoint,
-        step=step, split=split, accuracy=accuracy, n_examples=len(examples),
+        step=step, split=split, accuracy=acc, n_examples=len(examples),
         run_acc=done.get(RUN_ACC_KEY[checkpoint, split]), data_source=str(data.info.get("source", "")),
         data_version=data.info.get("data"), data_split=data.info.get("split"), overrides=" ".join(overrides),
         precision=precision, device=device_name(device), torch=torch.__version__, git_sha=git_sha(),

@@ -144,7 +144,7 @@ def get_model_class(name: str) -> type[nn.Module]:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(list_models())}") from None
 
 
-def model_options(name: str) -> dict[str, object]:
+def model_defaults(name: str) -> dict[str, object]:
     """The model's own options (not the backbone's) and their defaults, read off its constructor."""
     sig = inspect.signature(get_model_class(name))
     return {k: p.default for k, p in sig.parameters.items() if k not in BACKBONE_ARGS}
@@ -153,11 +153,11 @@ def model_options(name: str) -> dict[str, object]:
 def unknown_options(name: str, options, backbone: bool = True) -> str | None:
     """None when model ``name`` accepts every key of ``options`` (its own options, plus the backbone arguments
     when ``backbone``), else a message naming its own options."""
-    accepted = inspect.signature(get_model_class(name)).parameters if backbone else model_options(name)
+    accepted = inspect.signature(get_model_class(name)).parameters if backbone else model_defaults(name)
     unknown = sorted(set(options) - set(accepted))
     if not unknown:
         return None
-    own = ", ".join(f"{k}={v!r}" for k, v in model_options(name).items()) or "none"
+    own = ", ".join(f"{k}={v!r}" for k, v in model_defaults(name).items()) or "none"
     return f"model {name!r} has no option(s) {unknown}; its options are: {own}"
 
 
@@ -198,7 +198,7 @@ def invalid_options(name: str, options: dict, prefix: str = "model.") -> str | N
         return error
     cls = get_model_class(name)
     hints = typing.get_type_hints(cls.__init__)
-    defaults = model_options(name)
+    defaults = model_defaults(name)
     for key, value in options.items():
         hint = hints.get(key)
         if hint is not None and not _accepts(hint, value):

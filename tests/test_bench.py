@@ -141,13 +141,13 @@ def test_a_variant_can_choose_how_a_mixer_runs(tmp_path, monkeypatch):
     """bench.variants may set a mixer's ``backend`` (an attribute, not a constructor option) on every layer of the
     model; a mixer with one execution gives an error row, and the sweep goes on."""
     seen = []
-    real = bench.measure
+    real = bench.time_steps
 
     def spy(fn, *args, **kwargs):
         seen.append([getattr(m, "backend", None) for m in fn.modules() if type(m).__name__ == "Synthesizer"])
         return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "measure", spy)
+    monkeypatch.setattr(bench, "time_steps", spy)
     variants = [{"model": "synthesizer", "backend": "explicit"}, {"model": "linformer", "backend": "torch"}]
     cfg = make_cfg(tmp_path, ["synthesizer"], [128], compile=False, variants=variants)
     df = bench.run_bench(cfg)
@@ -158,7 +158,7 @@ def test_a_variant_can_choose_how_a_mixer_runs(tmp_path, monkeypatch):
 
 
 def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, mean_mixer, caplog):
-    real = bench.measure
+    real = bench.time_steps
 
     def flaky(model, tokens, labels, **kw):
         if tokens.shape[-1] == 128:
@@ -169,7 +169,7 @@ def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, me
             raise ValueError("no kernel for this shape\nsecond line")
         return real(model, tokens, labels, **kw)
 
-    monkeypatch.setattr(bench, "measure", flaky)
+    monkeypatch.setattr(bench, "time_steps", flaky)
     df = bench.run_bench(make_cfg(tmp_path, ["transformer", mean_mixer], [64, 80, 96, 128]))
     status = {(r.model, r.seq_len): r.status for r in df.itertuples()}
     for m in ("transformer", mean_mixer):

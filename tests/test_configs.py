@@ -15,7 +15,7 @@ from omegaconf import OmegaConf, open_dict
 from lra.config import BenchRunConfig, RunConfig, eval_batch_size, experiment_protocols, validate
 from lra.data import list_tasks
 from lra.errors import ConfigError
-from models import list_models, model_options
+from models import list_models, model_defaults
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
 
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
@@ -38,7 +38,7 @@ def test_a_models_options_and_defaults_are_its_constructors_alone(model):
     own = OmegaConf.load(CONF / "model" / f"{model}.yaml")
     assert set(own) == {"defaults", "name"} and own.name == model
     cfg = compose_cfg([f"model={model}", "experiment=defaults", "run_dir=x"])
-    assert OmegaConf.to_container(cfg.model) == {"name": model, **model_options(model)}
+    assert OmegaConf.to_container(cfg.model) == {"name": model, **model_defaults(model)}
 
 
 def schema_defaults(schema) -> dict:

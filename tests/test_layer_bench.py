@@ -27,14 +27,14 @@ def test_time_layer_on_cpu():
 
 
 def test_public_packages_and_comparison():
-    ref = layer_bench.peers()
+    ref = layer_bench.stored_peers()
     assert set(ref.model) >= {"transformer", "linear", "linformer", "reformer", "performer", "local"}
     assert set(ref.seq_len) == {1024, 4096, 16384}
     row = ref[(ref.model == "performer") & (ref.seq_len == 4096)].iloc[0]
     assert row.ms_fwd_bwd == pytest.approx(15.2) and row.peak_mb == pytest.approx(3404)
     ours = pd.DataFrame([dict(model="reformer", seq_len=4096, batch_size=32, ms_fwd_bwd=5.0, peak_mb=900.0),
                          dict(model="sparse", seq_len=4096, batch_size=32, ms_fwd_bwd=3.0, peak_mb=800.0)])
-    table = layer_bench.compare(ours, ref)
+    table = layer_bench.versus_public(ours, ref)
     reformer = table[table.model == "reformer"].set_index("implementation")
     assert len(reformer) == 2  # one row per public implementation (1 and 4 hashes)
     assert reformer.loc["reformer-pytorch 1.4.4 (1 hash)", "speedup"] == pytest.approx(11.3 / 5.0)
@@ -135,7 +135,7 @@ def test_every_peer_builds_a_layer_that_trains(peer):
 
 
 def test_peer_names_line_up_with_the_stored_rows():
-    stored = set(layer_bench.peers().implementation)
+    stored = set(layer_bench.stored_peers().implementation)
     names = {p.name() for p in peers.PEERS}
     assert stored <= names  # every stored package row has a live entry of the same name
     # sinkhorn failed under bf16 (nothing stored); the CUDA-only packages have no stored rows: they run live

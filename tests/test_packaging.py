@@ -51,6 +51,11 @@ def test_the_console_script_runs_the_smoke_command_from_another_folder(ran_in_ba
     (installed, proc, import_check, before), folder = ran_in_background()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert import_check.stdout.startswith(str(installed))  # the installed copy ran, not this checkout
+    for package in ("train", "bench", "report", "data", "conf"):  # lra's subpackages and its configs are installed
+        assert (installed / "lra" / package / "__init__.py").exists(), package
+    assert (installed / "lra" / "bench" / "__main__.py").exists()  # python -m lra.bench
+    shipped = sorted(p.relative_to(ROOT / "lra") for p in (ROOT / "lra" / "conf").rglob("*.yaml"))
+    assert sorted(p.relative_to(installed / "lra") for p in (installed / "lra" / "conf").rglob("*.yaml")) == shipped
     rows = pd.read_csv(folder / "elsewhere" / "outputs" / "results" / "runs.csv")
     assert len(rows) == 1 and (ROOT / "results" / "runs.csv").read_bytes() == before
     row = rows.iloc[0]

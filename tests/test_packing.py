@@ -325,9 +325,9 @@ def test_a_trimmed_evaluation_goes_in_length_order_and_counts_the_same():
             return torch.stack([1 - first, first], -1).float()
 
     model, no_autocast = ParityOfTheFirstToken(), contextlib.nullcontext
-    full = runner.evaluate(model, split, 16, torch.device("cpu"), no_autocast, cls_token=False)
+    full = runner.accuracy(model, split, 16, torch.device("cpu"), no_autocast, cls_token=False)
     widths_full, seen[:] = list(seen), []
-    cut = runner.evaluate(model, split, 16, torch.device("cpu"), no_autocast, cls_token=False, trimmed=True)
+    cut = runner.accuracy(model, split, 16, torch.device("cpu"), no_autocast, cls_token=False, trimmed=True)
     assert cut == full and widths_full == [1024] * 6
     assert seen == sorted(seen) and sum(seen) < 0.7 * sum(widths_full)  # short batches first, most cut well short
 

@@ -88,7 +88,7 @@ def bench_shape(name: str, task: str, seq_len: int, vocab_size: int) -> engine.T
     return engine.TaskShape(vocab_size, seq_len, get_task(task).n_classes, padded=False, grid=grid)
 
 
-def build_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None = None) -> Classifier:
+def bench_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None = None) -> Classifier:
     """The model at one bench length; ``options`` override the model config's (a variant)."""
     shape = bench_shape(name, cfg.task.name, seq_len, cfg.bench.vocab_size)
     return engine.build_model(name, {**model_config_options(name), **(options or {})}, cfg.backbone, shape)
@@ -158,7 +158,7 @@ def sdpa_backend(event_names) -> str:
     return "+".join(sorted(found))
 
 
-def measure(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str, warmup: int, steps: int,
+def time_steps(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: str, warmup: int, steps: int,
             params, cuda_graphs: bool = False) -> dict:
     """Run ``warmup`` + ``steps`` training steps (the runner's step). Returns the timed step durations (s), the SDPA
     backend seen in the last warm-up step, and the peak memory (MB) with its kind: of the timed steps, or under CUDA
@@ -203,7 +203,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     leftover_mb = engine.release_leftovers(device)  # allocated before the model exists: not this row's memory
     torch.manual_seed(cfg.get("seed", 0))
     options, attributes = split_attributes(options)
-    model = build_model(name, cfg, row.seq_len, options)
+    model = bench_model(name, cfg, row.seq_len, options)
     engine.set_mixer_attributes(model, name, attributes)
     row.params = sum(p.numel() for p in model.parameters())
     model = model.to(device).train()
@@ -214,7 +214,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     mode = b.get("compile_mode", "default")
     fn = torch.compile(model, dynamic=False, mode=mode) if compile_ else model
     cuda_graphs = engine.replays_cuda_graphs(compile_, device, mode)
-    m = measure(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters(),
+    m = time_steps(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters(),
                 cuda_graphs=cuda_graphs)
     ms, row.ms_p10, row.ms_p90 = engine.median_and_spread([t * 1e3 for t in m["times"]])
     row.status, row.ms_per_step, row.steps_per_s, row.examples_per_s = "ok", ms, 1e3 / ms, row.batch_size * 1e3 / ms

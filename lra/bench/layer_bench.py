@@ -179,7 +179,7 @@ def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
     return row
 
 
-def peers(published: Path = ROOT / "results" / "published.csv") -> pd.DataFrame:
+def stored_peers(published: Path = ROOT / "results" / "published.csv") -> pd.DataFrame:
     """The public packages' per-layer rows: model, implementation, seq_len, ms_fwd_bwd, peak_mb."""
     p = pd.read_csv(published)
     p = p[p["source"] == "peers_h200_layer"]
@@ -187,7 +187,7 @@ def peers(published: Path = ROOT / "results" / "published.csv") -> pd.DataFrame:
     return wide.rename(columns={"note": "implementation", "ms": "ms_fwd_bwd", "mb": "peak_mb"})
 
 
-def compare(ours: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
+def versus_public(ours: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
     """Our rows beside every public implementation of the same method and length (and batch, where the reference
     has one), with the speed-up (public ms / ours) and the memory ratio (ours MB / public MB)."""
     keys = ["model", "seq_len"] + (["batch_size"] if "batch_size" in reference else [])
@@ -201,7 +201,7 @@ def compare(ours: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
 
 
 def versus_sdpa(table: pd.DataFrame, sdpa: pd.DataFrame) -> pd.DataFrame:
-    """``table`` (``compare``'s) with ours and the package each against the bare SDPA layer of the same shape,
+    """``table`` (``versus_public``'s) with ours and the package each against the bare SDPA layer of the same shape,
     measured in the same call: x_sdpa = SDPA ms / ms (above 1: faster), mem_x_sdpa = MB / SDPA MB."""
     base = sdpa[["seq_len", "batch_size", "ms_fwd_bwd", "peak_mb"]].rename(
         columns={"ms_fwd_bwd": "ms_sdpa", "peak_mb": "mb_sdpa"})
@@ -216,7 +216,7 @@ def live_table(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
     ok = theirs[theirs["status"] == "ok"]
     reference = ok[["model", "implementation", "seq_len", "batch_size", "ms_fwd_bwd", "peak_mb"]]
     sdpa = ok[ok["implementation"] == BASELINE.name()]
-    return versus_sdpa(compare(ours[ours["status"] == "ok"], reference), sdpa)
+    return versus_sdpa(versus_public(ours[ours["status"] == "ok"], reference), sdpa)
 
 
 def frame(rows: list[dict]) -> pd.DataFrame:
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                    for peer in (for_models(models) if args.peers else [])]
     ours, theirs = frame(ours), frame(theirs)
     if not args.peers:
-        table = compare(ours[ours["status"] == "ok"], peers())
+        table = versus_public(ours[ours["status"] == "ok"], stored_peers())
         print_table(table, "Public packages: STORED numbers (results/published.csv, peers_h200_layer: NVIDIA H200, "
                            "torch 2.11), another card than this one; --peers measures them here.")
         return table

@@ -121,7 +121,7 @@ def device_batch(split: Split, rows: slice | torch.Tensor, device: torch.device,
 
 
 @torch.no_grad()
-def evaluate(model, split: Split, batch_size: int, device: torch.device, autocast, packed: bool = False,
+def accuracy(model, split: Split, batch_size: int, device: torch.device, autocast, packed: bool = False,
              cls_token: bool = True, trimmed: bool = False, cuda_graphs: bool = False,
              world: distributed.World = distributed.SINGLE) -> float:
     """Accuracy on ``split``. In a data-parallel world every rank takes its share of the batches (batch k on rank
@@ -361,7 +361,7 @@ class Trainer:
             # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no copy in and out of them).
             # broadcast_buffers=False: no broadcast of rank 0's buffers before every forward. They are constants
             # (positions, hash rotations) or BatchNorm statistics, which only evaluation reads: the ranks take rank
-            # 0's before each evaluation (``evaluate``), rank 0 alone saves them, and its own evolve the same
+            # 0's before each evaluation (``accuracy``), rank 0 alone saves them, and its own evolve the same
             # either way. torch 2.13 names that forward_sync_buffers (broadcast_buffers is deprecated there); both
             # leave the one sync at construction, of buffers the ranks built alike.
             no_forward_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
@@ -424,11 +424,11 @@ class Trainer:
         """Whether evaluation runs through torch.compile (it can fall back alone: ``eager_if_compile_fails``)."""
         return self.eval_fn is not self.model
 
-    def evaluate(self, split: Split) -> float:
+    def accuracy(self, split: Split) -> float:
         """Accuracy on ``split``, every rank its share; they evaluate with rank 0's buffers (BatchNorm statistics
         drift apart per rank in training, as each normalises its share of the batch), which its checkpoints hold."""
         self.world.broadcast_buffers(self.model)
-        return self.eager_if_compile_fails(lambda: evaluate(
+        return self.eager_if_compile_fails(lambda: accuracy(
             self.eval_fn, split, eval_batch_size(self.cfg), self.device, self.autocast, self.packed,
             self.model.encoder.cls_token, self.trimmed, self.cuda_graphs and self.eval_compiled, self.world),
             evaluation=True)
@@ -640,7 +640,7 @@ class Trainer:
         state, world = self.state, self.world
         train_loss = world.mean(loss_sum / n_loss, self.cfg.schedule.batch_size).item()
         self.state["peak_mem_mb"] = max(state["peak_mem_mb"], engine.peak_memory_mb(self.device))
-        val_acc = self.evaluate(self.data.val)  # every rank its share of the batches
+        val_acc = self.accuracy(self.data.val)  # every rank its share of the batches
         if world.is_main:
             lr = self.scheduler.get_last_lr()[0]
             if val_acc > state["best_val"]:
@@ -678,10 +678,10 @@ class Trainer:
     def test(self) -> dict:
         """Test accuracy of the final weights, then of the best-validation checkpoint (every rank its share of the
         batches; rank 0 reports)."""
-        final_test = self.evaluate(self.data.test)
+        final_test = self.accuracy(self.data.test)
         # every rank loads the checkpoint rank 0 wrote (each evaluation since ended at a barrier)
         self.model.load_state_dict(self.files.load_best(self.device)["model"])
-        best_test = self.evaluate(self.data.test)
+        best_test = self.accuracy(self.data.test)
         if not self.world.is_main:
             return {}
         return {"val_acc": self.state["best_val"], "test_acc": best_test, "best_step": self.state["best_step"],

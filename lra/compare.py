@@ -1,0 +1,6 @@
+"""``python -m lra.compare``: two result sets side by side. A thin entry: the command is ``lra.report.compare.main``
+(``--help`` lists its options)."""
+from lra.report.compare import main
+
+if __name__ == "__main__":
+    main()
