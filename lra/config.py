@@ -359,8 +359,6 @@ def check_protocol(cfg: DictConfig) -> None:
     """Every entry of the composed experiment's protocol names a task, a model, or a task/model pair: a misspelt
     one would never apply. Then the protocol leaves the config (its entries are applied, and the run's saved config
     holds their values)."""
-    from models.registry import list_models
-
     models = set(list_models())
     for key in cfg.get("protocol") or {}:
         task, _, model = str(key).rpartition("/")

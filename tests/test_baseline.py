@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lra.report import baseline, leaderboard
 from lra.data import Split, TaskData
+from lra.report import baseline, leaderboard
 
 ROOT = Path(__file__).resolve().parent.parent
 

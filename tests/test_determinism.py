@@ -14,11 +14,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import lra.train.run as runner
-from lra.train import engine
-from lra.train.checkpoint import RunFiles
 from lra.config import sweep_slug
 from lra.errors import ConfigError
 from lra.provenance import config_hash, departures
+from lra.train import engine
+from lra.train.checkpoint import RunFiles
 from models import create_model, list_models
 from models._scan import scan
 from models.base import checked_backend, ordered_cumsum, takes_fused_path

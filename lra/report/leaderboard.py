@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lra.report import rank
 from lra.provenance import PARTIAL_PRESETS, departures, is_stopped
+from lra.report import rank
 
 TASKS4 = ["listops", "text", "image", "pathfinder"]
 TASKS5 = ["listops", "text", "retrieval", "image", "pathfinder"]
