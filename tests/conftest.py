@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +15,7 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import lra.config  # registers the config schema with Hydra's ConfigStore
@@ -62,6 +64,22 @@ def in_background(commands: Callable[..., object]):
         test.background_commands = commands
         return test
     return register
+
+
+def compiles_for_hopper(script: str, doc: str):
+    """A test that runs ``script`` (it compiles a module's Triton kernels for sm_90 and prints "compiled") in a
+    process without Triton's interpreter, in the background; skipped on a GPU, where the module's tests compile and
+    run the kernels themselves. The interpreter runs what the GPU compiler may refuse."""
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run the kernels")
+    @in_background(lambda folder, environ: subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in environ.items() if k != "TRITON_INTERPRET"}))
+    def test(ran_in_background):
+        proc, _ = ran_in_background()
+        assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+    test.__doc__ = doc
+    return test
 
 
 def commands_of(item: pytest.Item) -> Callable[..., object] | None:

@@ -181,3 +181,17 @@ def captured_values_backend(captured: list, then=None):
 
     torch._dynamo.reset()
     return backend
+
+
+def out_and_grads(attention, q, k, v, grad, dtype) -> list[torch.Tensor]:
+    """A kernel's output and its q, k, v gradients (for the output gradient ``grad``) with inputs in ``dtype``, all
+    as float64 to compare against a reference."""
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v)
+    (out.double() * grad.double()).sum().backward()
+    return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+
+def relative_errors(ours, theirs) -> list[float]:
+    """||a - b|| / ||b|| for each pair."""
+    return [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(ours, theirs)]

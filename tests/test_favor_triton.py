@@ -1,8 +1,6 @@
 """The performer's Triton kernels (models/_favor_triton.py) against its PyTorch path: on the CPU through Triton's
 interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets before triton is imported), or on a GPU."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from models._favor import favor_attention
 from models._favor_triton import favor_attention_triton, favor_forward_op
 from models.registry import create_model
-from tests.conftest import in_background
+from tests.conftest import compiles_for_hopper
+from tests.mixer_checks import out_and_grads, relative_errors
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,17 +30,6 @@ def inputs(B, H, N, D, m, seed=0):
         keep[2] = False  # and the third has no real key at all
     w = torch.randn(m, D, generator=g) * D**-0.25
     return [t.to(DEVICE) for t in (q, k, v, keep, w, grad)]
-
-
-def out_and_grads(attention, q, k, v, grad, dtype):
-    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
-    out = attention(q, k, v)
-    (out.double() * grad.double()).sum().backward()
-    return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
-
-
-def relative_errors(a, b):
-    return [((x - y).norm() / y.norm().clamp_min(1e-30)).item() for x, y in zip(a, b)]
 
 
 # (B, H, N, Dh, m): head sizes and feature counts that are not powers of two, or under tl.dot's 16 (padded in
@@ -143,12 +131,6 @@ print("compiled")
 """
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run the kernels")
-@in_background(lambda folder, environ: subprocess.run(
-    [sys.executable, "-c", HOPPER_COMPILE], cwd=ROOT, capture_output=True, text=True, timeout=600,
-    env={k: v for k, v in environ.items() if k != "TRITON_INTERPRET"}))
-def test_the_kernels_compile_for_a_hopper_gpu(ran_in_background):
-    """The interpreter runs what the GPU compiler may refuse (a global that is not constexpr did): compile every
-    kernel for sm_90 here, with the ptxas that comes with triton, at the default tiles and at small sizes."""
-    proc, _ = ran_in_background()
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+test_the_kernels_compile_for_a_hopper_gpu = compiles_for_hopper(HOPPER_COMPILE, """
+    The interpreter runs what the GPU compiler may refuse (a global that is not constexpr did): compile every
+    kernel for sm_90 here, with the ptxas that comes with triton, at the default tiles and at small sizes.""")

@@ -2,8 +2,6 @@
 dropout keep mask: on the CPU through Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets before
 triton is imported), or on a GPU."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,8 @@ from models._small_head import (
     threshold,
 )
 from models.registry import create_model
-from tests.conftest import in_background
+from tests.conftest import compiles_for_hopper
+from tests.mixer_checks import out_and_grads, relative_errors
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,17 +60,6 @@ def inputs(B, H, NQ, NK, D, padded=(), seed=0):
             else:
                 keep[-b - 1] = False
     return [None if t is None else t.to(DEVICE) for t in (q, k, v, grad, keep)]
-
-
-def out_and_grads(attention, q, k, v, grad, dtype):
-    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
-    out = attention(q, k, v)
-    (out.double() * grad.double()).sum().backward()
-    return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
-
-
-def relative_errors(ours, theirs):
-    return [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(ours, theirs)]
 
 
 def errors_against_the_reference(shape, dtype, p, padded=()):
@@ -280,12 +268,6 @@ print("compiled")
 """
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run the kernels")
-@in_background(lambda folder, environ: subprocess.run(
-    [sys.executable, "-c", HOPPER_COMPILE], cwd=ROOT, capture_output=True, text=True, timeout=600,
-    env={k: v for k, v in environ.items() if k != "TRITON_INTERPRET"}))
-def test_the_kernels_compile_for_a_hopper_gpu(ran_in_background):
-    """The interpreter runs what the GPU compiler may refuse: compile every kernel for sm_90 here, with the ptxas
-    that comes with triton, at the default tiles, for 16-bit and fp32 inputs, with and without mask and dropout."""
-    proc, _ = ran_in_background()
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+test_the_kernels_compile_for_a_hopper_gpu = compiles_for_hopper(HOPPER_COMPILE, """
+    The interpreter runs what the GPU compiler may refuse: compile every kernel for sm_90 here, with the ptxas
+    that comes with triton, at the default tiles, for 16-bit and fp32 inputs, with and without mask and dropout.""")
