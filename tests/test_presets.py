@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from lra.config import BackboneConfig, experiment_protocols, model_options, validate
 from lra.train.engine import TaskShape, build_model
+from models import model_defaults
 from tests.conftest import CONF, compose_cfg
 
 LRA_FILE = CONF / "experiment" / "lra.yaml"
@@ -178,7 +179,7 @@ def test_experiment_defaults_keeps_the_tasks_backbone_and_the_models_defaults(ta
     backbone, weight_decay = task_defaults(task)
     assert OmegaConf.to_container(cfg.backbone) == backbone
     assert cfg.optim.weight_decay == weight_decay
-    assert OmegaConf.to_container(cfg.model) == OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{model}.yaml"))
+    assert OmegaConf.to_container(cfg.model) == {"name": model, **model_defaults(model)}
 
 
 @pytest.mark.parametrize("task", TASKS)

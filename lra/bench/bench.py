@@ -57,18 +57,7 @@ from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
 
-MODEL_CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 BASELINE = "transformer"
-
-
-def model_config_options(name: str) -> dict:
-    """The options in ``conf/model/<name>.yaml`` (without ``name``); none when the model has no config."""
-    path = MODEL_CONF / f"{name}.yaml"
-    if not path.exists():
-        return {}
-    opts = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
-    opts.pop("name", None)
-    return opts
 
 
 def is_square(n: int) -> bool:
@@ -91,7 +80,7 @@ def bench_shape(name: str, task: str, seq_len: int, vocab_size: int) -> engine.T
 def bench_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None = None) -> Classifier:
     """The model at one bench length; ``options`` override the model config's (a variant)."""
     shape = bench_shape(name, cfg.task.name, seq_len, cfg.bench.vocab_size)
-    return engine.build_model(name, {**model_config_options(name), **(options or {})}, cfg.backbone, shape)
+    return engine.build_model(name, dict(options or {}), cfg.backbone, shape)
 
 
 MIXER_ATTRIBUTES = ("backend",)  # how a mixer runs (models/base.py): set on the built mixers, not constructor options
