@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from lra.data import get_task, image_tasks
 from lra.errors import ConfigError
 from lra.launchers import unavailable
-from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
+from lra.provenance import NOT_HASHED, NOT_HASHED_SCHEDULE, NOT_HASHED_TRAINER
 from models.registry import get_model_class, invalid_options, list_models, model_defaults
 
 
@@ -234,15 +234,18 @@ class BenchRunConfig(RunConfig):
 
 def execution_keys() -> list[str]:
     """The override keys of every setting that ``config_hash`` leaves out: where a run lives, how it executes and
-    logs (``trainer.devices``, ``trainer.progress``, ``logger=wandb``, ...). They name no folder, so a run continued
-    with other devices or threads, or without its progress bar, lands in its own folder again and resumes there."""
+    logs (``trainer.devices``, ``trainer.progress``, ``logger=wandb``, ...), and where it stops
+    (``schedule.stop_at``, ``trainer.time_limit``). They name no folder, so a run continued with other devices or
+    threads, without its progress bar, or past the step it stopped at, lands in its own folder again and resumes
+    there."""
     keys = ["data.cache_dir"]
     schema = {f.name: f for f in fields(RunConfig)}
     for name in NOT_HASHED:
         section = schema[name].default_factory if name in schema and is_dataclass(schema[name].default_factory) \
             else None
         keys += [name, *(f"{name}.{f.name}" for f in fields(section))] if section else [name]
-    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER]
+    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + \
+        [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE]
 
 
 def swept_keys(argv: list[str]) -> list[str]:

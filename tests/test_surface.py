@@ -1,0 +1,56 @@
+"""The commands as a new user meets them, each in a folder of its own (no run_dir=, no checkout's results/): a run
+stopped by schedule.stop_at or trainer.time_limit goes on in its own folder."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from tests.conftest import ROOT, in_background
+
+TINY = ("experiment=smoke", "task.seq_len=256", "backbone.n_layers=1", "schedule.steps=12", "schedule.eval_every=4",
+        "data.limit.train=64", "data.limit.val=16", "data.limit.test=16")
+
+
+def user_env(folder: Path, environ: dict[str, str]) -> dict[str, str]:
+    """A user's environment in ``folder``: this checkout importable, the caches and results under the folder's."""
+    env = {k: v for k, v in environ.items() if k not in ("LRA_RESULTS_DIR", "HYDRA_FULL_ERROR", "LRA_FULL_ERROR")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH")) if p)
+    env["LRA_CACHE_DIR"] = str(folder / "cache")
+    return env
+
+
+def lra(folder: Path, environ: dict[str, str], *args: str, module: str = "lra") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=folder, env=user_env(folder, environ),
+                          capture_output=True, text=True, timeout=600)
+
+
+def stop_then_go_on(folder: Path, environ: dict[str, str]) -> list[subprocess.CompletedProcess]:
+    """The smoke run stopped by schedule.stop_at, then given a time limit of a moment, then run to its end."""
+    return [lra(folder, environ, *TINY, *extra) for extra in
+            (["schedule.stop_at=5"], ["trainer.time_limit=0.0001"], [])]
+
+
+@in_background(stop_then_go_on)
+def test_a_stopped_run_goes_on_in_its_own_folder_through_the_cli(ran_in_background):
+    """docs/cli.md: without stop_at (or with a time limit) the run resumes from its checkpoint. Neither names the run's
+    folder (they are not what it computes), so each command finds the run where the last left it: one folder, and
+    one row per command, the stopped ones then the finished one."""
+    procs, folder = ran_in_background()
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = folder / "outputs" / "smoke" / "listops" / "transformer"
+    assert [p.name for p in runs.iterdir()] == ["backbone.n_layers=1,data.limit.test=16,data.limit.train=64,"
+                                                "data.limit.val=16,schedule.eval_every=4,schedule.steps=12,"
+                                                "task.seq_len=256"]
+    rows = pd.read_csv(folder / "outputs" / "results" / "runs.csv")
+    assert rows.run_dir.nunique() == 1 and Path(rows.run_dir[0]).resolve().parent == runs.resolve()
+    assert rows.status[0] == "stopped: at step 5 of 12" and rows.steps[0] == 5
+    assert rows.status[1].startswith("stopped: at step ") and 5 <= rows.steps[1] < 12
+    assert rows.status[2] == "ok" and rows.steps[2] == 12 and len(rows) == 3
+    assert rows.config_hash.nunique() == 1
+    log = (runs / next(runs.iterdir()).name / "__main__.log").read_text()
+    assert "from step 5" in log and f"from step {rows.steps[1]}" in log  # resumed, twice
