@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lra.config import RunConfig, eval_batch_size, model_options, validate
 from lra.data import TaskData, load_task
-from lra.errors import EXIT_USER_ERROR, ConfigError, DataError
+from lra.errors import ConfigError, DataError, one_line_errors
 from lra.provenance import config_hash
 from lra.report.results import append_row, device_name, git_sha, now_iso
 from lra.train import engine
@@ -126,13 +125,6 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return validate(cfg)
 
 
-def resolve_device(name: str) -> torch.device:
-    try:
-        return engine.resolve_device(name)
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
-
-
 def load_weights(files: RunFiles, which: str, device: torch.device) -> tuple[dict, int]:
     """(state_dict, training step) of ``best.pt`` or of the latest checkpoint, never running code from the file."""
     if which == "best":
@@ -186,7 +178,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
     done = files.finished() or {}
     chash = done.get("config_hash") or config_hash(OmegaConf.to_container(cfg))
     cfg = apply_overrides(cfg, list(overrides))
-    device = resolve_device(cfg.device)
+    device = engine.resolve_device(cfg.device)
     engine.configure(device, cfg.trainer.threads, cfg.trainer.deterministic)  # the mixers' paths the run took
     weights, step = load_weights(files, checkpoint, device)
     if done.get("status") != "ok":  # still running, stopped, diverged, ...: say what these weights are
@@ -241,13 +233,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with one_line_errors():
         if args.out:
             check_writable(Path(args.out).parent)  # fail before loading data, not after
         row = evaluate_run(args.run_dir, args.overrides, args.checkpoint, args.split)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
     print(describe(row))
     if args.out:
         append_row(args.out, row, EVAL_COLUMNS)

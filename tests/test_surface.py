@@ -1,5 +1,6 @@
 """The commands as a new user meets them, each in a folder of its own (no run_dir=, no checkout's results/): a run
-stopped by schedule.stop_at or trainer.time_limit goes on in its own folder."""
+stopped by schedule.stop_at or trainer.time_limit goes on in its own folder; every mistake a user can fix ends in one
+line and exit code 2."""
 from __future__ import annotations
 
 import os
@@ -8,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
 
-from tests.conftest import ROOT, in_background
+from tests.conftest import ROOT, finish_all, in_background, started
 
 TINY = ("experiment=smoke", "task.seq_len=256", "backbone.n_layers=1", "schedule.steps=12", "schedule.eval_every=4",
         "data.limit.train=64", "data.limit.val=16", "data.limit.test=16")
@@ -54,3 +56,52 @@ def test_a_stopped_run_goes_on_in_its_own_folder_through_the_cli(ran_in_backgrou
     assert rows.config_hash.nunique() == 1
     log = (runs / next(runs.iterdir()).name / "__main__.log").read_text()
     assert "from step 5" in log and f"from step {rows.steps[1]}" in log  # resumed, twice
+
+
+def mistakes(folder: Path, environ: dict[str, str]) -> dict[str, subprocess.CompletedProcess]:
+    """Commands with one mistake each, side by side (a process each), in ``folder``."""
+    (folder / "a_file").write_text("")
+    device = "device=cuda" if not torch.cuda.is_available() else "device=cuda:99"
+    cases = {
+        "task=foo": ["task=foo"], "model=foo": ["model=foo"], "model.foo=1": ["model.foo=1"],
+        "trainer.foo=1": ["trainer.foo=1"], "schedule.steps=abc": ["schedule.steps=abc"],
+        "optim.lr=-1": [*TINY, "optim.lr=-1"], "device": [*TINY, device],
+        "hydra.run.dir": [*TINY, f"hydra.run.dir={folder / 'a_file' / 'run'}"],
+    }
+    commands = {name: [sys.executable, "-m", "lra", *args] for name, args in cases.items()}
+    commands["compare"] = [sys.executable, "-m", "lra.compare", "missing_a.csv", "missing_b.csv"]
+    commands["evaluate"] = [sys.executable, "-m", "lra.evaluate", "no_such_run"]
+    env = user_env(folder, environ)
+    done = {}
+    names = list(commands)
+    for i in range(0, len(names), 4):  # four at a time: each imports torch
+        batch = names[i : i + 4]
+        for name, proc in zip(batch, finish_all(*(started(commands[n], cwd=folder, env=env) for n in batch))):
+            done[name] = proc
+    return done
+
+
+MISTAKES = {  # a command's mistake -> what its one line says
+    "task=foo": "task=foo is not valid: choose one of image, listops, pathfinder, pathx, retrieval, text",
+    "model=foo": "model=foo is not valid: choose one of axial, bigbird,",
+    "model.foo=1": "model 'transformer' has no option(s) ['foo']; its options are: none",
+    "trainer.foo=1": "trainer.foo is not a setting of trainer: its keys are precision, compile,",
+    "schedule.steps=abc": "schedule.steps=abc is not valid: Value 'abc' of type 'str' could not be converted",
+    "optim.lr=-1": "optim.lr=-1.0 is not valid: the learning rate must be positive",
+    "device": "is not valid here",
+    "hydra.run.dir": "cannot write the run folder",
+    "compare": "no file at missing_a.csv",
+    "evaluate": "no run folder at no_such_run",
+}
+
+
+@in_background(mistakes)
+def test_a_mistake_is_one_line_and_exit_code_2(ran_in_background):
+    """docs/cli.md: a setting or data the user can fix ends the command with exit code 2 and one line on stderr,
+    naming the key and what to do."""
+    done, _ = ran_in_background()
+    assert sorted(done) == sorted(MISTAKES)
+    wrong = {case: done[case].stderr[-2000:] for case, message in MISTAKES.items()
+             if done[case].returncode != 2 or len(done[case].stderr.strip().splitlines()) != 1
+             or not done[case].stderr.startswith("error: ") or message not in done[case].stderr}
+    assert not wrong, wrong
