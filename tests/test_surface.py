@@ -1,6 +1,6 @@
 """The commands as a new user meets them, each in a folder of its own (no run_dir=, no checkout's results/): a run
 stopped by schedule.stop_at or trainer.time_limit goes on in its own folder; every mistake a user can fix ends in one
-line and exit code 2."""
+line and exit code 2, leaving no folder behind; run_dir= takes Hydra's files along; --help names the command."""
 from __future__ import annotations
 
 import os
@@ -67,6 +67,7 @@ def mistakes(folder: Path, environ: dict[str, str]) -> dict[str, subprocess.Comp
         "trainer.foo=1": ["trainer.foo=1"], "schedule.steps=abc": ["schedule.steps=abc"],
         "optim.lr=-1": [*TINY, "optim.lr=-1"], "device": [*TINY, device],
         "hydra.run.dir": [*TINY, f"hydra.run.dir={folder / 'a_file' / 'run'}"],
+        "run_dir": [*TINY, f"run_dir={folder / 'a_file' / 'run'}"],
     }
     commands = {name: [sys.executable, "-m", "lra", *args] for name, args in cases.items()}
     commands["compare"] = [sys.executable, "-m", "lra.compare", "missing_a.csv", "missing_b.csv"]
@@ -90,6 +91,7 @@ MISTAKES = {  # a command's mistake -> what its one line says
     "optim.lr=-1": "optim.lr=-1.0 is not valid: the learning rate must be positive",
     "device": "is not valid here",
     "hydra.run.dir": "cannot write the run folder",
+    "run_dir": "cannot write the run folder",
     "compare": "no file at missing_a.csv",
     "evaluate": "no run folder at no_such_run",
 }
@@ -98,10 +100,34 @@ MISTAKES = {  # a command's mistake -> what its one line says
 @in_background(mistakes)
 def test_a_mistake_is_one_line_and_exit_code_2(ran_in_background):
     """docs/cli.md: a setting or data the user can fix ends the command with exit code 2 and one line on stderr,
-    naming the key and what to do."""
-    done, _ = ran_in_background()
+    naming the key and what to do; a run refused before it began leaves no folder (Hydra makes one first)."""
+    done, folder = ran_in_background()
     assert sorted(done) == sorted(MISTAKES)
     wrong = {case: done[case].stderr[-2000:] for case, message in MISTAKES.items()
              if done[case].returncode != 2 or len(done[case].stderr.strip().splitlines()) != 1
              or not done[case].stderr.startswith("error: ") or message not in done[case].stderr}
     assert not wrong, wrong
+    assert not (folder / "outputs" / "smoke").exists()  # no run folder from a refused run
+
+
+def helped_and_run_dir(folder: Path, environ: dict[str, str]) -> tuple:
+    run = lra(folder, environ, *TINY, "schedule.steps=2", "schedule.eval_every=2", f"run_dir={folder / 'mine'}")
+    return lra(folder, environ, "--help"), run
+
+
+@in_background(helped_and_run_dir)
+def test_help_names_the_command_and_run_dir_takes_hydras_files_along(ran_in_background):
+    """``lra --help`` opens with what the command does (not Hydra's "__main__ is powered by Hydra"); ``run_dir=X``
+    puts the whole run in X, Hydra's saved config and the command's log included, nothing under outputs/ but the
+    results."""
+    (helped, run), folder = ran_in_background()
+    assert helped.returncode == 0 and helped.stdout.startswith("lra (python -m lra): train a model")
+    assert "powered by Hydra" not in helped.stdout.splitlines()[0]
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (folder / "mine" / "__main__.log").exists() and (folder / "mine" / ".hydra").is_dir()
+    assert (folder / "mine" / "result.json").exists()
+    assert sorted(p.name for p in (folder / "outputs").iterdir()) == ["results"]
+
+
+def test_the_gitignore_keeps_build_outputs_out():
+    assert "build/" in (ROOT / ".gitignore").read_text().splitlines()
