@@ -1,6 +1,7 @@
 """The commands as a new user meets them, each in a folder of its own (no run_dir=, no checkout's results/): a run
 stopped by schedule.stop_at or trainer.time_limit goes on in its own folder; every mistake a user can fix ends in one
-line and exit code 2, leaving no folder behind; run_dir= takes Hydra's files along; --help names the command."""
+line and exit code 2, leaving no folder behind; run_dir= takes Hydra's files along; --help names the command; the
+reports say where they looked for a file they need."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,11 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 
+from lra.errors import DataError
+from lra.report import plot
 from tests.conftest import ROOT, finish_all, in_background, started
 
 TINY = ("experiment=smoke", "task.seq_len=256", "backbone.n_layers=1", "schedule.steps=12", "schedule.eval_every=4",
@@ -71,6 +75,8 @@ def mistakes(folder: Path, environ: dict[str, str]) -> dict[str, subprocess.Comp
     }
     commands = {name: [sys.executable, "-m", "lra", *args] for name, args in cases.items()}
     commands["compare"] = [sys.executable, "-m", "lra.compare", "missing_a.csv", "missing_b.csv"]
+    commands["leaderboard"] = [sys.executable, "-m", "lra.leaderboard", "--results", str(ROOT / "results"), "--out",
+                               str(folder / "lb.csv"), "--published", "missing.csv"]
     commands["evaluate"] = [sys.executable, "-m", "lra.evaluate", "no_such_run"]
     env = user_env(folder, environ)
     done = {}
@@ -93,6 +99,7 @@ MISTAKES = {  # a command's mistake -> what its one line says
     "hydra.run.dir": "cannot write the run folder",
     "run_dir": "cannot write the run folder",
     "compare": "no file at missing_a.csv",
+    "leaderboard": "no published results (LRA Table 1) at missing.csv",
     "evaluate": "no run folder at no_such_run",
 }
 
@@ -131,3 +138,13 @@ def test_help_names_the_command_and_run_dir_takes_hydras_files_along(ran_in_back
 
 def test_the_gitignore_keeps_build_outputs_out():
     assert "build/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_charts_say_where_they_looked_for_the_papers_numbers(tmp_path):
+    """``lra.plot --published FILE`` with no FILE there: a DataError naming it (the command's one line, exit code 2),
+    before any chart is drawn; its default is the package's copy, which an install has."""
+    assert plot.PUBLISHED.is_file()
+    with pytest.raises(DataError, match=r"no published results \(LRA Tables 1 and 2\) at .*missing.csv"):
+        plot.main(["--results", str(ROOT / "results"), "--out", str(tmp_path), "--published",
+                   str(tmp_path / "missing.csv")])
+    assert not list(tmp_path.iterdir())

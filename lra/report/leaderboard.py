@@ -14,7 +14,7 @@ Table 1. Rules:
   replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
   1 point of its *stall baseline*, the higher of the validation split's majority-class share (``val_majority``)
   and ``val_baseline``, what classifiers that cannot use the task's long-range structure score (``lra.baseline``;
-  rows older than the column take their task's from ``results/baselines.csv``): it still counts, and
+  rows older than the column take their task's from ``baselines.csv``): it still counts, and
   ``n_stalled`` says so; it *collapsed* when it learned (not stalled) but its final weights' validation accuracy is
   back within that point: its best-validation checkpoint still counts, and the note says so (the final weights'
   test is beside it);
@@ -35,7 +35,7 @@ Table 1. Rules:
 Accuracies are percentages; a runs file holding fractions (every accuracy <= 1) is scaled by 100.
 
     python -m lra.leaderboard [--results DIR] [--runs DIR/runs.csv] [--out DIR/leaderboard.csv]
-                              [--published results/published.csv] [--baselines results/baselines.csv]
+                              [--published FILE] [--baselines FILE]   (default: the package's copies)
                               [--experiment lra] [--readme README.md results/README.md]
 """
 from __future__ import annotations
@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lra.errors import DataError
 from lra.provenance import PARTIAL_PRESETS, departures, is_stopped
 from lra.report import rank
 
@@ -58,7 +59,11 @@ AVERAGES = {"avg4": TASKS4, "avg5": TASKS5, "avg6": TASKS5}
 PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
 SUPERSEDED = "+superseded_data"  # the experiment suffix of rows on older Pathfinder images (``superseded_data``)
 STALL_BAND = 1.0  # points above the stall baseline within which a run counts as stalled
-PROJECT_RESULTS = Path(__file__).resolve().parents[2] / "results"
+# LRA Table 1 (and the other papers' numbers) and the tasks' stall baselines ship inside the package, so that an
+# installed copy sets its rows beside them: copies of results/published.csv and results/baselines.csv, which
+# tests/test_packaging.py keeps byte for byte the same
+PUBLISHED = Path(__file__).resolve().parent / "published.csv"
+BASELINES = Path(__file__).resolve().parent / "baselines.csv"
 # test split sizes of LRA's tasks, whose whole test splits the runs evaluate (baselines.csv counts them in our data):
 # the rank bootstrap's test-set noise
 TEST_SIZES = {"listops": 2000, "text": 25000, "retrieval": 17437, "image": 10000, "pathfinder": 20000,
@@ -93,11 +98,19 @@ def as_percent(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def read_baselines(path: str | Path | None = PROJECT_RESULTS / "baselines.csv") -> pd.DataFrame | None:
-    """``lra.baseline``'s table (one row per task, accuracies as fractions), indexed by task; None without one."""
-    if path is None or not Path(path).exists():
-        return None
-    return pd.read_csv(path).set_index("task")
+def read_reference(path: str | Path, what: str) -> pd.DataFrame:
+    """A CSV the reports read beside the results (``what`` it holds, for the message): a DataError saying where it
+    looked when it is not there."""
+    if not Path(path).is_file():
+        shipped = Path(path) in (PUBLISHED, BASELINES)
+        raise DataError(f"no {what} at {path}: " + ("reinstall lra, whose package ships it" if shipped else
+                                                      "name an existing file"))
+    return pd.read_csv(path)
+
+
+def read_baselines(path: str | Path | None = BASELINES) -> pd.DataFrame | None:
+    """``lra.baseline``'s table (one row per task, accuracies as fractions), indexed by task; None for no path."""
+    return None if path is None else read_reference(path, "stall baselines (lra.baseline)").set_index("task")
 
 
 def stall_baselines(runs: pd.DataFrame, baselines: pd.DataFrame | None = None) -> pd.Series:
@@ -613,9 +626,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     help="results folder: reads runs.csv, writes leaderboard.csv (the project's: results)")
     ap.add_argument("--runs", default=None, help="runs file (default: RESULTS/runs.csv)")
     ap.add_argument("--out", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
-    ap.add_argument("--published", default=str(PROJECT_RESULTS / "published.csv"))
-    ap.add_argument("--baselines", default=str(PROJECT_RESULTS / "baselines.csv"),
-                    help="stall baselines per task (python -m lra.baseline), for rows without their own")
+    ap.add_argument("--published", default=str(PUBLISHED), help="the papers' numbers (default: the package's "
+                    "copy of results/published.csv)")
+    ap.add_argument("--baselines", default=str(BASELINES),
+                    help="stall baselines per task (python -m lra.baseline), for rows without their own (default: "
+                         "the package's copy of results/baselines.csv)")
     ap.add_argument("--experiment", default="lra", help="comma-separated experiment names, or 'all'")
     ap.add_argument("--readme", type=Path, nargs="+", default=[], help="rewrite these files' results blocks, and "
                     "their bench blocks from RESULTS/bench.csv (the project's: README.md results/README.md)")
@@ -623,9 +638,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     runs_path = Path(args.runs or Path(args.results) / "runs.csv")
     out = Path(args.out or Path(args.results) / "leaderboard.csv")
     if not runs_path.exists():
-        raise SystemExit(f"no runs at {runs_path}: train with `python -m lra` first (or --results results for the "
-                         f"project's published runs)")
-    published = pd.read_csv(args.published) if Path(args.published).exists() else None
+        raise DataError(f"no runs at {runs_path}: train with `python -m lra` first (or --results results for the "
+                        f"project's published runs)")
+    published = read_reference(args.published, "published results (LRA Table 1)")
     lb = build_leaderboard(pd.read_csv(runs_path), published, args.experiment, read_baselines(args.baselines))
     out.parent.mkdir(parents=True, exist_ok=True)
     lb.to_csv(out, index=False, float_format="%.4f")
