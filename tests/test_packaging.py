@@ -1,7 +1,8 @@
 """A non-editable install works from any folder: the configs ship inside the package, and the papers' numbers and stall
 baselines the leaderboard sets beside ours; the `lra` console script runs the smoke command, the leaderboard fills
-LRA Table 1 beside its row, and the commit is reported plainly as unknown without a checkout; plugin models from
-outside the package register through an entry point and the registry-wide tests run against them."""
+LRA Table 1 beside its row, and the commit is reported plainly as unknown, with the package's version, without a
+checkout; plugin models from outside the package register through an entry point and the registry-wide tests run
+against them."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import lra
 from lra.report import leaderboard
 from tests.conftest import ROOT, finish_all, in_background, started
 
@@ -64,7 +66,8 @@ def test_the_console_script_runs_the_smoke_command_from_another_folder(ran_in_ba
     rows = pd.read_csv(folder / "elsewhere" / "outputs" / "results" / "runs.csv")
     assert len(rows) == 1 and (ROOT / "results" / "runs.csv").read_bytes() == before
     row = rows.iloc[0]
-    assert row.status == "ok" and row.git_sha.startswith("unknown (lra ") and "no git checkout" in row.git_sha
+    assert row.status == "ok" and row.git_sha == f"unknown (lra {lra.__version__}, no git checkout)"
+    assert (installed / f"lra-{lra.__version__}.dist-info").is_dir()  # the version the code says is the package's
     # the leaderboard of the installed package sets LRA Table 1 beside its row (the transformer's ListOps: 36.37)
     assert board.returncode == 0, board.stderr[-3000:]
     board_csv = folder / "elsewhere" / "outputs" / "results" / "leaderboard.csv"
