@@ -405,22 +405,26 @@ def wide(lb: pd.DataFrame, value: str = "test_acc") -> pd.DataFrame:
 
 
 def format_cell(r) -> str:
+    """A console cell: its fields apart, so that a count never runs into a number (``36.00 +-2.00 [3] (-0.37) ~1``)."""
     if pd.isna(r["test_acc"]):
         return f"failed x{int(r['n_failed'])}" if r["n_failed"] else "-"
-    s = f"{r['test_acc']:.2f}"
+    fields = [f"{r['test_acc']:.2f}"]
     if pd.notna(r["test_std"]):
-        s += f"+-{r['test_std']:.2f}"
+        fields.append(f"+-{r['test_std']:.2f}")
     if r["task"] not in AVERAGES and r["n_seeds"] > 1:
-        s += f"[{int(r['n_seeds'])}]"
+        fields.append(f"[{int(r['n_seeds'])}]")
     if pd.notna(r["diff"]):
-        s += f" ({r['diff']:+.2f})"
+        fields.append(f"({r['diff']:+.2f})")
     elif str(r["note"]).startswith("FAIL"):
-        s += " FAIL"
+        fields.append("FAIL")
     if pd.notna(r["n_failed"]) and r["n_failed"]:
-        s += f" !{int(r['n_failed'])}"
+        fields.append(f"!{int(r['n_failed'])}")
     if pd.notna(r["n_stalled"]) and r["n_stalled"]:
-        s += f" ~{int(r['n_stalled'])}"
-    return s
+        fields.append(f"~{int(r['n_stalled'])}")
+    return " ".join(fields)
+
+
+CELL_SEPARATOR = " | "  # between the console table's columns: a cell's last field and the next cell's first apart
 
 
 def format_leaderboard(lb: pd.DataFrame) -> str:
@@ -428,16 +432,16 @@ def format_leaderboard(lb: pd.DataFrame) -> str:
         return "(no runs)"
     tasks = list(wide(lb).columns)
     labels = {(e, m): m if e == "lra" else f"{m} [{e}]" for e, m in zip(lb["experiment"], lb["model"], strict=True)}
-    width = max(12, max(map(len, labels.values())) + 2)
+    width = max(12, max(map(len, labels.values())))
     cells = lb.set_index(["experiment", "model", "task"])
     texts = {key: format_cell(r.to_dict() | {"task": key[2]}) for key, r in cells.iterrows()}
-    column = max(24, max(map(len, texts.values())) + 2)  # a space between cells however long they get
-    lines = ["test accuracy %: mean +- std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper); "
+    column = max(12, *map(len, texts.values()), *map(len, tasks))
+    lines = ["test accuracy %: mean +-std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper); "
              "!n failed runs, ~n stalled",
-             "model".ljust(width) + "".join(t.rjust(column) for t in tasks)]
+             CELL_SEPARATOR.join(["model".ljust(width), *(t.rjust(column) for t in tasks)])]
     for key, label in labels.items():
         out = [texts.get((*key, t), "-") for t in tasks]
-        lines.append(label.ljust(width) + "".join(c.rjust(column) for c in out))
+        lines.append(CELL_SEPARATOR.join([label.ljust(width), *(c.rjust(column) for c in out)]))
     lines += [f"{name}: {note}" for name, note in AVG_NOTES.items() if name in tasks]
     final = sorted(set(lb.loc[lb["headline"] == "final", "task"])) if "headline" in lb else []
     lines += [f"{t}: final weights' accuracy (its validation split is the test set, as in LRA)" for t in final]
