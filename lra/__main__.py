@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 import lra.config  # registers the config schema with Hydra's ConfigStore
 from lra.errors import EXIT_INTERRUPTED, FULL_ERROR, ConfigError, DataError, exit_with, wants_tracebacks
-from lra.train.run import RunInterrupted, run
+from lra.train.run import RunInterrupted, catch_signals, run
 
 
 class JobStarted:
@@ -29,6 +29,7 @@ class JobStarted:
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
     JobStarted.started = True
+    catch_signals()  # a command's run checkpoints and stops on Ctrl-C, SIGTERM or Slurm's SIGUSR2
     try:
         return run(cfg)
     except (ConfigError, DataError) as e:

@@ -420,9 +420,46 @@ def test_sigterm_saves_and_exits_with_one_line_and_code_75(ran_in_background):
     assert (tmp_path / "run" / "checkpoint.pt").exists()
 
 
+def sigint_during_step(monkeypatch, n: int) -> None:
+    """Step ``n`` sends this process a SIGINT, as Ctrl-C in a terminal does."""
+    calls, real_step = count(1), engine.train_step
+
+    def step(*args, **kwargs):
+        if next(calls) == n:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "train_step", step)
+
+
+def test_a_run_called_from_other_code_leaves_sigint_to_it(smoke_cfg, tmp_path, monkeypatch):
+    """Under pytest a Ctrl-C is pytest's: ``run`` called from a test installs no handler, so the SIGINT raises
+    KeyboardInterrupt there (the suite stops) rather than ending the run as stopped and the test as failed."""
+    monkeypatch.delenv(runner.CATCH_SIGNALS, raising=False)
+    sigint_during_step(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"))
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_a_command_catches_sigint_and_stops_with_a_checkpoint(smoke_cfg, tmp_path, monkeypatch):
+    """A command asks for the signals (``catch_signals``, as ``python -m lra`` does): the SIGINT during step 2 ends
+    the run after it, checkpointed, and the same command resumes it."""
+    monkeypatch.setenv(runner.CATCH_SIGNALS, "1")
+    previous = signal.getsignal(signal.SIGINT)
+    real_step = engine.train_step
+    sigint_during_step(monkeypatch, 2)
+    with pytest.raises(runner.RunInterrupted, match="stopped at step 2"):
+        runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"))
+    assert signal.getsignal(signal.SIGINT) is previous and (tmp_path / "run" / "checkpoint.pt").exists()
+    monkeypatch.setattr(engine, "train_step", real_step)
+    assert runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"))["steps"] == 6
+
+
 def test_sigusr2_checkpoints_then_hands_over_to_the_previous_handler(smoke_cfg, tmp_path, monkeypatch):
     """Slurm (through submitit) signals SIGUSR2 before a timeout: the step finishes, the checkpoint is written, and
     only then submitit's own handler (which requeues the job) is called."""
+    monkeypatch.setenv(runner.CATCH_SIGNALS, "1")  # as the command's jobs do
     seen = []
 
     def submitit_handler(signum, frame):

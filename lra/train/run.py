@@ -65,12 +65,21 @@ class StopFlag:
 
 STOP = StopFlag()
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+CATCH_SIGNALS = "LRA_CATCH_SIGNALS"  # "1": the loop catches STOP_SIGNALS (``catch_signals``); spawned ranks inherit it
+
+
+def catch_signals() -> None:
+    """This process's runs, and the data-parallel ranks they spawn, catch SIGINT, SIGTERM and SIGUSR2 to stop with
+    a checkpoint (``graceful_stop``). The commands ask for it (``python -m lra``, a launcher's jobs); ``run`` called
+    from other code, a test say, leaves the signals to its caller: pytest's Ctrl-C stops the suite."""
+    os.environ[CATCH_SIGNALS] = "1"
 
 
 @contextmanager
 def graceful_stop():
-    """Turn SIGINT, SIGTERM and SIGUSR2 into a request to stop after the current step. The previous handlers are
-    kept: after the checkpoint, a previous SIGUSR2 handler (submitit's, which requeues the Slurm job) is called."""
+    """Turn SIGINT, SIGTERM and SIGUSR2 into a request to stop after the current step, where the process asked to
+    (``catch_signals``). The previous handlers are kept: after the checkpoint, a previous SIGUSR2 handler
+    (submitit's, which requeues the Slurm job) is called."""
 
     def handler(signum, frame):
         if STOP.requested and signum == signal.SIGINT:  # a second Ctrl-C stops at once
@@ -79,7 +88,7 @@ def graceful_stop():
         log.warning("%s: finishing this step and saving a checkpoint", signal.Signals(signum).name)
 
     try:
-        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS} if os.environ.get(CATCH_SIGNALS) == "1" else {}
     except ValueError:  # not the main thread (e.g. some test runners): no handlers, same loop
         old = {}
     STOP.requested, STOP.signum = False, None
