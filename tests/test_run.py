@@ -380,6 +380,51 @@ def test_wandb_offline_logging(smoke_cfg, tmp_path, monkeypatch):
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
+class WandbStub:
+    """wandb as the runner uses it, recording: ``init``'s arguments, what is logged (step, data), the summary and
+    the tables. ``init`` returns the stub itself as the run."""
+
+    def __init__(self):
+        self.inits, self.logged, self.summary, self.finished = [], [], {}, 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, data: dict, step: int | None = None):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished += 1
+
+    class Table:
+        def __init__(self, columns: list, data: list):
+            self.columns, self.data = columns, data
+
+
+def test_wandb_resumes_its_run_and_logs_the_curve_and_the_row(smoke_cfg, tmp_path, monkeypatch):
+    """A run stopped and resumed is one wandb run (an id of its own, resume=allow), tagged and typed by its
+    experiment; the validation curve is logged as it goes, and each row (the stopped slice's, the finished run's)
+    as the summary and a table. A sweep's name groups its jobs; another folder is another wandb run."""
+    stub = WandbStub()
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    overrides = (*TINY, "logger=wandb", "logger.mode=offline", "logger.tags=[mine]", "schedule.steps=8",
+                 "schedule.eval_every=2")
+    runner.run(smoke_cfg(*overrides, "schedule.stop_at=4"))
+    finished = runner.run(smoke_cfg(*overrides))
+    first, second = stub.inits
+    assert first["id"] == second["id"] and first["resume"] == second["resume"] == "allow"
+    assert first["job_type"] == "smoke" and first["tags"] == ["smoke", "listops", "transformer", "mine"]
+    assert first["group"] is None and first["mode"] == "offline" and first["dir"] == str(tmp_path / "run")
+    assert [step for step, data in stub.logged if "val/acc" in data] == [2, 4, 6, 8]
+    tables = [data["result"] for _, data in stub.logged if "result" in data]
+    assert [t.data[0][t.columns.index("status")] for t in tables] == ["stopped: at step 4 of 8", "ok"]
+    assert stub.summary["status"] == "ok" and stub.summary["test_acc"] == finished["test_acc"] and stub.finished == 2
+    other = smoke_cfg(*overrides, f"run_dir={tmp_path / 'other'}", "sweep=mine")
+    settings = runner.wandb_settings(other, other.run_dir, finished["config_hash"])
+    assert settings["group"] == "mine" and settings["id"] != first["id"]
+
+
 def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cfg, monkeypatch):
     interrupt_after_one_step(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"), monkeypatch)
     monkeypatch.setattr(runner, "device_name", lambda device: "Other GPU")
