@@ -25,7 +25,7 @@ from lra.errors import ConfigError, DataError, one_line_errors
 from lra.provenance import config_hash
 from lra.report.results import append_row, device_name, git_sha, now_iso
 from lra.train import engine
-from lra.train.checkpoint import RunFiles
+from lra.train.checkpoint import RunFiles, why_unreadable
 from lra.train.run import accuracy, check_writable, seed_everything, task_shape
 
 log = logging.getLogger("lra")
@@ -135,8 +135,7 @@ def load_weights(files: RunFiles, which: str, device: torch.device) -> tuple[dic
         try:
             saved = files.load_best(device)
         except Exception as e:  # noqa: BLE001 - any unreadable file: name it, in one line
-            raise DataError(f"{files.best} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
-                from None
+            raise DataError(f"{files.best} is unreadable ({why_unreadable(e)})") from None
         return saved["model"], int(saved["step"])
     if not files.has_checkpoint():
         raise ConfigError(f"{files.dir} holds no checkpoint.pt (nor checkpoint.prev.pt); it holds "

@@ -265,8 +265,9 @@ def test_a_truncated_checkpoint_falls_back_to_the_previous_one(smoke_cfg, tmp_pa
         assert resumed[k] == reference[k], k
 
 
-def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch):
-    """A crafted checkpoint.pt that runs code when unpickled is refused, not executed."""
+def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch, caplog):
+    """A crafted checkpoint.pt that runs code when unpickled is refused, not executed; the warning says it was
+    refused and why, never torch's advice to load it with weights_only=False."""
     marker = tmp_path / "pwned"
 
     class Exploit:
@@ -276,8 +277,12 @@ def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     torch.save({"state": Exploit()}, run_dir / "checkpoint.pt", pickle_protocol=pickle.DEFAULT_PROTOCOL)
-    row = runner.run(smoke_cfg(*TINY, "schedule.steps=2", "schedule.eval_every=2"))  # starts over, saying so
+    with caplog.at_level(logging.WARNING, logger="lra"):
+        row = runner.run(smoke_cfg(*TINY, "schedule.steps=2", "schedule.eval_every=2"))  # starts over, saying so
     assert not marker.exists() and row["steps"] == 2
+    warning = next(r.getMessage() for r in caplog.records if "checkpoint.pt is unreadable" in r.getMessage())
+    assert "torch's weights-only loader refused it: " in warning, warning
+    assert "weights_only" not in warning and "Re-running" not in warning and "\n" not in warning
 
 
 def test_a_nan_loss_is_recorded_as_diverged_without_accuracies(smoke_cfg, tmp_path):
