@@ -755,7 +755,7 @@ class Trainer:
             train_steps_per_s=steps_per_s, examples_per_s=steps_per_s * cfg.schedule.batch_size if steps_per_s
             else None, peak_mem_mb=state["peak_mem_mb"] if ok else None, params=getattr(self, "n_params", None),
             wall_time_s=state["wall_s"] + time.time() - self.wall_start, precision=self.precision,
-            compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
+            compiled=self.compiled, devices=self.world.size, data=data.version(),
             split=data.info.get("split", ""), device=" + ".join(state["devices"]),
             torch=torch.__version__, git_sha=" + ".join(state["git_shas"]), config_hash=self.chash,
             timestamp=now_iso(), run_dir=str(self.files.dir), overrides=_overrides(),
