@@ -13,18 +13,21 @@ import pandas as pd
 import pytest
 import torch
 
+import lra
 from lra.errors import DataError
 from lra.report import plot
 from tests.conftest import ROOT, finish_all, in_background, started
 
+INSTALLED = Path(lra.__file__).resolve().parents[1]  # the folder holding the lra under test
 TINY = ("experiment=smoke", "task.seq_len=256", "backbone.n_layers=1", "schedule.steps=12", "schedule.eval_every=4",
         "data.limit.train=64", "data.limit.val=16", "data.limit.test=16")
 
 
 def user_env(folder: Path, environ: dict[str, str]) -> dict[str, str]:
-    """A user's environment in ``folder``: this checkout importable, the caches and results under the folder's."""
+    """A user's environment in ``folder``: the lra these tests import (a checkout's, or an installed wheel's)
+    importable, the caches and results under the folder's."""
     env = {k: v for k, v in environ.items() if k not in ("LRA_RESULTS_DIR", "HYDRA_FULL_ERROR", "LRA_FULL_ERROR")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(INSTALLED), environ.get("PYTHONPATH")) if p)
     env["LRA_CACHE_DIR"] = str(folder / "cache")
     return env
 
