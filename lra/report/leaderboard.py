@@ -60,8 +60,8 @@ PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
 SUPERSEDED = "+superseded_data"  # the experiment suffix of rows on older Pathfinder images (``superseded_data``)
 STALL_BAND = 1.0  # points above the stall baseline within which a run counts as stalled
 # LRA Table 1 (and the other papers' numbers) and the tasks' stall baselines ship inside the package, so that an
-# installed copy sets its rows beside them: copies of results/published.csv and results/baselines.csv, which
-# tests/test_packaging.py keeps byte for byte the same
+# installed copy sets its rows beside them: in the tree, links to results/published.csv and results/baselines.csv
+# (one file each), which a wheel copies
 PUBLISHED = Path(__file__).resolve().parent / "published.csv"
 BASELINES = Path(__file__).resolve().parent / "baselines.csv"
 # test split sizes of LRA's tasks, whose whole test splits the runs evaluate (baselines.csv counts them in our data):
