@@ -310,3 +310,35 @@ def test_layout_workers_and_resume(tmp_path):
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "version": 1}))
     with pytest.raises(ValueError):  # ... and so would another generator version
         pg.generate(tmp_path / "w1", workers=1, **{**kw, "n": 8})
+
+
+# sha256 over (image bytes, label, margin) of the first n images of batch 0 of a seed, as pathfinder_gen v2 drew them
+# before its target pairs were decided from paddle lists (commit cba04e0): a change of algorithm keeps them all
+SAME_AS_V2 = {
+    (32, "hard", 0, 200): "cf5d6fcd37b6c19f929d865dfb7bbf471efb3abdffb16b2c4f908e501ac77e12",
+    (32, "hard", 7, 100): "c85f9b480a9ba0d871270646375b957f6124b2bc2ce436a4a9e92a38245776b8",
+    (32, "easy", 1, 100): "293b01feee9db30677c46419fe76936cf1fcaf436af2acf3f5ea51c5fdd73ba3",
+    (32, "intermediate", 2, 100): "00998678595ae2e9b87a1c1f2a52de855c38fa64bdbecf9269164bca3fbccd2d",
+    (64, "hard", 3, 20): "b809a69b8463de29546397a6cad792bdcf74283bc1352455207ce8c887e659fc",
+    (128, "hard", 0, 40): "9d8453cb0a6d00ec9636542debb2e8ea0af9c502a59bebe000f764a44b77e827",
+    (128, "hard", 5, 20): "a6207fabeee23b1f4de7647a0426e000f0bd9e6d12d36b53674f751857dce34a",
+    (128, "easy", 4, 10): "cb4bac37eccd476db8db81392344d1467f6ae23a36ea4388960cf98a2a5627ab",
+    (256, "hard", 6, 4): "93d56c7980f82d5865975beff0c78a68e60b80c99e8f28827489cd2fea3dfc04",
+}
+SLOW_CASES = {(64, "hard", 3, 20), (128, "hard", 0, 40), (256, "hard", 6, 4)}
+
+
+def _digest(res, difficulty, seed, n, **kw) -> str:
+    params, rng, digest = pg.PathfinderParams.for_lra(res, difficulty), pg.batch_rng(seed, 0), hashlib.sha256()
+    for _ in range(n):
+        img, label, margin, _ = pg._render(params, rng, **kw)
+        digest.update(img.tobytes())
+        digest.update(bytes([label, margin]))
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
+                                  for c in SAME_AS_V2], ids=lambda c: "-".join(map(str, c)))
+def test_images_are_those_of_version_2(case):
+    assert pg.GENERATOR_VERSION == 2
+    assert _digest(*case) == SAME_AS_V2[case]
