@@ -72,9 +72,11 @@ Quirks of the original that we reproduce (each behind a field where it is a choi
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import functools
 import io
+import itertools
 import json
 import math
 import os
@@ -185,6 +187,21 @@ def _blocked(hit: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         if y0 < y1 and x0 < x1:
             out[y0:y1, x0:x1] |= hit[y0 + dy:y1 + dy, x0 + dx:x1 + dx]
     return out
+
+
+def _blocked_flat(hit: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``_blocked`` as ORs of contiguous runs of a zero-padded copy: the same booleans (a sample outside the
+    image reads a padding False, as ``_blocked`` skips it)."""
+    h, w = hit.shape
+    pad = int(np.abs(offsets).max()) if len(offsets) else 0
+    side = w + 2 * pad
+    padded = np.zeros((h + 2 * pad + 2, side), bool)  # a spare row at each end keeps every run inside the buffer
+    padded[pad + 1:pad + 1 + h, pad:pad + w] = hit
+    flat, out = padded.ravel(), np.zeros(h * side, bool)
+    for dy, dx in offsets.tolist():
+        start = (pad + 1 + dy) * side + dx
+        out |= flat[start:start + h * side]
+    return out.reshape(h, side)[:, pad:pad + w]
 
 
 def _bytescale(a: np.ndarray) -> np.ndarray:
@@ -324,6 +341,349 @@ def _placed(hw, start, key, contrast) -> _Paddle:
     return _Paddle(hw, start, key, contrast)
 
 
+# ---------------------------------------------------------------- target pairs without canvases
+# An image redraws its target pair hundreds of times; a pair's mask is the padding band and the pair's own paddles,
+# so a growth step can be decided from the few paddles near the pivot instead of the H x W mask:
+# - g(c) = max over disk(m) of the mask at c is the max of the band's and each kept-out paddle P's mask dilated by
+#   disk(m) (max is exact and commutes with dilation). A candidate whose disk meets the band has g = 1 (masks are
+#   <= 1), so pmf = (1 - g) * w = 0 exactly; so has a candidate whose disk leaves the canvas (it crosses the band),
+#   and a candidate off the canvas, which ``_candidates`` drops, adds nothing to the cumulative sum either.
+# - Where every circle point floors to pivot + a fixed offset, the candidates are pivot + fixed offsets in
+#   np.unique's order and a turn's weights depend on the heading alone. A candidate of negligible turn weight
+#   (past continuity's cut-off, cos(pi/2)^2 ~ 4e-33) moves the normalised cumulative sum by < 1e-15 whatever its g;
+#   rounding moves it by < 1e-13. So a cumulative sum built from the weights, the band and the paddles that reach a
+#   non-negligible candidate picks the candidate the exact one picks whenever the draw u is more than _TIE from
+#   both bracketing entries; closer draws take the exact arithmetic on a mask built from the kept-out paddles.
+# - The acceptance test max(mask + Q) < 1.8 fails iff the band or one kept-out paddle P alone reaches 1.8 with Q
+#   at an on-canvas pixel (rounding is monotone: max(a, b) + q = max(a + q, b + q)). Masks are <= 1, so only
+#   pixels >= 0.75 of both can reach it: per pair of angles, the shifts P's start - Q's start at which they do.
+_NEGLIGIBLE = 1e-20  # a turn weight at or below it is past the cut-off
+_TIE = 1e-10         # |u - cumulative| below it: resolved by the exact arithmetic
+_HOT = 0.75          # mask values below it cannot reach 1.8 with another mask (<= 1)
+_NO_ROOM = False     # a cumulative table's value where extend gives up (total < 1e-4) without a draw
+_MISSING = object()
+
+
+def _integers_0_1_draws() -> bool:
+    """Whether ``rng.integers(0, 1)`` advances the stream (numpy returns ``low`` for a one-value range)."""
+    rng = np.random.default_rng(0)
+    before = rng.bit_generator.state
+    rng.integers(0, 1)
+    return rng.bit_generator.state != before
+
+
+_INTEGERS_0_1_DRAWS = _integers_0_1_draws()
+
+
+def _direct(rng: np.random.Generator):
+    """(integers(low, high), random()) of ``rng`` through its bit generator's C functions: numpy's Lemire draw for
+    ranges below 2**32 (a one-value range draws nothing), written out."""
+    c = rng.bit_generator.ctypes
+    next32, state = c.next_uint32, c.state
+
+    def integers(low: int, high: int) -> int:
+        n = high - low
+        if n == 1:
+            return low
+        if n > 0xFFFFFFFF:
+            return int(rng.integers(low, high))
+        m = next32(state) * n
+        if m & 0xFFFFFFFF < n:
+            floor = (0x100000000 - n) % n
+            while m & 0xFFFFFFFF < floor:
+                m = next32(state) * n
+        return (m >> 32) + low
+
+    return integers, functools.partial(c.next_double, state)
+
+
+@functools.cache
+def _direct_matches(kind: type) -> bool:
+    """Whether ``_direct`` draws what the Generator draws for bit generator ``kind``: a mixed sequence of both
+    calls over several ranges, compared value by value and by the final state."""
+    try:
+        ours, theirs = np.random.Generator(kind(20240607)), np.random.Generator(kind(20240607))
+        integers, random = _direct(ours)
+        for i in range(3000):
+            low, high = ((0, 1), (0, 2), (-180, 180), (0, 360), (0, 7), (0, 1000), (5, 123457))[i % 7]
+            if integers(low, high) != int(theirs.integers(low, high)) or (i % 3 == 0 and random() != theirs.random()):
+                return False
+        return ours.bit_generator.state == theirs.bit_generator.state
+    except (AttributeError, TypeError, ValueError):  # no ctypes access, or not seedable from an int
+        return False
+
+
+def _stream(rng: np.random.Generator):
+    """(integers(low, high) -> int, random() -> float) drawing exactly what ``rng``'s methods draw, the direct
+    calls where they match (a third of the call cost)."""
+    if _direct_matches(type(rng.bit_generator)):
+        return _direct(rng)
+    return (lambda low, high: int(rng.integers(low, high))), rng.random
+
+
+def _bitmasks(rows: np.ndarray) -> list[int]:
+    """Each row of a boolean matrix as an int whose bit j is column j."""
+    packed = np.packbits(rows, axis=1, bitorder="little")
+    return [int.from_bytes(row.tobytes(), "little") for row in packed]
+
+
+def _cumulative(g: list, weights: list):
+    """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a list,
+    _NO_ROOM, or None when the total is too close to extend's 1e-4 threshold to decide without the exact sums."""
+    cum = list(itertools.accumulate([(1.0 - v) * w for v, w in zip(g, weights)]))
+    acc = cum[-1] if cum else 0.0
+    if acc < 0.5e-4:
+        return _NO_ROOM
+    if acc < 2e-4:
+        return None
+    return [c / acc for c in cum]
+
+
+class _Heading:
+    """A heading's growth tables: step * sin / cos as _step computes them; over the candidates of non-negligible
+    turn weight (``rel``, also as a bitmask ``relevant``): weights, offsets, angles, the pids of the paddles drawn
+    back from them, offsets into a g patch; cumulative tables by edge class."""
+    __slots__ = ("dc", "ds", "flat", "kmap", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "relevant",
+                 "tables", "weights")
+
+
+class _PairGeometry:
+    """Tables and caches for growing target pairs at one (params, margin), in offsets from a pivot or a paddle's
+    start; each value is computed with the arithmetic of ``_Scene.extend``. Paddle angles get ids (``pid``)."""
+
+    def __init__(self, p: PathfinderParams, m: int):
+        (h, w), length = p.window_size, p.paddle_length
+        self.p, self.h, self.w, self.m, self.pad, self.continuity = p, h, w, m, p.padding, p.continuity
+        self.r = r = length + m
+        self.R = length + math.ceil(p.paddle_thickness) + m  # paddle patch radius
+        self.step = float(length + 2 * m)
+        self.tries = p.max_paddle_retrial + 1
+        self.patch = (length, p.paddle_thickness, m, p.antialias_scale)
+        dy, dx = _circle(r)
+        fy, fx = np.floor(dy).astype(int), np.floor(dx).astype(int)
+        code = np.unique((fy + r) * (2 * r + 1) + fx + r)  # y-major, as np.unique orders the candidate pixels
+        oy, ox = code // (2 * r + 1) - r, code % (2 * r + 1) - r
+        self.oy, self.ox, self.K = oy, ox, len(code)
+        self.oy_list, self.ox_list = oy.tolist(), ox.tolist()
+        self.orient_arr = np.arctan2(oy, ox)  # as _candidates computes it for a full circle: same ints, same order
+        self.orient = self.orient_arr.tolist()
+        self.exact_y, self.exact_x = self._exact(h, dy, fy), self._exact(w, dx, fx)
+        # pivots farther than pad + m + r from an edge see neither the band nor the edge on that axis
+        self.lo, self.hi_y, self.hi_x = p.padding + m + r, h - 1 - p.padding - m - r, w - 1 - p.padding - m - r
+        # table keys of a pivot's edge class and Q's band class, per coordinate on the canvas
+        self.key_y = [(c + 1 if c < self.lo or c > self.hi_y else 0) << 16 for c in range(h)]
+        self.key_x = [c + 1 if c < self.lo or c > self.hi_x else 0 for c in range(w)]
+        self.qkey_y = [(c + 1 if c - self.R < p.padding or c + self.R > h - 1 - p.padding else 0) << 44
+                       for c in range(h)]
+        self.qkey_x = [(c + 1 if c - self.R < p.padding or c + self.R > w - 1 - p.padding else 0) << 24
+                       for c in range(w)]
+        band = np.zeros((h, w))
+        band[:p.padding], band[h - p.padding:], band[:, :p.padding], band[:, w - p.padding:] = 1, 1, 1, 1
+        self.band = band
+        self.band_dilated = _dilate(band, _disk(m))  # g of the band alone (the rim outside the canvas is 0)
+        self.reach = self.R + m + r  # a kept paddle whose start is farther from the pivot touches no candidate
+        self.side = 2 * self.reach + 1
+        self.big = self.reach + r  # a paddle's g patch is (2 * big + 1)^2, centred on its start
+        self.flatoff = oy * (2 * self.big + 1) + ox
+        # occupancy bitmasks (Python ints): pixel (y, x) is bit (y + M) * S + x + M, a margin M wide enough that
+        # a pattern around an on-canvas anchor never wraps into the next row
+        self.M = max(self.R + m, r)
+        self.S = w + 2 * self.M
+        self.ids, self.thetas, self.g_patches, self.touch_bits, self.hot = {}, [], [], [], []
+        self.support_bits, self.hot_bits = [], []  # per pid: where its g is > 0, where its mask is >= _HOT
+        self.headings, self.edges, self.tables, self.band_hits, self.pairs, self.trig = \
+            {}, {}, {}, {}, {}, {}
+        self.contribs = {}
+        self.flipped = [float(_flip(t)) for t in self.orient_arr]
+        self.flipped_id = [self.pid(t) for t in self.flipped]
+        self.deg = {d: float(np.int64(d) * np.pi / 180) for d in range(-180, 360)}  # rng.integers(...) * pi / 180
+        self.dead = [None] * 360  # per first-seed angle + 180: no seed pixel (``seedless``), None until asked
+        self.seeds = [None] * 360  # per seed angle + 180: its _Seed, built when first drawn
+        self.seed_distance, self.tries = p.seed_distance, p.max_paddle_retrial + 1
+
+    @staticmethod
+    def _exact(n: int, d: np.ndarray, f: np.ndarray) -> list[bool]:
+        """Per pivot coordinate c on the canvas: every circle point c + d floors to c + floor(d)."""
+        return [bool(np.array_equal(np.floor(c + d).astype(int) - c, f)) for c in range(n)]
+
+    def sincos(self, theta: float) -> tuple[float, float]:
+        got = self.trig.get(theta)
+        if got is None:
+            got = self.trig[theta] = (float(np.sin(theta)), float(np.cos(theta)))  # _step's scalar calls
+        return got
+
+    def pid(self, theta: float) -> int:
+        """The id of a paddle angle; its tables are built on first sight."""
+        got = self.ids.get(theta)
+        if got is None:
+            mask, m, R, big = _paddle_patch(theta, *self.patch)[1], self.m, self.R, self.big
+            if mask.max() > 1:
+                raise ValueError("pathfinder_gen: a paddle mask exceeds 1")
+            padded = np.zeros((2 * big + 1,) * 2, np.float32)
+            padded[big - R:big + R + 1, big - R:big + R + 1] = mask
+            dilated = _dilate(padded, _disk(m)).ravel()  # g around the paddle's start
+            shifts = np.arange(-self.reach, self.reach + 1)
+            at = ((big + shifts) * (2 * big + 1))[:, None, None] + (big + shifts)[None, :, None] + self.flatoff
+            ys, xs = np.nonzero(mask >= _HOT)
+            got = self.ids[theta] = len(self.thetas)
+            self.thetas.append(theta)
+            self.g_patches.append(dilated.data)  # float32 reads as Python floats
+            self.touch_bits.append(_bitmasks(dilated[at.reshape(-1, self.K)] > 0))  # per (dy, dx) from the pivot
+            self.hot.append((ys - R, xs - R, mask[ys, xs].astype(np.float64)))
+            self.hot_bits.append(self.bits(ys - R, xs - R))
+            gy, gx = np.nonzero(dilated.reshape(2 * big + 1, -1) > 0)
+            self.support_bits.append(self.bits(gy - big, gx - big))
+        return got
+
+    def bits(self, oy: np.ndarray, ox: np.ndarray) -> int:
+        """The occupancy bitmask of offsets (oy, ox) around an anchor at (0, 0): shift it by y * S + x to anchor
+        it at (y, x)."""
+        at = np.zeros((2 * self.M + 1) * self.S, bool)
+        at[(oy + self.M) * self.S + ox + self.M] = True
+        return _bitmasks(at[None])[0]
+
+    def heading(self, theta: float) -> _Heading:
+        got = self.headings.get(theta)
+        if got is None:
+            t = np.abs(self.orient_arr - theta)  # _turn_weights over the full circle
+            np.minimum(t, 2 * np.pi - t, out=t)
+            t *= self.continuity
+            np.minimum(t, 0.5 * np.pi, out=t)
+            np.cos(t, out=t)
+            t *= t
+            rel = np.flatnonzero(t > _NEGLIGIBLE)
+            got = self.headings[theta] = _Heading()
+            got.ds, got.dc = float(self.step * np.sin(theta)), float(self.step * np.cos(theta))
+            got.relevant, got.rel = _bitmasks((t > _NEGLIGIBLE)[None])[0], rel
+            got.rel_bits = self.bits(self.oy[rel], self.ox[rel])
+            got.weights = t[rel].tolist()
+            got.oy, got.ox, got.orient = self.oy[rel].tolist(), self.ox[rel].tolist(), self.orient_arr[rel].tolist()
+            got.qid, got.flat, got.tables = [self.flipped_id[j] for j in rel], self.flatoff[rel].tolist(), {}
+            got.nxt = [None] * len(rel)  # the heading tables of the relevant candidates' angles, filled as met
+            got.kmap = [-1] * self.K  # candidate -> its index among the relevant ones
+            for k, j in enumerate(rel.tolist()):
+                got.kmap[j] = k
+        return got
+
+    def edge(self, by: int, bx: int) -> np.ndarray:
+        """Per candidate, 1.0 where it is off the canvas or its disk meets the band, else 0.0; by / bx is the
+        pivot's row / column near an edge, -1 in the interior (where the band is out of reach on that axis)."""
+        got = self.edges.get((by, bx))
+        if got is None:
+            y = (by if by >= 0 else self.h // 2) + self.oy
+            x = (bx if bx >= 0 else self.w // 2) + self.ox
+            on = (y >= 0) & (y < self.h) & (x >= 0) & (x < self.w)
+            got = np.ones(self.K)
+            got[on] = self.band_dilated[y[on], x[on]]
+            self.edges[(by, bx)] = got
+        return got
+
+    def next_heading(self, hd: _Heading, k: int) -> _Heading:
+        got = hd.nxt[k] = self.heading(hd.orient[k])
+        return got
+
+    def table(self, hd: _Heading, key: int):
+        """(cumulative pmf where only the band and the edge touch the candidates, their g) for a heading and a
+        pivot's edge class ``key`` = key_y[py] | key_x[px]."""
+        values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist()
+        got = hd.tables[key] = (_cumulative(values, hd.weights), values)
+        return got
+
+    def contribution(self, pid: int, dy: int, dx: int) -> list:
+        """[(candidate, g)] where paddle pid's dilated mask is > 0 at a candidate of a pivot (dy, dx) from it."""
+        key = (pid << 24) | (dy + 2048) << 12 | dx + 2048
+        got = self.contribs.get(key)
+        if got is None:
+            patch, big, span = self.g_patches[pid], self.big, 2 * self.big + 1
+            base = (big + dy) * span + big + dx
+            values = np.frombuffer(patch, np.float32)[base + self.flatoff]
+            j = np.flatnonzero(values > 0)
+            got = self.contribs[key] = list(zip(j.tolist(), values[j].tolist()))
+        return got
+
+    def band_hit(self, key: int) -> bool:
+        """Does a paddle reach 1.8 with the band? key = qkey_y[hy] | qkey_x[hx] | pid of the paddle at (hy, hx)."""
+        got = self.band_hits.get(key)
+        if got is None:
+            by, bx, qid = (key >> 44) - 1, ((key >> 24) & 0xFFFFF) - 1, key & 0xFFFFFF
+            hy, hx = by if by >= 0 else self.h // 2, bx if bx >= 0 else self.w // 2
+            ys, xs, vals = self.hot[qid]
+            y, x = hy + ys, hx + xs
+            on = (y >= 0) & (y < self.h) & (x >= 0) & (x < self.w)
+            got = self.band_hits[key] = bool((self.band[y[on], x[on]] + vals[on] >= 1.8).any())
+        return got
+
+    def pair(self, pid: int, qid: int) -> int:
+        """Bitmask over shifts P's start - Q's start (bit (dy + 2R) * (4R + 1) + dx + 2R) at which paddles pid
+        and qid reach 1.8 together at some pixel, on the canvas or off it."""
+        key = pid << 24 | qid
+        got = self.pairs.get(key)
+        if got is None:
+            py, px, pv = self.hot[pid]
+            qy, qx, qv = self.hot[qid]
+            ia, ib = np.nonzero(pv[:, None] + qv[None, :] >= 1.8)  # float64 sums of the float32 values
+            span, side = 2 * self.R, 4 * self.R + 1
+            bits = np.zeros(side * side, bool)
+            bits[(qy[ib] - py[ia] + span) * side + qx[ib] - px[ia] + span] = True
+            got = self.pairs[key] = _bitmasks(bits[None])[0]
+        return got
+
+    def hit_on_canvas(self, pid: int, qid: int, dy: int, dx: int, hy: int, hx: int) -> bool:
+        """The pair test restricted to the canvas, for Q at (hy, hx) and P at (hy + dy, hx + dx)."""
+        R = self.R
+        y0, y1 = max(hy - R, hy + dy - R, 0), min(hy + R, hy + dy + R, self.h - 1)
+        x0, x1 = max(hx - R, hx + dx - R, 0), min(hx + R, hx + dx + R, self.w - 1)
+        if y0 > y1 or x0 > x1:
+            return False
+        q = _paddle_patch(self.thetas[qid], *self.patch)[1][y0 - hy + R:y1 - hy + R + 1, x0 - hx + R:x1 - hx + R + 1]
+        p = _paddle_patch(self.thetas[pid], *self.patch)[1][y0 - hy - dy + R:y1 - hy - dy + R + 1,
+                                                            x0 - hx - dx + R:x1 - hx - dx + R + 1]
+        return bool((p.astype(np.float64) + q).max() >= 1.8)
+
+    def seed_angle(self, deg: int) -> _Seed:
+        got = self.seeds[deg + 180]
+        if got is None:
+            got = self.seeds[deg + 180] = _Seed()
+            theta, length = self.deg[deg], self.p.paddle_length
+            got.theta, got.hd, got.pid = theta, self.heading(theta), self.pid(theta)
+            sn, cs = self.sincos(theta)
+            got.hy, got.hx = float(length) * sn, float(length) * cs  # as _step multiplies, before its sum
+            sn, cs = self.sincos(float(_flip(theta)))
+            got.py, got.px = float(length + self.m) * sn, float(length + self.m) * cs
+            off, usable, free = _seed_info(self.p, self.m, theta)
+            got.kernel = off if usable else None
+            got.free = (free[0].tolist(), free[1].tolist()) if usable and free is not None else None
+        return got
+
+    def seedless(self, deg: int) -> bool:
+        """Whether the first target has no seed pixel at angle deg (an attempt drawing it fails at once)."""
+        got = self.dead[deg + 180] = self.seed_angle(deg).free is None
+        return got
+
+
+@functools.cache
+def _pair_geometry(p: PathfinderParams, m: int) -> _PairGeometry:
+    return _PairGeometry(p, m)
+
+
+class _Seed:
+    """A seed angle (integer degrees): theta, _step's offsets tail -> head (L at theta) and head -> pivot (L + m
+    at the flipped angle), the seed kernel where cv2's border leaves it usable, the first target's seed pixels,
+    the heading table and the paddle's pid."""
+    __slots__ = ("free", "hd", "hx", "hy", "kernel", "pid", "px", "py", "theta")
+
+
+class _Track:
+    """A snake while it is drawn from paddle lists: pivot (py, px), heading theta and its table ``hd``, ``last``
+    paddle as (y, x, pid), paddles as (y, x, pid, contrast)."""
+    __slots__ = ("hd", "last", "origin", "paddles", "px", "py", "theta", "tip")
+
+    def __init__(self, origin, pivot, seed: _Seed, contrast):
+        self.origin, (self.py, self.px), self.theta, self.hd, self.tip = origin, pivot, seed.theta, seed.hd, None
+        self.last = (*origin, seed.pid)
+        self.paddles = [(*self.last, contrast)]
+
+
 class _Snake:
     def __init__(self, origin, pivot, theta, paddle):
         self.origin, self.pivot, self.theta, self.last, self.tip = origin, pivot, theta, paddle, None
@@ -337,6 +697,25 @@ class _Snake:
         return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _marker_window(hw, aa: int, radius: float, at) -> tuple:
+    """(box, the marker of ``_Scene.marker`` inside box) or (None, None) where the box is the whole canvas. PIL's
+    LANCZOS at the integer factor aa weighs the input within 3 aa of an output pixel's centre with weights that
+    depend on the offset alone (renormalised only where the image edge cuts them), so an output pixel whose
+    inputs all lie in a window aligned to aa is the same shrunk from the window as from the canvas, and one
+    whose inputs miss the disc is 0 in both: a window radius + 8 output pixels wide leaves 3 + 3 to spare."""
+    (h, w), reach = hw, radius + 8
+    box = (max(0, math.floor(at[0] - reach)), min(h, math.ceil(at[0] + reach) + 1),
+           max(0, math.floor(at[1] - reach)), min(w, math.ceil(at[1] + reach) + 1))
+    if box == (0, h, 0, w):
+        return None, None
+    y = np.arange(box[0] * aa, box[1] * aa)[:, None] - at[0] * aa
+    x = np.arange(box[2] * aa, box[3] * aa)[None, :] - at[1] * aa
+    window = _shrink((x ** 2 + y ** 2 <= (radius * aa) ** 2).astype(np.float64), (box[1] - box[0], box[3] - box[2]))
+    window.flags.writeable = False
+    return box, window
+
+
 class _Scene:
     def __init__(self, p: PathfinderParams, rng, margin: int):
         self.p, self.rng, self.m = p, rng, margin
@@ -346,6 +725,8 @@ class _Scene:
         self.mask = self.buf[margin:margin + self.hw[0], margin:margin + self.hw[1]]  # (H, W) view
         self.flat = self.buf.reshape(-1)  # ((H + 2m) * (W + 2m),) view for gathers
         self.patch = (p.paddle_length, p.paddle_thickness, margin, p.antialias_scale)  # a paddle's key, less theta
+        self.kept, self.synced, self.banded = [], 0, False  # target_pair's kept-out paddles, how many are on mask
+        self.support = self.hot = 0  # occupancy bitmasks of the kept paddles' g > 0 and mask >= _HOT
 
     def clear(self) -> None:
         """Empty canvases, as a new scene's: the next target pair is drawn from scratch."""
@@ -452,6 +833,269 @@ class _Scene:
             self.keep_out(snakes[0].last)
         return snakes
 
+    # ---- target pairs without canvases (the section above _PairGeometry says why each shortcut is exact)
+    def target_pair(self, reference: bool = False) -> list[_Snake]:
+        """``targets`` redrawn until a pair fits. The default decides each step from paddle lists and leaves the
+        canvases, the random stream and the snakes exactly as ``reference=True`` (``targets`` on the canvases)."""
+        p, rng = self.p, self.rng
+        if reference:
+            for _ in range(p.max_target_pair_attempts):
+                snakes = self.targets()
+                if snakes is not None:
+                    return snakes
+                self.clear()
+        else:
+            g = _pair_geometry(p, self.m)
+            self.integers, self.random = integers, _ = _stream(rng)
+            # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
+            # pixels (30 in 360 have some at 32 px): such attempts are skipped here with the same draws
+            quick = len(set(p.snake_contrast_list)) == 1 and len(p.paddle_contrast_list) == 1
+            dead = g.dead
+            for _ in range(p.max_target_pair_attempts):
+                deg = None
+                if quick:
+                    deg = integers(-180, 180)
+                    if dead[deg + 180] if dead[deg + 180] is not None else g.seedless(deg):
+                        continue
+                snakes = self._pair_attempt(g, deg)
+                if snakes is not None:
+                    return snakes
+                if self.banded:
+                    self.buf.fill(0)
+                    self.banded, self.synced = False, 0
+        raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
+
+    def _keep(self, g: _PairGeometry, paddle) -> None:
+        """keep_out for a listed paddle (y, x, pid)."""
+        self.kept.append(paddle)
+        at = paddle[0] * g.S + paddle[1]
+        self.support |= g.support_bits[paddle[2]] << at
+        self.hot |= g.hot_bits[paddle[2]] << at
+
+    def _sync(self, g: _PairGeometry) -> None:
+        """Bring the mask canvas up to the kept-out paddles (the band first, as ``targets`` sets it)."""
+        if not self.banded:
+            pad_ = self.p.padding
+            self.mask[:pad_], self.mask[-pad_:], self.mask[:, :pad_], self.mask[:, -pad_:] = 1, 1, 1, 1
+            self.banded = True
+        h, w, size = g.h, g.w, 2 * g.R + 1
+        for y, x, pid in self.kept[self.synced:]:
+            y0, x0 = y - g.R, x - g.R
+            cy0, cy1, cx0, cx1 = max(y0, 0), min(y0 + size, h), max(x0, 0), min(x0 + size, w)
+            if cy0 < cy1 and cx0 < cx1:
+                win = self.mask[cy0:cy1, cx0:cx1]
+                patch = _paddle_patch(g.thetas[pid], *g.patch)[1]
+                np.maximum(win, patch[cy0 - y0:cy1 - y0, cx0 - x0:cx1 - x0], out=win)
+        self.synced = len(self.kept)
+
+    def _exact_cmf(self, g: _PairGeometry, pivot, theta):
+        """``extend``'s pmf on the canvas: (cmf, rows, cols, angles) or None where it gives up."""
+        self._sync(g)
+        cands = _candidates(pivot, g.r, g.m, g.h, g.w)
+        if cands is None:
+            return None
+        cy, cx, orient, near = cands
+        pmf = 1 - self.flat[near].max(axis=1)
+        pmf *= _turn_weights(pivot, g.r, g.m, g.h, g.w, theta, g.continuity)
+        total = pmf.sum()
+        if total < 1e-4:
+            return None
+        pmf /= total
+        return pmf.cumsum(), cy, cx, orient
+
+    def _pair_attempt(self, g: _PairGeometry, deg: int | None = None) -> list[_Snake] | None:
+        """One ``targets`` call with the same random calls (``deg``: the first seed's angle, drawn already): paddles
+        are listed, the mask is built only where a step needs the exact arithmetic, and the image is drawn once the
+        pair fits."""
+        p, rng, integers = self.p, self.rng, self.integers
+        self.kept, self.synced, self.banded, self.support, self.hot = [], 0, False, 0, 0
+        mu = list(p.snake_contrast_list) * 2
+        if len(set(mu)) > 1:
+            mu = [mu[j] for j in rng.permutation(len(mu))]
+        contrasts = p.paddle_contrast_list
+        tracks = []
+        for t in range(2):
+            ci = integers(0, len(contrasts)) if len(contrasts) > 1 else 0
+            s = self._seed_track(g, contrasts[ci] * mu[t], tracks[0].origin if t else None, None if t else deg)
+            if s is None:
+                return None
+            tracks.append(s)
+        draws = len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
+        for _ in range(p.contour_length - 1):
+            contrast = contrasts[integers(0, len(contrasts))] if draws else contrasts[0]
+            for t in range(2):
+                if not self._grow(g, tracks[t], contrast * mu[t]):
+                    return None
+        self._keep(g, tracks[1].last)
+        if p.mask_both_target_ends:
+            self._keep(g, tracks[0].last)
+        self._sync(g)
+        snakes = []
+        for s in tracks:
+            pads = [self.paddle((y, x), g.thetas[pid], c) for y, x, pid, c in s.paddles]
+            for pad in pads:
+                self.draw(pad)
+            snake = _Snake(s.origin, (s.py, s.px), s.theta, pads[0])
+            snake.paddles, snake.last, snake.tip = pads, pads[-1], s.tip
+            snakes.append(snake)
+        return snakes
+
+    def _seed_track(self, g: _PairGeometry, contrast, tail1, deg: int | None = None):
+        """``seed`` for a target (``lined=None``): same draws, same outcome (``deg``: the first angle, drawn)."""
+        integers, h, w = self.integers, g.h, g.w
+        for _ in range(g.tries):
+            if deg is None:
+                deg = integers(-180, 180)
+            rec = g.seeds[deg + 180] or g.seed_angle(deg)
+            deg = None
+            if tail1 is None:
+                free = rec.free
+                if free is None:
+                    return None
+                k = integers(0, len(free[0]))
+                tail = (free[0][k], free[1][k])
+            else:
+                sa, ca = g.sincos(g.deg[integers(0, 360)])
+                tail = (round(tail1[0] + g.seed_distance * sa), round(tail1[1] + g.seed_distance * ca))  # half-even
+            head = (math.ceil(tail[0] + rec.hy), math.ceil(tail[1] + rec.hx))
+            pivot = (math.ceil(head[0] + rec.py), math.ceil(head[1] + rec.px))
+            if 0 <= head[0] < h and 0 <= head[1] < w and 0 <= pivot[0] < h and 0 <= pivot[1] < w:
+                return _Track(tail, pivot, rec, contrast)
+        return None
+
+    def _grow(self, g: _PairGeometry, s: _Track, contrast) -> bool:
+        """``extend`` on a track: same draws, same outcome."""
+        hd, h, w = s.hd, g.h, g.w
+        py, px = math.ceil(s.py + hd.ds), math.ceil(s.px + hd.dc)  # _step(pivot, heading, L + 2m)
+        cmf = exact = None
+        if 0 <= py < h and 0 <= px < w and g.exact_y[py] and g.exact_x[px]:
+            key = g.key_y[py] | g.key_x[px]
+            cmf, values = hd.tables.get(key) or g.table(hd, key)
+            if self.support & hd.rel_bits << (py * g.S + px):  # a kept paddle reaches a relevant candidate
+                reach, side, bits, relevant, kmap = g.reach, g.side, g.touch_bits, hd.relevant, hd.kmap
+                values = list(values)
+                for y, x, pid in self.kept:
+                    dy, dx = py - y, px - x
+                    if -reach <= dy <= reach and -reach <= dx <= reach \
+                            and bits[pid][(dy + reach) * side + dx + reach] & relevant:
+                        for j, v in g.contribs.get((pid << 24) | (dy + 2048) << 12 | dx + 2048) \
+                                or g.contribution(pid, dy, dx):
+                            k = kmap[j]
+                            if k >= 0 and v > values[k]:
+                                values[k] = v
+                cmf = _cumulative(values, hd.weights)
+            if cmf is _NO_ROOM:
+                return False
+        if cmf is None:
+            exact = self._exact_cmf(g, (py, px), s.theta)
+            if exact is None:
+                return False
+        random, kept = self.random, self.kept
+        for _ in range(g.tries):
+            u = random()
+            if exact is None:
+                k = bisect.bisect_right(cmf, u)
+                if k < len(cmf) and cmf[k] > u + _TIE and (k == 0 or cmf[k - 1] < u - _TIE):
+                    hy, hx, qid = py + hd.oy[k], px + hd.ox[k], hd.qid[k]
+                else:
+                    exact = self._exact_cmf(g, (py, px), s.theta)
+                    if exact is None:  # cannot happen: the shortcut's total is >= 2e-4
+                        raise RuntimeError("pathfinder_gen: the turn table and the exact pmf disagree")
+            if exact is not None:
+                e_cmf, cy, cx, angles = exact
+                i = int(e_cmf.searchsorted(u, "right"))
+                i = 0 if i == len(e_cmf) else i
+                hy, hx, orient, qid = int(cy[i]), int(cx[i]), float(angles[i]), g.pid(float(_flip(angles[i])))
+            key = g.qkey_y[hy] | g.qkey_x[hx]
+            if key:
+                key |= qid
+                hit = g.band_hits.get(key)
+                if hit is None:
+                    hit = g.band_hit(key)
+            else:
+                hit = False
+            if not hit and self.hot & g.hot_bits[qid] << (hy * g.S + hx):  # hot pixels meet: test each paddle
+                hit = self._collides(g, qid, hy, hx)
+            if not hit:
+                y, x, pid = last = s.last  # the previous paddle's mask joins one step late
+                kept.append(last)
+                self.support |= g.support_bits[pid] << (y * g.S + x)
+                self.hot |= g.hot_bits[pid] << (y * g.S + x)
+                s.last = (hy, hx, qid)
+                s.paddles.append((hy, hx, qid, contrast))
+                s.py, s.px, s.tip = py, px, (hy, hx)
+                if exact is None:
+                    s.hd = hd.nxt[k] or g.next_heading(hd, k)
+                    s.theta = hd.orient[k]
+                else:
+                    s.hd, s.theta = g.heading(orient), orient
+                return True
+        return False
+
+    def _collides(self, g: _PairGeometry, qid: int, hy: int, hx: int) -> bool:
+        """The acceptance test for paddle qid at (hy, hx) against each kept paddle near it."""
+        big, h, w, span, side, pairs = g.R, g.h, g.w, 2 * g.R, 4 * g.R + 1, g.pairs
+        clipped = hy < big or hy + big >= h or hx < big or hx + big >= w
+        for y, x, pid in reversed(self.kept):  # the newest paddles are the likeliest to meet it
+            dy, dx = y - hy, x - hx
+            if -span <= dy <= span and -span <= dx <= span:
+                bitmask = pairs.get(pid << 24 | qid)
+                if bitmask is None:
+                    bitmask = g.pair(pid, qid)
+                if bitmask >> ((dy + span) * side + dx + span) & 1 and \
+                        (not clipped or g.hit_on_canvas(pid, qid, dy, dx, hy, hx)):
+                    return True
+        return False
+
+    def distractors(self, count, max_trial, length) -> None:
+        """``many_snakes`` after ``target_pair``: the same random calls and image, each distractor grown from
+        paddle lists (the mask is built for the seeds) and drawn once it is complete."""
+        integers, cl, g = self.integers, self.p.snake_contrast_list, _pair_geometry(self.p, self.m)
+        draws = len(cl) > 1 or _INTEGERS_0_1_DRAWS
+        for _ in range(count):
+            for _ in range(max_trial + 1):
+                base, support, hot = len(self.kept), self.support, self.hot
+                self._sync(g)
+                s = self._seed_distractor(g, cl[integers(0, len(cl))] if draws else cl[0])
+                ok = s is not None and all(self._grow(g, s, cl[integers(0, len(cl))] if draws else cl[0])
+                                           for _ in range(length - 1))
+                if ok:
+                    self._keep(g, s.last)
+                    for y, x, pid, c in s.paddles:
+                        self.draw(self.paddle((y, x), g.thetas[pid], c))
+                    break
+                del self.kept[base:]  # all or nothing, as many_snakes restores its copies
+                self.support, self.hot = support, hot
+                if self.synced > base:  # an exact step put this snake's paddles on the mask: rebuild it
+                    self.buf.fill(0)
+                    self.banded, self.synced = False, 0
+
+    def _seed_distractor(self, g: _PairGeometry, contrast):
+        """``seed(lined, contrast, stop)`` on the synced mask, without drawing: same draws, same outcome."""
+        p, integers, h, w = self.p, self.integers, g.h, g.w
+        free_share = hit = None
+        for _ in range(g.tries):
+            rec = g.seed_angle(integers(-180, 180))
+            if free_share is None:
+                free_share = np.count_nonzero(self.mask <= 0.3) / self.mask.size
+            if free_share < p.stop_with_availability:
+                return None
+            if rec.kernel is None:  # cv2's border leaves this angle no pixel
+                return None
+            if hit is None:  # many_snakes' lined mask (its border set to 1) > 0.3
+                hit = self.mask > 0.3
+                hit[0], hit[-1], hit[:, 0], hit[:, -1] = True, True, True, True
+            ys, xs = np.nonzero(~_blocked_flat(hit, rec.kernel))
+            if not len(ys):
+                return None
+            k = integers(0, len(ys))
+            tail = (int(ys[k]), int(xs[k]))
+            head = (math.ceil(tail[0] + rec.hy), math.ceil(tail[1] + rec.hx))
+            pivot = (math.ceil(head[0] + rec.py), math.ceil(head[1] + rec.px))
+            if 0 <= head[0] < h and 0 <= head[1] < w and 0 <= pivot[0] < h and 0 <= pivot[1] < w:
+                return _Track(tail, pivot, rec, contrast)
+        return None
+
     def many_snakes(self, count, max_trial, length) -> None:
         """snakes2 ``make_many_snakes`` with allow_incomplete: each snake is all-or-nothing."""
         p, rng, cl = self.p, self.rng, self.p.snake_contrast_list
@@ -473,29 +1117,35 @@ class _Scene:
         x = np.arange(w * aa)[None, :] - at[1] * aa
         return _shrink((x ** 2 + y ** 2 <= (self.p.marker_radius * aa) ** 2).astype(np.float64), self.hw)
 
+    def marker_fast(self, at) -> np.ndarray:
+        """``marker`` from a window around the disc (``_marker_window``)."""
+        box, window = _marker_window(self.hw, self.p.antialias_scale, self.p.marker_radius, tuple(at))
+        if window is None:
+            return self.marker(at)
+        out = np.zeros(self.hw, np.uint8)
+        out[box[0]:box[1], box[2]:box[3]] = window
+        return out
 
-def _render(p: PathfinderParams, rng, debug: bool = False) -> tuple[np.ndarray, int, int, dict]:
+
+def _render(p: PathfinderParams, rng, debug: bool = False, reference: bool = False) \
+        -> tuple[np.ndarray, int, int, dict]:
     """One image as snakes2 draws it: (uint8 image, label, paddle margin, info). info["markers"] = the two
     marker centres [(y, x), (y, x)]; with ``debug`` also the float layers before bytescale: "targets" (each
     target snake alone), "strokes" (all snakes), "marker_layer", and "marked" (the snake of the first marker)."""
     label = int(rng.integers(0, 2))
     margin = p.paddle_margin_list[rng.integers(0, len(p.paddle_margin_list))]
     scene = _Scene(p, rng, margin)
-    for _ in range(p.max_target_pair_attempts):
-        snakes = scene.targets()
-        if snakes is not None:
-            break
-        scene.clear()
-    else:
-        raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
-    scene.many_snakes(p.num_distractor_snakes, p.max_distractor_contour_retrial, p.distractor_length)
+    snakes = scene.target_pair(reference)
+    many = scene.many_snakes if reference else scene.distractors
+    many(p.num_distractor_snakes, p.max_distractor_contour_retrial, p.distractor_length)
     if p.use_single_paddles:
         total = int(150 * (1. / ((7.5 + 13 * margin + 4 * margin * margin) / 123.5)))
         n_single = total - 2 * p.contour_length - p.num_distractor_snakes * p.distractor_length
-        scene.many_snakes(n_single, p.max_paddle_retrial, 1)
+        many(n_single, p.max_paddle_retrial, 1)
     o = int(rng.integers(0, 2))
     ends = [snakes[o].origin, snakes[o if label else 1 - o].tip]
-    markers = np.maximum(scene.marker(ends[0]), scene.marker(ends[1])).astype(np.float64) / 255
+    marker = scene.marker if reference else scene.marker_fast
+    markers = np.maximum(marker(ends[0]), marker(ends[1])).astype(np.float64) / 255
     info = {"markers": ends}
     if debug:
         info.update(targets=[s.layer(scene.hw) for s in snakes], strokes=scene.img.copy(), marker_layer=markers,
