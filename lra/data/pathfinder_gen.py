@@ -443,8 +443,8 @@ class _Heading:
     """A heading's growth tables: step * sin / cos as _step computes them; over the candidates of non-negligible
     turn weight (``rel``, also as a bitmask ``relevant``): weights, offsets, angles, the pids of the paddles drawn
     back from them, offsets into a g patch; cumulative tables by edge class."""
-    __slots__ = ("dc", "ds", "flat", "kmap", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "relevant",
-                 "tables", "weights")
+    __slots__ = ("dc", "ds", "flat", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "relevant", "tables",
+                 "weights")
 
 
 class _PairGeometry:
@@ -493,7 +493,6 @@ class _PairGeometry:
         self.support_bits, self.hot_bits = [], []  # per pid: where its g is > 0, where its mask is >= _HOT
         self.headings, self.edges, self.tables, self.band_hits, self.pairs, self.trig = \
             {}, {}, {}, {}, {}, {}
-        self.contribs = {}
         self.flipped = [float(_flip(t)) for t in self.orient_arr]
         self.flipped_id = [self.pid(t) for t in self.flipped]
         self.deg = {d: float(np.int64(d) * np.pi / 180) for d in range(-180, 360)}  # rng.integers(...) * pi / 180
@@ -560,9 +559,6 @@ class _PairGeometry:
             got.oy, got.ox, got.orient = self.oy[rel].tolist(), self.ox[rel].tolist(), self.orient_arr[rel].tolist()
             got.qid, got.flat, got.tables = [self.flipped_id[j] for j in rel], self.flatoff[rel].tolist(), {}
             got.nxt = [None] * len(rel)  # the heading tables of the relevant candidates' angles, filled as met
-            got.kmap = [-1] * self.K  # candidate -> its index among the relevant ones
-            for k, j in enumerate(rel.tolist()):
-                got.kmap[j] = k
         return got
 
     def edge(self, by: int, bx: int) -> np.ndarray:
@@ -587,18 +583,6 @@ class _PairGeometry:
         pivot's edge class ``key`` = key_y[py] | key_x[px]."""
         values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist()
         got = hd.tables[key] = (_cumulative(values, hd.weights), values)
-        return got
-
-    def contribution(self, pid: int, dy: int, dx: int) -> list:
-        """[(candidate, g)] where paddle pid's dilated mask is > 0 at a candidate of a pivot (dy, dx) from it."""
-        key = (pid << 24) | (dy + 2048) << 12 | dx + 2048
-        got = self.contribs.get(key)
-        if got is None:
-            patch, big, span = self.g_patches[pid], self.big, 2 * self.big + 1
-            base = (big + dy) * span + big + dx
-            values = np.frombuffer(patch, np.float32)[base + self.flatoff]
-            j = np.flatnonzero(values > 0)
-            got = self.contribs[key] = list(zip(j.tolist(), values[j].tolist()))
         return got
 
     def band_hit(self, key: int) -> bool:
@@ -837,32 +821,14 @@ class _Scene:
     def target_pair(self, reference: bool = False) -> list[_Snake]:
         """``targets`` redrawn until a pair fits. The default decides each step from paddle lists and leaves the
         canvases, the random stream and the snakes exactly as ``reference=True`` (``targets`` on the canvases)."""
-        p, rng = self.p, self.rng
-        if reference:
-            for _ in range(p.max_target_pair_attempts):
-                snakes = self.targets()
-                if snakes is not None:
-                    return snakes
-                self.clear()
-        else:
-            g = _pair_geometry(p, self.m)
-            self.integers, self.random = integers, _ = _stream(rng)
-            # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
-            # pixels (30 in 360 have some at 32 px): such attempts are skipped here with the same draws
-            quick = len(set(p.snake_contrast_list)) == 1 and len(p.paddle_contrast_list) == 1
-            dead = g.dead
-            for _ in range(p.max_target_pair_attempts):
-                deg = None
-                if quick:
-                    deg = integers(-180, 180)
-                    if dead[deg + 180] if dead[deg + 180] is not None else g.seedless(deg):
-                        continue
-                snakes = self._pair_attempt(g, deg)
-                if snakes is not None:
-                    return snakes
-                if self.banded:
-                    self.buf.fill(0)
-                    self.banded, self.synced = False, 0
+        p = self.p
+        if not reference:
+            return self._pairs(_pair_geometry(p, self.m))
+        for _ in range(p.max_target_pair_attempts):
+            snakes = self.targets()
+            if snakes is not None:
+                return snakes
+            self.clear()
         raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
 
     def _keep(self, g: _PairGeometry, paddle) -> None:
@@ -903,35 +869,106 @@ class _Scene:
         pmf /= total
         return pmf.cumsum(), cy, cx, orient
 
-    def _pair_attempt(self, g: _PairGeometry, deg: int | None = None) -> list[_Snake] | None:
-        """One ``targets`` call with the same random calls (``deg``: the first seed's angle, drawn already): paddles
-        are listed, the mask is built only where a step needs the exact arithmetic, and the image is drawn once the
-        pair fits."""
-        p, rng, integers = self.p, self.rng, self.integers
-        self.kept, self.synced, self.banded, self.support, self.hot = [], 0, False, 0, 0
-        mu = list(p.snake_contrast_list) * 2
-        if len(set(mu)) > 1:
-            mu = [mu[j] for j in rng.permutation(len(mu))]
-        contrasts = p.paddle_contrast_list
-        tracks = []
-        for t in range(2):
-            ci = integers(0, len(contrasts)) if len(contrasts) > 1 else 0
-            s = self._seed_track(g, contrasts[ci] * mu[t], tracks[0].origin if t else None, None if t else deg)
-            if s is None:
-                return None
-            tracks.append(s)
-        draws = len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
-        for _ in range(p.contour_length - 1):
-            contrast = contrasts[integers(0, len(contrasts))] if draws else contrasts[0]
-            for t in range(2):
-                if not self._grow(g, tracks[t], contrast * mu[t]):
-                    return None
-        self._keep(g, tracks[1].last)
-        if p.mask_both_target_ends:
-            self._keep(g, tracks[0].last)
+    def _pairs(self, g: _PairGeometry) -> list[_Snake]:
+        """``targets`` redrawn until a pair fits, with the same random calls: paddles are listed, the mask is
+        built only where a step needs the exact arithmetic, and the image is drawn once the pair fits. _grow's
+        common case is written out here (a growth step is the inner loop of an image's work); anything else is
+        left to _grow before any draw, or with the draw made (u0) when it lies within _TIE of a boundary."""
+        p, rng = self.p, self.rng
+        self.integers, self.random = integers, random = _stream(rng)
+        contrasts, mu0 = p.paddle_contrast_list, list(p.snake_contrast_list) * 2
+        shuffle, draws = len(set(mu0)) > 1, len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
+        # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
+        # pixels (30 in 360 have some at 32 px): such attempts take no more than that draw here
+        quick, dead = not shuffle and len(contrasts) == 1, g.dead
+        h, w, S, exact_y, exact_x, key_y, key_x, qkey_y, qkey_x = \
+            g.h, g.w, g.S, g.exact_y, g.exact_x, g.key_y, g.key_x, g.qkey_y, g.qkey_x
+        hot_bits, support_bits, band_hits, tries, steps = g.hot_bits, g.support_bits, g.band_hits, g.tries, \
+            range(p.contour_length - 1)
+        bisect_right, ceil = bisect.bisect_right, math.ceil
+        for _ in range(p.max_target_pair_attempts):
+            deg = None
+            if quick:
+                deg = integers(-180, 180)
+                if dead[deg + 180] if dead[deg + 180] is not None else g.seedless(deg):
+                    continue
+            if self.banded:  # an exact step of the last attempt drew on the mask
+                self.buf.fill(0)
+                self.banded, self.synced = False, 0
+            self.kept = kept = []
+            support = hot = 0
+            mu = [mu0[j] for j in rng.permutation(len(mu0))] if shuffle else mu0
+            s0 = self._seed_track(g, contrasts[integers(0, len(contrasts)) if len(contrasts) > 1 else 0] * mu[0],
+                                  None, deg)
+            s1 = s0 and self._seed_track(g, contrasts[integers(0, len(contrasts)) if len(contrasts) > 1 else 0]
+                                         * mu[1], s0.origin)
+            if s1 is None:
+                continue
+            tracks = ((s0, mu[0]), (s1, mu[1]))
+            for _ in steps:
+                contrast = contrasts[integers(0, len(contrasts))] if draws else contrasts[0]
+                for s, factor in tracks:
+                    hd = s.hd
+                    py, px = ceil(s.py + hd.ds), ceil(s.px + hd.dc)
+                    cmf = None
+                    if 0 <= py < h and 0 <= px < w and exact_y[py] and exact_x[px]:
+                        key = key_y[py] | key_x[px]
+                        cmf, values = hd.tables.get(key) or g.table(hd, key)
+                        if support & hd.rel_bits << (py * S + px):
+                            cmf = self._near_cmf(g, hd, py, px, values)
+                        if cmf is _NO_ROOM:
+                            break
+                    if cmf is None:
+                        self.support, self.hot = support, hot
+                        grown = self._grow(g, s, contrast * factor)
+                        support, hot = self.support, self.hot
+                        if not grown:
+                            break
+                        continue
+                    for left in range(tries, 0, -1):
+                        u = random()
+                        k = bisect_right(cmf, u)
+                        if not (k < len(cmf) and cmf[k] > u + _TIE and (k == 0 or cmf[k - 1] < u - _TIE)):
+                            self.support, self.hot = support, hot
+                            grown = self._grow(g, s, contrast * factor, u, left)
+                            support, hot = self.support, self.hot
+                            break
+                        hy, hx, qid = py + hd.oy[k], px + hd.ox[k], hd.qid[k]
+                        key = qkey_y[hy] | qkey_x[hx]
+                        if key and (band_hits[key | qid] if (key | qid) in band_hits else g.band_hit(key | qid)):
+                            continue
+                        if hot & hot_bits[qid] << (hy * S + hx) and self._collides(g, qid, hy, hx):
+                            continue
+                        y, x, pid = last = s.last
+                        kept.append(last)
+                        support |= support_bits[pid] << (y * S + x)
+                        hot |= hot_bits[pid] << (y * S + x)
+                        s.last = (hy, hx, qid)
+                        s.paddles.append((hy, hx, qid, contrast * factor))
+                        s.py, s.px, s.tip = py, px, (hy, hx)
+                        s.hd, s.theta = hd.nxt[k] or g.next_heading(hd, k), hd.orient[k]
+                        grown = True
+                        break
+                    else:
+                        grown = False
+                    if not grown:
+                        break
+                else:
+                    continue
+                break
+            else:
+                self.support, self.hot = support, hot
+                return self._pair_done(g, s0, s1)
+        raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
+
+    def _pair_done(self, g: _PairGeometry, s0: _Track, s1: _Track) -> list[_Snake]:
+        """The pair fits: the last keep-outs, the mask and the image as ``targets`` leaves them, and the snakes."""
+        self._keep(g, s1.last)
+        if self.p.mask_both_target_ends:
+            self._keep(g, s0.last)
         self._sync(g)
         snakes = []
-        for s in tracks:
+        for s in (s0, s1):
             pads = [self.paddle((y, x), g.thetas[pid], c) for y, x, pid, c in s.paddles]
             for pad in pads:
                 self.draw(pad)
@@ -963,8 +1000,9 @@ class _Scene:
                 return _Track(tail, pivot, rec, contrast)
         return None
 
-    def _grow(self, g: _PairGeometry, s: _Track, contrast) -> bool:
-        """``extend`` on a track: same draws, same outcome."""
+    def _grow(self, g: _PairGeometry, s: _Track, contrast, u0: float | None = None, tries: int | None = None) -> bool:
+        """``extend`` on a track: same draws, same outcome. ``u0``: the first retrial's draw, already made by a
+        caller that found it too close to a cumulative boundary; ``tries``: the retrials left then."""
         hd, h, w = s.hd, g.h, g.w
         py, px = math.ceil(s.py + hd.ds), math.ceil(s.px + hd.dc)  # _step(pivot, heading, L + 2m)
         cmf = exact = None
@@ -972,27 +1010,18 @@ class _Scene:
             key = g.key_y[py] | g.key_x[px]
             cmf, values = hd.tables.get(key) or g.table(hd, key)
             if self.support & hd.rel_bits << (py * g.S + px):  # a kept paddle reaches a relevant candidate
-                reach, side, bits, relevant, kmap = g.reach, g.side, g.touch_bits, hd.relevant, hd.kmap
-                values = list(values)
-                for y, x, pid in self.kept:
-                    dy, dx = py - y, px - x
-                    if -reach <= dy <= reach and -reach <= dx <= reach \
-                            and bits[pid][(dy + reach) * side + dx + reach] & relevant:
-                        for j, v in g.contribs.get((pid << 24) | (dy + 2048) << 12 | dx + 2048) \
-                                or g.contribution(pid, dy, dx):
-                            k = kmap[j]
-                            if k >= 0 and v > values[k]:
-                                values[k] = v
-                cmf = _cumulative(values, hd.weights)
+                cmf = self._near_cmf(g, hd, py, px, values)
             if cmf is _NO_ROOM:
                 return False
         if cmf is None:
             exact = self._exact_cmf(g, (py, px), s.theta)
             if exact is None:
                 return False
-        random, kept = self.random, self.kept
-        for _ in range(g.tries):
-            u = random()
+        for _ in range(g.tries if tries is None else tries):
+            if u0 is None:
+                u = self.random()
+            else:
+                u, u0 = u0, None
             if exact is None:
                 k = bisect.bisect_right(cmf, u)
                 if k < len(cmf) and cmf[k] > u + _TIE and (k == 0 or cmf[k - 1] < u - _TIE):
@@ -1007,30 +1036,39 @@ class _Scene:
                 i = 0 if i == len(e_cmf) else i
                 hy, hx, orient, qid = int(cy[i]), int(cx[i]), float(angles[i]), g.pid(float(_flip(angles[i])))
             key = g.qkey_y[hy] | g.qkey_x[hx]
-            if key:
-                key |= qid
-                hit = g.band_hits.get(key)
-                if hit is None:
-                    hit = g.band_hit(key)
+            if key and (g.band_hits.get(key | qid) if (key | qid) in g.band_hits else g.band_hit(key | qid)):
+                continue
+            if self.hot & g.hot_bits[qid] << (hy * g.S + hx) and self._collides(g, qid, hy, hx):
+                continue
+            y, x, pid = last = s.last  # the previous paddle's mask joins one step late
+            self.kept.append(last)
+            self.support |= g.support_bits[pid] << (y * g.S + x)
+            self.hot |= g.hot_bits[pid] << (y * g.S + x)
+            s.last = (hy, hx, qid)
+            s.paddles.append((hy, hx, qid, contrast))
+            s.py, s.px, s.tip = py, px, (hy, hx)
+            if exact is None:
+                s.hd, s.theta = hd.nxt[k] or g.next_heading(hd, k), hd.orient[k]
             else:
-                hit = False
-            if not hit and self.hot & g.hot_bits[qid] << (hy * g.S + hx):  # hot pixels meet: test each paddle
-                hit = self._collides(g, qid, hy, hx)
-            if not hit:
-                y, x, pid = last = s.last  # the previous paddle's mask joins one step late
-                kept.append(last)
-                self.support |= g.support_bits[pid] << (y * g.S + x)
-                self.hot |= g.hot_bits[pid] << (y * g.S + x)
-                s.last = (hy, hx, qid)
-                s.paddles.append((hy, hx, qid, contrast))
-                s.py, s.px, s.tip = py, px, (hy, hx)
-                if exact is None:
-                    s.hd = hd.nxt[k] or g.next_heading(hd, k)
-                    s.theta = hd.orient[k]
-                else:
-                    s.hd, s.theta = g.heading(orient), orient
-                return True
+                s.hd, s.theta = g.heading(orient), orient
+            return True
         return False
+
+    def _near_cmf(self, g: _PairGeometry, hd: _Heading, py: int, px: int, values: list):
+        """The cumulative pmf where kept paddles reach relevant candidates: their dilated masks maxed into the
+        band's g ``values`` (a list over the relevant candidates)."""
+        reach, side, bits, relevant, flat, patches = g.reach, g.side, g.touch_bits, hd.relevant, hd.flat, g.g_patches
+        span, values = 2 * g.big + 1, list(values)
+        for y, x, pid in self.kept:
+            dy, dx = py - y, px - x
+            if -reach <= dy <= reach and -reach <= dx <= reach \
+                    and bits[pid][(dy + reach) * side + dx + reach] & relevant:
+                patch, base = patches[pid], (g.big + dy) * span + g.big + dx
+                for k, f in enumerate(flat):
+                    v = patch[base + f]
+                    if v > values[k]:
+                        values[k] = v
+        return _cumulative(values, hd.weights)
 
     def _collides(self, g: _PairGeometry, qid: int, hy: int, hx: int) -> bool:
         """The acceptance test for paddle qid at (hy, hx) against each kept paddle near it."""
