@@ -443,8 +443,7 @@ class _Heading:
     """A heading's growth tables: step * sin / cos as _step computes them; over the candidates of non-negligible
     turn weight (``rel``, also as a bitmask ``relevant``): weights, offsets, angles, the pids of the paddles drawn
     back from them, offsets into a g patch; cumulative tables by edge class."""
-    __slots__ = ("dc", "ds", "flat", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "relevant", "tables",
-                 "weights")
+    __slots__ = ("dc", "ds", "flat", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "tables", "weights")
 
 
 class _PairGeometry:
@@ -481,16 +480,15 @@ class _PairGeometry:
         band[:p.padding], band[h - p.padding:], band[:, :p.padding], band[:, w - p.padding:] = 1, 1, 1, 1
         self.band = band
         self.band_dilated = _dilate(band, _disk(m))  # g of the band alone (the rim outside the canvas is 0)
-        self.reach = self.R + m + r  # a kept paddle whose start is farther from the pivot touches no candidate
-        self.side = 2 * self.reach + 1
-        self.big = self.reach + r  # a paddle's g patch is (2 * big + 1)^2, centred on its start
-        self.flatoff = oy * (2 * self.big + 1) + ox
         # occupancy bitmasks (Python ints): pixel (y, x) is bit (y + M) * S + x + M, a margin M wide enough that
         # a pattern around an on-canvas anchor never wraps into the next row
         self.M = max(self.R + m, r)
         self.S = w + 2 * self.M
-        self.ids, self.thetas, self.g_patches, self.touch_bits, self.hot = {}, [], [], [], []
+        self.ids, self.thetas, self.hot = {}, [], []
         self.support_bits, self.hot_bits = [], []  # per pid: where its g is > 0, where its mask is >= _HOT
+        self.level_patches, self.E = [], self.R + m  # per pid: its g as levels, (2E + 1)^2 around its start
+        self.level_values = np.arange(256).astype(np.float64) / 255  # level k -> float32(k / 255), as a mask holds it
+        self.level_values = self.level_values.astype(np.float32).astype(np.float64)
         self.headings, self.edges, self.tables, self.band_hits, self.pairs, self.trig = \
             {}, {}, {}, {}, {}, {}
         self.flipped = [float(_flip(t)) for t in self.orient_arr]
@@ -512,26 +510,27 @@ class _PairGeometry:
         return got
 
     def pid(self, theta: float) -> int:
-        """The id of a paddle angle; its tables are built on first sight."""
+        """The id of a paddle angle; its tables are built on first sight: pixels of its mask >= _HOT (offsets,
+        float64 values, bitmask) and its mask dilated by disk(m) (bitmask of > 0, levels around its start)."""
         got = self.ids.get(theta)
         if got is None:
-            mask, m, R, big = _paddle_patch(theta, *self.patch)[1], self.m, self.R, self.big
+            mask, m, R, E = _paddle_patch(theta, *self.patch)[1], self.m, self.R, self.E
             if mask.max() > 1:
                 raise ValueError("pathfinder_gen: a paddle mask exceeds 1")
-            padded = np.zeros((2 * big + 1,) * 2, np.float32)
-            padded[big - R:big + R + 1, big - R:big + R + 1] = mask
-            dilated = _dilate(padded, _disk(m)).ravel()  # g around the paddle's start
-            shifts = np.arange(-self.reach, self.reach + 1)
-            at = ((big + shifts) * (2 * big + 1))[:, None, None] + (big + shifts)[None, :, None] + self.flatoff
+            padded = np.zeros((2 * E + 1,) * 2, np.float32)
+            padded[E - R:E + R + 1, E - R:E + R + 1] = mask
+            dilated = _dilate(padded, _disk(m))  # g around the paddle's start
+            levels = np.rint(dilated * 255).astype(np.uint8)  # a mask value is float32(k / 255): level k
+            if not np.array_equal(self.level_values[levels], dilated):
+                raise ValueError("pathfinder_gen: a paddle mask value is not float32(k / 255)")
             ys, xs = np.nonzero(mask >= _HOT)
+            gy, gx = np.nonzero(dilated > 0)
             got = self.ids[theta] = len(self.thetas)
             self.thetas.append(theta)
-            self.g_patches.append(dilated.data)  # float32 reads as Python floats
-            self.touch_bits.append(_bitmasks(dilated[at.reshape(-1, self.K)] > 0))  # per (dy, dx) from the pivot
             self.hot.append((ys - R, xs - R, mask[ys, xs].astype(np.float64)))
             self.hot_bits.append(self.bits(ys - R, xs - R))
-            gy, gx = np.nonzero(dilated.reshape(2 * big + 1, -1) > 0)
-            self.support_bits.append(self.bits(gy - big, gx - big))
+            self.support_bits.append(self.bits(gy - E, gx - E))
+            self.level_patches.append(levels)
         return got
 
     def bits(self, oy: np.ndarray, ox: np.ndarray) -> int:
@@ -553,11 +552,12 @@ class _PairGeometry:
             rel = np.flatnonzero(t > _NEGLIGIBLE)
             got = self.headings[theta] = _Heading()
             got.ds, got.dc = float(self.step * np.sin(theta)), float(self.step * np.cos(theta))
-            got.relevant, got.rel = _bitmasks((t > _NEGLIGIBLE)[None])[0], rel
+            got.rel = rel
             got.rel_bits = self.bits(self.oy[rel], self.ox[rel])
             got.weights = t[rel].tolist()
             got.oy, got.ox, got.orient = self.oy[rel].tolist(), self.ox[rel].tolist(), self.orient_arr[rel].tolist()
-            got.qid, got.flat, got.tables = [self.flipped_id[j] for j in rel], self.flatoff[rel].tolist(), {}
+            got.qid, got.tables = [self.flipped_id[j] for j in rel], {}
+            got.flat = self.oy[rel] * self.S + self.ox[rel]  # offsets in the level canvas (row stride S)
             got.nxt = [None] * len(rel)  # the heading tables of the relevant candidates' angles, filled as met
         return got
 
@@ -581,8 +581,8 @@ class _PairGeometry:
     def table(self, hd: _Heading, key: int):
         """(cumulative pmf where only the band and the edge touch the candidates, their g) for a heading and a
         pivot's edge class ``key`` = key_y[py] | key_x[px]."""
-        values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist()
-        got = hd.tables[key] = (_cumulative(values, hd.weights), values)
+        values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel]
+        got = hd.tables[key] = (_cumulative(values.tolist(), hd.weights), values)
         return got
 
     def band_hit(self, key: int) -> bool:
@@ -711,6 +711,8 @@ class _Scene:
         self.patch = (p.paddle_length, p.paddle_thickness, margin, p.antialias_scale)  # a paddle's key, less theta
         self.kept, self.synced, self.banded = [], 0, False  # target_pair's kept-out paddles, how many are on mask
         self.support = self.hot = 0  # occupancy bitmasks of the kept paddles' g > 0 and mask >= _HOT
+        self.levels = self.levels_flat = None  # their g as levels on a canvas with the bitmasks' margin and stride
+        self.leveled = 0  # how many kept paddles are on it
 
     def clear(self) -> None:
         """Empty canvases, as a new scene's: the next target pair is drawn from scratch."""
@@ -886,6 +888,8 @@ class _Scene:
         hot_bits, support_bits, band_hits, tries, steps = g.hot_bits, g.support_bits, g.band_hits, g.tries, \
             range(p.contour_length - 1)
         bisect_right, ceil = bisect.bisect_right, math.ceil
+        self.levels = np.zeros((h + 2 * g.M, S), np.uint8)
+        self.levels_flat, self.leveled = self.levels.ravel(), 0
         for _ in range(p.max_target_pair_attempts):
             deg = None
             if quick:
@@ -895,6 +899,9 @@ class _Scene:
             if self.banded:  # an exact step of the last attempt drew on the mask
                 self.buf.fill(0)
                 self.banded, self.synced = False, 0
+            if self.leveled:
+                self.levels.fill(0)
+                self.leveled = 0
             self.kept = kept = []
             support = hot = 0
             mu = [mu0[j] for j in rng.permutation(len(mu0))] if shuffle else mu0
@@ -1054,21 +1061,16 @@ class _Scene:
             return True
         return False
 
-    def _near_cmf(self, g: _PairGeometry, hd: _Heading, py: int, px: int, values: list):
-        """The cumulative pmf where kept paddles reach relevant candidates: their dilated masks maxed into the
-        band's g ``values`` (a list over the relevant candidates)."""
-        reach, side, bits, relevant, flat, patches = g.reach, g.side, g.touch_bits, hd.relevant, hd.flat, g.g_patches
-        span, values = 2 * g.big + 1, list(values)
-        for y, x, pid in self.kept:
-            dy, dx = py - y, px - x
-            if -reach <= dy <= reach and -reach <= dx <= reach \
-                    and bits[pid][(dy + reach) * side + dx + reach] & relevant:
-                patch, base = patches[pid], (g.big + dy) * span + g.big + dx
-                for k, f in enumerate(flat):
-                    v = patch[base + f]
-                    if v > values[k]:
-                        values[k] = v
-        return _cumulative(values, hd.weights)
+    def _near_cmf(self, g: _PairGeometry, hd: _Heading, py: int, px: int, values: np.ndarray):
+        """The cumulative pmf where kept paddles reach relevant candidates: the band's g ``values`` (over the
+        relevant candidates) maxed with the level canvas, brought up to the kept paddles first."""
+        levels, M, E = self.levels, g.M, g.E
+        for y, x, pid in self.kept[self.leveled:]:
+            window = levels[y + M - E:y + M + E + 1, x + M - E:x + M + E + 1]
+            np.maximum(window, g.level_patches[pid], out=window)
+        self.leveled = len(self.kept)
+        near = g.level_values[self.levels_flat[hd.flat + ((py + M) * g.S + px + M)]]
+        return _cumulative(np.maximum(near, values, out=near).tolist(), hd.weights)
 
     def _collides(self, g: _PairGeometry, qid: int, hy: int, hx: int) -> bool:
         """The acceptance test for paddle qid at (hy, hx) against each kept paddle near it."""
@@ -1107,6 +1109,9 @@ class _Scene:
                 if self.synced > base:  # an exact step put this snake's paddles on the mask: rebuild it
                     self.buf.fill(0)
                     self.banded, self.synced = False, 0
+                if self.leveled > base:  # ... or on the level canvas
+                    self.levels.fill(0)
+                    self.leveled = 0
 
     def _seed_distractor(self, g: _PairGeometry, contrast):
         """``seed(lined, contrast, stop)`` on the synced mask, without drawing: same draws, same outcome."""
