@@ -80,6 +80,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing import get_all_start_methods, get_context
@@ -362,6 +363,7 @@ _TIE = 1e-10         # |u - cumulative| below it: resolved by the exact arithmet
 _HOT = 0.75          # mask values below it cannot reach 1.8 with another mask (<= 1)
 _NO_ROOM = False     # a cumulative table's value where extend gives up (total < 1e-4) without a draw
 _MISSING = object()
+_NEAR_KEPT = 400_000  # cached near-candidate tables per geometry (a few hundred bytes each)
 
 
 def _integers_0_1_draws() -> bool:
@@ -376,8 +378,9 @@ _INTEGERS_0_1_DRAWS = _integers_0_1_draws()
 
 
 def _direct(rng: np.random.Generator):
-    """(integers(low, high), random()) of ``rng`` through its bit generator's C functions: numpy's Lemire draw for
-    ranges below 2**32 (a one-value range draws nothing), written out."""
+    """(integers(low, high), random(), bounded(low, high) -> a function drawing integers(low, high)) of ``rng``
+    through its bit generator's C functions: numpy's Lemire draw for ranges below 2**32 (a one-value range draws
+    nothing), written out."""
     c = rng.bit_generator.ctypes
     next32, state = c.next_uint32, c.state
 
@@ -394,7 +397,22 @@ def _direct(rng: np.random.Generator):
                 m = next32(state) * n
         return (m >> 32) + low
 
-    return integers, functools.partial(c.next_double, state)
+    def bounded(low: int, high: int):
+        n = high - low
+        if not 1 < n <= 0xFFFFFFFF:
+            return functools.partial(integers, low, high)
+        floor = (0x100000000 - n) % n
+
+        def draw() -> int:
+            m = next32(state) * n
+            if m & 0xFFFFFFFF < n:
+                while m & 0xFFFFFFFF < floor:
+                    m = next32(state) * n
+            return (m >> 32) + low
+
+        return draw
+
+    return integers, functools.partial(c.next_double, state), bounded
 
 
 @functools.cache
@@ -403,8 +421,11 @@ def _direct_matches(kind: type) -> bool:
     calls over several ranges, compared value by value and by the final state."""
     try:
         ours, theirs = np.random.Generator(kind(20240607)), np.random.Generator(kind(20240607))
-        integers, random = _direct(ours)
+        integers, random, bounded = _direct(ours)
+        angle = bounded(-180, 180)
         for i in range(3000):
+            if i % 5 == 0 and angle() != int(theirs.integers(-180, 180)):
+                return False
             low, high = ((0, 1), (0, 2), (-180, 180), (0, 360), (0, 7), (0, 1000), (5, 123457))[i % 7]
             if integers(low, high) != int(theirs.integers(low, high)) or (i % 3 == 0 and random() != theirs.random()):
                 return False
@@ -414,11 +435,15 @@ def _direct_matches(kind: type) -> bool:
 
 
 def _stream(rng: np.random.Generator):
-    """(integers(low, high) -> int, random() -> float) drawing exactly what ``rng``'s methods draw, the direct
-    calls where they match (a third of the call cost)."""
+    """(integers(low, high) -> int, random() -> float, bounded(low, high) -> a function drawing integers(low,
+    high)) drawing exactly what ``rng``'s methods draw, the direct calls where they match (a third of the cost)."""
     if _direct_matches(type(rng.bit_generator)):
         return _direct(rng)
-    return (lambda low, high: int(rng.integers(low, high))), rng.random
+
+    def integers(low: int, high: int) -> int:
+        return int(rng.integers(low, high))
+
+    return integers, rng.random, lambda low, high: functools.partial(integers, low, high)
 
 
 def _bitmasks(rows: np.ndarray) -> list[int]:
@@ -428,22 +453,24 @@ def _bitmasks(rows: np.ndarray) -> list[int]:
 
 
 def _cumulative(g: list, weights: list):
-    """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a list,
-    _NO_ROOM, or None when the total is too close to extend's 1e-4 threshold to decide without the exact sums."""
+    """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a list between
+    two -inf, _NO_ROOM, or None when the total is too close to extend's 1e-4 threshold to decide without the exact
+    sums."""
     cum = list(itertools.accumulate([(1.0 - v) * w for v, w in zip(g, weights)]))
     acc = cum[-1] if cum else 0.0
     if acc < 0.5e-4:
         return _NO_ROOM
     if acc < 2e-4:
         return None
-    return [c / acc for c in cum]
+    return [-math.inf, *(c / acc for c in cum), -math.inf]  # a candidate k is entry k + 1; the ends fail the tie test
 
 
 class _Heading:
     """A heading's growth tables: step * sin / cos as _step computes them; over the candidates of non-negligible
     turn weight (``rel``, also as a bitmask ``relevant``): weights, offsets, angles, the pids of the paddles drawn
     back from them, offsets into a g patch; cumulative tables by edge class."""
-    __slots__ = ("dc", "ds", "flat", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "tables", "weights")
+    __slots__ = ("dc", "ds", "flat", "near", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "tables",
+                 "theta", "weights")
 
 
 class _PairGeometry:
@@ -476,6 +503,9 @@ class _PairGeometry:
                        for c in range(h)]
         self.qkey_x = [(c + 1 if c - self.R < p.padding or c + self.R > w - 1 - p.padding else 0) << 24
                        for c in range(w)]
+        # (py << 16) + px -> the edge key of a pivot whose circle translates (a pivot off the canvas has none)
+        self.pivots = {(y << 16) + x: self.key_y[y] | self.key_x[x] for y in range(h) for x in range(w)
+                       if self.exact_y[y] and self.exact_x[x]}
         band = np.zeros((h, w))
         band[:p.padding], band[h - p.padding:], band[:, :p.padding], band[:, w - p.padding:] = 1, 1, 1, 1
         self.band = band
@@ -489,6 +519,12 @@ class _PairGeometry:
         self.level_patches, self.E = [], self.R + m  # per pid: its g as levels, (2E + 1)^2 around its start
         self.level_values = np.arange(256).astype(np.float64) / 255  # level k -> float32(k / 255), as a mask holds it
         self.level_values = self.level_values.astype(np.float32).astype(np.float64)
+        self.level_list = self.level_values.tolist()
+        self.near_count = 0  # entries of the headings' ``near`` tables, which are emptied past _NEAR_KEPT
+        # the level canvas a scene keeps its paddles' g on (row stride S, margin M), read as Python ints, and its
+        # (2E + 1)^2 windows around paddle starts, made as met
+        self.levels = np.zeros((h + 2 * self.M, self.S), np.uint8)
+        self.levels_read, self.level_windows = memoryview(self.levels.ravel()), {}
         self.headings, self.edges, self.tables, self.band_hits, self.pairs, self.trig = \
             {}, {}, {}, {}, {}, {}
         self.flipped = [float(_flip(t)) for t in self.orient_arr]
@@ -551,14 +587,17 @@ class _PairGeometry:
             t *= t
             rel = np.flatnonzero(t > _NEGLIGIBLE)
             got = self.headings[theta] = _Heading()
+            got.theta = theta
             got.ds, got.dc = float(self.step * np.sin(theta)), float(self.step * np.cos(theta))
             got.rel = rel
             got.rel_bits = self.bits(self.oy[rel], self.ox[rel])
             got.weights = t[rel].tolist()
-            got.oy, got.ox, got.orient = self.oy[rel].tolist(), self.ox[rel].tolist(), self.orient_arr[rel].tolist()
-            got.qid, got.tables = [self.flipped_id[j] for j in rel], {}
-            got.flat = self.oy[rel] * self.S + self.ox[rel]  # offsets in the level canvas (row stride S)
-            got.nxt = [None] * len(rel)  # the heading tables of the relevant candidates' angles, filled as met
+            # candidate k of the relevant ones at index k + 1, as in the cumulative tables
+            got.oy, got.ox = [0, *self.oy[rel].tolist()], [0, *self.ox[rel].tolist()]
+            got.orient, got.qid = [0.0, *self.orient_arr[rel].tolist()], [0, *(self.flipped_id[j] for j in rel)]
+            got.tables, got.near = {}, {}
+            got.flat = (self.oy[rel] * self.S + self.ox[rel]).tolist()  # offsets in the level canvas (row stride S)
+            got.nxt = [None] * (len(rel) + 1)  # the heading tables of the relevant candidates' angles, as met
         return got
 
     def edge(self, by: int, bx: int) -> np.ndarray:
@@ -574,6 +613,11 @@ class _PairGeometry:
             self.edges[(by, bx)] = got
         return got
 
+    def level_window(self, y: int, x: int) -> np.ndarray:
+        M, E = self.M, self.E
+        got = self.level_windows[(y << 16) + x] = self.levels[y + M - E:y + M + E + 1, x + M - E:x + M + E + 1]
+        return got
+
     def next_heading(self, hd: _Heading, k: int) -> _Heading:
         got = hd.nxt[k] = self.heading(hd.orient[k])
         return got
@@ -581,8 +625,8 @@ class _PairGeometry:
     def table(self, hd: _Heading, key: int):
         """(cumulative pmf where only the band and the edge touch the candidates, their g) for a heading and a
         pivot's edge class ``key`` = key_y[py] | key_x[px]."""
-        values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel]
-        got = hd.tables[key] = (_cumulative(values.tolist(), hd.weights), values)
+        values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist()
+        got = hd.tables[key] = (_cumulative(values, hd.weights), values)
         return got
 
     def band_hit(self, key: int) -> bool:
@@ -658,14 +702,14 @@ class _Seed:
 
 
 class _Track:
-    """A snake while it is drawn from paddle lists: pivot (py, px), heading theta and its table ``hd``, ``last``
-    paddle as (y, x, pid), paddles as (y, x, pid, contrast)."""
-    __slots__ = ("hd", "last", "origin", "paddles", "px", "py", "theta", "tip")
+    """A snake while it is drawn from paddle lists: pivot (py, px), heading table ``hd`` (its angle hd.theta),
+    paddles as (y, x, pid) (``last`` the newest, its start the snake's tip), their contrasts."""
+    __slots__ = ("contrasts", "hd", "last", "origin", "paddles", "px", "py")
 
     def __init__(self, origin, pivot, seed: _Seed, contrast):
-        self.origin, (self.py, self.px), self.theta, self.hd, self.tip = origin, pivot, seed.theta, seed.hd, None
+        self.origin, (self.py, self.px), self.hd = origin, pivot, seed.hd
         self.last = (*origin, seed.pid)
-        self.paddles = [(*self.last, contrast)]
+        self.paddles, self.contrasts = [self.last], [contrast]
 
 
 class _Snake:
@@ -711,7 +755,7 @@ class _Scene:
         self.patch = (p.paddle_length, p.paddle_thickness, margin, p.antialias_scale)  # a paddle's key, less theta
         self.kept, self.synced, self.banded = [], 0, False  # target_pair's kept-out paddles, how many are on mask
         self.support = self.hot = 0  # occupancy bitmasks of the kept paddles' g > 0 and mask >= _HOT
-        self.levels = self.levels_flat = None  # their g as levels on a canvas with the bitmasks' margin and stride
+        self.levels = self.levels_read = None  # their g as levels on a canvas with the bitmasks' margin and stride
         self.leveled = 0  # how many kept paddles are on it
 
     def clear(self) -> None:
@@ -877,23 +921,27 @@ class _Scene:
         common case is written out here (a growth step is the inner loop of an image's work); anything else is
         left to _grow before any draw, or with the draw made (u0) when it lies within _TIE of a boundary."""
         p, rng = self.p, self.rng
-        self.integers, self.random = integers, random = _stream(rng)
+        integers, random, bounded = _stream(rng)
+        self.integers, self.random, angle = integers, random, bounded(-180, 180)
         contrasts, mu0 = p.paddle_contrast_list, list(p.snake_contrast_list) * 2
         shuffle, draws = len(set(mu0)) > 1, len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
         # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
         # pixels (30 in 360 have some at 32 px): such attempts take no more than that draw here
         quick, dead = not shuffle and len(contrasts) == 1, g.dead
-        h, w, S, exact_y, exact_x, key_y, key_x, qkey_y, qkey_x = \
-            g.h, g.w, g.S, g.exact_y, g.exact_x, g.key_y, g.key_x, g.qkey_y, g.qkey_x
-        hot_bits, support_bits, band_hits, tries, steps = g.hot_bits, g.support_bits, g.band_hits, g.tries, \
-            range(p.contour_length - 1)
+        S, pivots, qkey_y, qkey_x, hot_bits, support_bits, band_hits = \
+            g.S, g.pivots, g.qkey_y, g.qkey_x, g.hot_bits, g.support_bits, g.band_hits
+        retrials, steps = range(g.tries, 0, -1), range(p.contour_length - 1)
         bisect_right, ceil = bisect.bisect_right, math.ceil
-        self.levels = np.zeros((h + 2 * g.M, S), np.uint8)
-        self.levels_flat, self.leveled = self.levels.ravel(), 0
+        if g.near_count > _NEAR_KEPT:
+            for heading in g.headings.values():
+                heading.near.clear()
+            g.near_count = 0
+        self.levels, self.levels_read, self.leveled = g.levels, g.levels_read, 0
+        self.levels.fill(0)
         for _ in range(p.max_target_pair_attempts):
             deg = None
             if quick:
-                deg = integers(-180, 180)
+                deg = angle()
                 if dead[deg + 180] if dead[deg + 180] is not None else g.seedless(deg):
                     continue
             if self.banded:  # an exact step of the last attempt drew on the mask
@@ -917,12 +965,13 @@ class _Scene:
                 for s, factor in tracks:
                     hd = s.hd
                     py, px = ceil(s.py + hd.ds), ceil(s.px + hd.dc)
-                    cmf = None
-                    if 0 <= py < h and 0 <= px < w and exact_y[py] and exact_x[px]:
-                        key = key_y[py] | key_x[px]
+                    key = pivots.get((py << 16) + px)
+                    if key is None:
+                        cmf = None
+                    else:
                         cmf, values = hd.tables.get(key) or g.table(hd, key)
                         if support & hd.rel_bits << (py * S + px):
-                            cmf = self._near_cmf(g, hd, py, px, values)
+                            cmf = self._near_cmf(g, hd, key, py, px, values)
                         if cmf is _NO_ROOM:
                             break
                     if cmf is None:
@@ -932,10 +981,11 @@ class _Scene:
                         if not grown:
                             break
                         continue
-                    for left in range(tries, 0, -1):
+                    end = len(cmf) - 1
+                    for left in retrials:
                         u = random()
-                        k = bisect_right(cmf, u)
-                        if not (k < len(cmf) and cmf[k] > u + _TIE and (k == 0 or cmf[k - 1] < u - _TIE)):
+                        k = bisect_right(cmf, u, 1, end)
+                        if not (cmf[k] > u + _TIE and cmf[k - 1] < u - _TIE):
                             self.support, self.hot = support, hot
                             grown = self._grow(g, s, contrast * factor, u, left)
                             support, hot = self.support, self.hot
@@ -948,12 +998,14 @@ class _Scene:
                             continue
                         y, x, pid = last = s.last
                         kept.append(last)
-                        support |= support_bits[pid] << (y * S + x)
-                        hot |= hot_bits[pid] << (y * S + x)
-                        s.last = (hy, hx, qid)
-                        s.paddles.append((hy, hx, qid, contrast * factor))
-                        s.py, s.px, s.tip = py, px, (hy, hx)
-                        s.hd, s.theta = hd.nxt[k] or g.next_heading(hd, k), hd.orient[k]
+                        at = y * S + x
+                        support |= support_bits[pid] << at
+                        hot |= hot_bits[pid] << at
+                        s.last = q = (hy, hx, qid)
+                        s.paddles.append(q)
+                        if draws:
+                            s.contrasts.append(contrast * factor)
+                        s.py, s.px, s.hd = py, px, hd.nxt[k] or g.next_heading(hd, k)
                         grown = True
                         break
                     else:
@@ -976,11 +1028,13 @@ class _Scene:
         self._sync(g)
         snakes = []
         for s in (s0, s1):
-            pads = [self.paddle((y, x), g.thetas[pid], c) for y, x, pid, c in s.paddles]
+            if len(s.contrasts) < len(s.paddles):  # one paddle contrast, none drawn: all are the seed's
+                s.contrasts = [s.contrasts[0]] * len(s.paddles)
+            pads = [self.paddle((y, x), g.thetas[pid], c) for (y, x, pid), c in zip(s.paddles, s.contrasts)]
             for pad in pads:
                 self.draw(pad)
-            snake = _Snake(s.origin, (s.py, s.px), s.theta, pads[0])
-            snake.paddles, snake.last, snake.tip = pads, pads[-1], s.tip
+            snake = _Snake(s.origin, (s.py, s.px), s.hd.theta, pads[0])
+            snake.paddles, snake.last, snake.tip = pads, pads[-1], s.last[:2] if len(pads) > 1 else None
             snakes.append(snake)
         return snakes
 
@@ -1010,18 +1064,18 @@ class _Scene:
     def _grow(self, g: _PairGeometry, s: _Track, contrast, u0: float | None = None, tries: int | None = None) -> bool:
         """``extend`` on a track: same draws, same outcome. ``u0``: the first retrial's draw, already made by a
         caller that found it too close to a cumulative boundary; ``tries``: the retrials left then."""
-        hd, h, w = s.hd, g.h, g.w
+        hd = s.hd
         py, px = math.ceil(s.py + hd.ds), math.ceil(s.px + hd.dc)  # _step(pivot, heading, L + 2m)
         cmf = exact = None
-        if 0 <= py < h and 0 <= px < w and g.exact_y[py] and g.exact_x[px]:
-            key = g.key_y[py] | g.key_x[px]
+        key = g.pivots.get((py << 16) + px)
+        if key is not None:
             cmf, values = hd.tables.get(key) or g.table(hd, key)
             if self.support & hd.rel_bits << (py * g.S + px):  # a kept paddle reaches a relevant candidate
-                cmf = self._near_cmf(g, hd, py, px, values)
+                cmf = self._near_cmf(g, hd, key, py, px, values)
             if cmf is _NO_ROOM:
                 return False
         if cmf is None:
-            exact = self._exact_cmf(g, (py, px), s.theta)
+            exact = self._exact_cmf(g, (py, px), hd.theta)
             if exact is None:
                 return False
         for _ in range(g.tries if tries is None else tries):
@@ -1030,11 +1084,11 @@ class _Scene:
             else:
                 u, u0 = u0, None
             if exact is None:
-                k = bisect.bisect_right(cmf, u)
-                if k < len(cmf) and cmf[k] > u + _TIE and (k == 0 or cmf[k - 1] < u - _TIE):
+                k = bisect.bisect_right(cmf, u, 1, len(cmf) - 1)
+                if cmf[k] > u + _TIE and cmf[k - 1] < u - _TIE:
                     hy, hx, qid = py + hd.oy[k], px + hd.ox[k], hd.qid[k]
                 else:
-                    exact = self._exact_cmf(g, (py, px), s.theta)
+                    exact = self._exact_cmf(g, (py, px), hd.theta)
                     if exact is None:  # cannot happen: the shortcut's total is >= 2e-4
                         raise RuntimeError("pathfinder_gen: the turn table and the exact pmf disagree")
             if exact is not None:
@@ -1051,26 +1105,33 @@ class _Scene:
             self.kept.append(last)
             self.support |= g.support_bits[pid] << (y * g.S + x)
             self.hot |= g.hot_bits[pid] << (y * g.S + x)
-            s.last = (hy, hx, qid)
-            s.paddles.append((hy, hx, qid, contrast))
-            s.py, s.px, s.tip = py, px, (hy, hx)
-            if exact is None:
-                s.hd, s.theta = hd.nxt[k] or g.next_heading(hd, k), hd.orient[k]
-            else:
-                s.hd, s.theta = g.heading(orient), orient
+            s.last = q = (hy, hx, qid)
+            s.paddles.append(q)
+            s.contrasts.append(contrast)
+            s.py, s.px = py, px
+            s.hd = (hd.nxt[k] or g.next_heading(hd, k)) if exact is None else g.heading(orient)
             return True
         return False
 
-    def _near_cmf(self, g: _PairGeometry, hd: _Heading, py: int, px: int, values: np.ndarray):
+    def _near_cmf(self, g: _PairGeometry, hd: _Heading, key: int, py: int, px: int, values: list):
         """The cumulative pmf where kept paddles reach relevant candidates: the band's g ``values`` (over the
-        relevant candidates) maxed with the level canvas, brought up to the kept paddles first."""
-        levels, M, E = self.levels, g.M, g.E
+        relevant candidates) maxed with the level canvas, brought up to the kept paddles first. The levels read
+        decide it with the heading and the edge class ``key``: kept per heading."""
+        M, windows = g.M, g.level_windows
         for y, x, pid in self.kept[self.leveled:]:
-            window = levels[y + M - E:y + M + E + 1, x + M - E:x + M + E + 1]
+            window = windows.get((y << 16) + x)
+            if window is None:
+                window = g.level_window(y, x)
             np.maximum(window, g.level_patches[pid], out=window)
         self.leveled = len(self.kept)
-        near = g.level_values[self.levels_flat[hd.flat + ((py + M) * g.S + px + M)]]
-        return _cumulative(np.maximum(near, values, out=near).tolist(), hd.weights)
+        read, base = self.levels_read, (py + M) * g.S + px + M
+        seen = (key, bytes([read[base + f] for f in hd.flat]))
+        got = hd.near.get(seen, _MISSING)
+        if got is _MISSING:
+            value = g.level_list
+            got = hd.near[seen] = _cumulative([max(value[b], v) for b, v in zip(seen[1], values)], hd.weights)
+            g.near_count += 1
+        return got
 
     def _collides(self, g: _PairGeometry, qid: int, hy: int, hx: int) -> bool:
         """The acceptance test for paddle qid at (hy, hx) against each kept paddle near it."""
@@ -1101,7 +1162,7 @@ class _Scene:
                                            for _ in range(length - 1))
                 if ok:
                     self._keep(g, s.last)
-                    for y, x, pid, c in s.paddles:
+                    for (y, x, pid), c in zip(s.paddles, s.contrasts):
                         self.draw(self.paddle((y, x), g.thetas[pid], c))
                     break
                 del self.kept[base:]  # all or nothing, as many_snakes restores its copies
@@ -1119,11 +1180,11 @@ class _Scene:
         free_share = hit = None
         for _ in range(g.tries):
             rec = g.seed_angle(integers(-180, 180))
+            if rec.kernel is None:  # cv2's border leaves this angle no pixel; seed's availability test returns the
+                return None  # same None first where it fails, with no draw between
             if free_share is None:
                 free_share = np.count_nonzero(self.mask <= 0.3) / self.mask.size
             if free_share < p.stop_with_availability:
-                return None
-            if rec.kernel is None:  # cv2's border leaves this angle no pixel
                 return None
             if hit is None:  # many_snakes' lined mask (its border set to 1) > 0.3
                 hit = self.mask > 0.3
@@ -1272,6 +1333,66 @@ def benchmark(resolution: int = 32, n: int = 200, difficulty: str = "hard", seed
     return rate
 
 
+TIMING_COLUMNS = ["task", "resolution", "difficulty", "generator", "version", "images", "warmup", "s_per_image",
+                  "speedup", "minutes_200k_16_cores", "seed", "cpu", "python", "numpy", "pillow", "git_sha",
+                  "timestamp"]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def time_generators(resolution: int = 128, difficulty: str = "hard", images: int = 40, warmup: int = 200,
+                    seed: int = 0, block: int = 10, out: str | Path | None = None) -> list[dict]:
+    """CPU seconds of this process per image (render + PNG encode) of the canvas algorithm (``_render(...,
+    reference=True)``, the code before paddle lists) and of today's, on the same ``images`` images (batch 0 of
+    ``seed``) timed in alternating blocks, after ``warmup`` images of batch 1 (a tenth of them, at most 20, for the
+    canvas algorithm, whose caches fill sooner); every image is checked equal. Returns the two rows and appends
+    them to the CSV ``out`` when given (``minutes_200k_16_cores`` projects LRA's 200,000 images onto 16 such
+    cores)."""
+    params = PathfinderParams.for_lra(resolution, difficulty)
+    warm = {True: max(1, min(warmup // 10, 20)), False: warmup}
+    for reference in (True, False):
+        rng = batch_rng(seed, 1)
+        for _ in range(warm[reference]):
+            _render(params, rng, reference=reference)
+    streams, spent = {r: batch_rng(seed, 0) for r in (True, False)}, {True: 0.0, False: 0.0}
+    for start in range(0, images, block):
+        drawn = {}
+        for reference in (True, False):
+            t = time.process_time()
+            drawn[reference] = [_render(params, streams[reference], reference=reference)[:3]
+                                for _ in range(min(block, images - start))]
+            for img, _, _ in drawn[reference]:
+                Image.fromarray(img, "L").save(io.BytesIO(), format="PNG")
+            spent[reference] += time.process_time() - t
+        if any(not np.array_equal(a[0], b[0]) or a[1:] != b[1:] for a, b in zip(drawn[True], drawn[False])):
+            raise RuntimeError(f"pathfinder_gen: the two algorithms drew different images (seed {seed}, batch 0)")
+    from lra.report.results import append_row, git_sha, now_iso  # torch comes with it: only where rows are kept
+    rows = []
+    for reference in (True, False):
+        per = spent[reference] / images
+        rows.append({"task": "pathx" if resolution == 128 else f"pathfinder{resolution}", "resolution": resolution,
+                     "difficulty": difficulty, "generator": "canvas" if reference else "paddle lists",
+                     "version": GENERATOR_VERSION, "images": images, "warmup": warm[reference],
+                     "s_per_image": round(per, 5), "speedup": round(spent[True] / spent[reference], 2),
+                     "minutes_200k_16_cores": round(per * 200_000 / 16 / 60, 1), "seed": seed, "cpu": _cpu_name(),
+                     "python": platform.python_version(), "numpy": np.__version__, "pillow": Image.__version__,
+                     "git_sha": git_sha(), "timestamp": now_iso()})
+        print(f"pathfinder{resolution} {difficulty} {rows[-1]['generator']}: {per * 1000:.1f} ms/image/core, "
+              f"x{rows[-1]['speedup']}")
+    if out is not None:
+        for row in rows:
+            append_row(out, row, TIMING_COLUMNS)
+    return rows
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resolution", type=int, default=32, choices=sorted(_LRA))
     parser.add_argument("--difficulty", default="hard", choices=list(DIFFICULTIES))
@@ -1281,9 +1402,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     parser.add_argument("--batch-size", type=int, default=1000, help="images per imgs/<k> folder")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--time", metavar="CSV", help="instead of generating: time today's generator against the "
+                        "canvas algorithm (--time-images images after --warmup) and append the rows to CSV")
+    parser.add_argument("--time-images", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=200)
 
 
 def run_from_args(args) -> None:
+    if args.time:
+        time_generators(args.resolution, args.difficulty, args.time_images, args.warmup, args.seed, out=args.time)
+        return
     folder = generate(args.out, args.resolution, args.difficulty, args.n, args.seed, args.workers,
                       args.batch_size, progress=not args.no_progress)
     print(f"wrote {args.n} images under {folder}")
