@@ -11,11 +11,15 @@ distractor snakes of ``distractor_length`` paddles, and two marker discs; label 
 ends of one snake, label 0 = on different snakes. Paddles are PIL lines on an ``antialias_scale`` canvas, shrunk
 with bytescale + LANCZOS; each carries a keep-out mask (its line dilated by a disk) so snakes keep their distance.
 
-Cost: a growth step is O(candidates * |margin disk|) with patches, placed paddles, candidate sets and their turn
-weights cached (an image redraws its target pair hundreds of times over the same few); a distractor seed
-attempt is one H*W dilation by the seed kernel. snakes2 redraws failed target pairs, so an image costs hundreds
-of attempts (32 px hard ~300, 128 px hard ~350). A 128 px image costs many 32 px ones; both are generated far
-faster than by a literal cv2 port of snakes2, thanks to the caches. Memory O(H*W) plus caches (< 100 MB).
+Cost: snakes2 redraws a failed target pair until one fits, so an image costs hundreds of attempts (32 px hard
+~300, most failing at the first seed angle; 128 px hard ~350-700 of ~10 growth steps each). Two implementations
+draw the same images with the same random calls. The canvas code (``_Scene.targets`` / ``extend`` /
+``many_snakes``; ``_render(..., reference=True)``) reads the H x W keep-out mask at every growth step
+(O(candidates * |margin disk|)). The default decides each step from the list of kept-out paddles (the section above
+``_PairGeometry`` gives the arithmetic): per-heading cumulative tables over fixed candidate offsets, occupancy
+bitmasks as prefilters, per-angle-pair collision shifts, and the canvas arithmetic wherever a shortcut cannot decide
+(a draw within 1e-10 of a cumulative boundary, a pivot whose candidate circle does not translate, a total near
+extend's 1e-4 threshold). Memory O(H*W) plus caches (a few hundred MB at 128 px, bounded).
 
 Random calls mirror snakes2 one for one (``rng.integers`` for ``np.random.randint``, ``rng.random`` for
 ``np.random.rand``), so with a RandomState adapter this code reproduces a literal Python 3 + cv2 port of
@@ -344,26 +348,28 @@ def _placed(hw, start, key, contrast) -> _Paddle:
 
 # ---------------------------------------------------------------- target pairs without canvases
 # An image redraws its target pair hundreds of times; a pair's mask is the padding band and the pair's own paddles,
-# so a growth step can be decided from the few paddles near the pivot instead of the H x W mask:
+# so a growth step can be decided from the paddles kept out so far instead of the H x W mask:
 # - g(c) = max over disk(m) of the mask at c is the max of the band's and each kept-out paddle P's mask dilated by
 #   disk(m) (max is exact and commutes with dilation). A candidate whose disk meets the band has g = 1 (masks are
 #   <= 1), so pmf = (1 - g) * w = 0 exactly; so has a candidate whose disk leaves the canvas (it crosses the band),
 #   and a candidate off the canvas, which ``_candidates`` drops, adds nothing to the cumulative sum either.
 # - Where every circle point floors to pivot + a fixed offset, the candidates are pivot + fixed offsets in
-#   np.unique's order and a turn's weights depend on the heading alone. A candidate of negligible turn weight
-#   (past continuity's cut-off, cos(pi/2)^2 ~ 4e-33) moves the normalised cumulative sum by < 1e-15 whatever its g;
-#   rounding moves it by < 1e-13. So a cumulative sum built from the weights, the band and the paddles that reach a
-#   non-negligible candidate picks the candidate the exact one picks whenever the draw u is more than _TIE from
-#   both bracketing entries; closer draws take the exact arithmetic on a mask built from the kept-out paddles.
+#   np.unique's order and a turn's weights depend on the heading alone. Candidates of negligible turn weight (past
+#   continuity's cut-off, cos(pi/2)^2 ~ 4e-33) move the normalised cumulative sum by < 1e-14 whatever their g;
+#   rounding moves it by < 1e-13. So a cumulative sum over the non-negligible candidates, from their weights and g,
+#   picks the candidate the exact one picks whenever the draw u is more than _TIE from both bracketing entries;
+#   closer draws take the exact arithmetic on a mask built from the kept-out paddles.
 # - The acceptance test max(mask + Q) < 1.8 fails iff the band or one kept-out paddle P alone reaches 1.8 with Q
 #   at an on-canvas pixel (rounding is monotone: max(a, b) + q = max(a + q, b + q)). Masks are <= 1, so only
 #   pixels >= 0.75 of both can reach it: per pair of angles, the shifts P's start - Q's start at which they do.
+# Which kept paddles reach which pixels is read from occupancy bitmasks (Python ints) of their g > 0 and mask
+# >= _HOT; g itself from a canvas of mask levels (every mask value is float32(k / 255) for an integer k).
 _NEGLIGIBLE = 1e-20  # a turn weight at or below it is past the cut-off
 _TIE = 1e-10         # |u - cumulative| below it: resolved by the exact arithmetic
 _HOT = 0.75          # mask values below it cannot reach 1.8 with another mask (<= 1)
 _NO_ROOM = False     # a cumulative table's value where extend gives up (total < 1e-4) without a draw
 _MISSING = object()
-_NEAR_KEPT = 400_000  # cached near-candidate tables per geometry (a few hundred bytes each)
+_NEAR_KEPT = 100_000  # cached near-candidate tables per geometry (a few hundred bytes each)
 
 
 def _integers_0_1_draws() -> bool:
@@ -453,16 +459,16 @@ def _bitmasks(rows: np.ndarray) -> list[int]:
 
 
 def _cumulative(g: list, weights: list):
-    """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a list between
-    two -inf, _NO_ROOM, or None when the total is too close to extend's 1e-4 threshold to decide without the exact
-    sums."""
+    """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a tuple between
+    two -inf (tuples of floats leave the cycle collector's lists), _NO_ROOM, or None when the total is too close to
+    extend's 1e-4 threshold to decide without the exact sums."""
     cum = list(itertools.accumulate([(1.0 - v) * w for v, w in zip(g, weights)]))
     acc = cum[-1] if cum else 0.0
     if acc < 0.5e-4:
         return _NO_ROOM
     if acc < 2e-4:
         return None
-    return [-math.inf, *(c / acc for c in cum), -math.inf]  # a candidate k is entry k + 1; the ends fail the tie test
+    return (-math.inf, *(c / acc for c in cum), -math.inf)  # candidate k is entry k + 1; the ends fail the tie test
 
 
 class _Heading:
@@ -625,7 +631,7 @@ class _PairGeometry:
     def table(self, hd: _Heading, key: int):
         """(cumulative pmf where only the band and the edge touch the candidates, their g) for a heading and a
         pivot's edge class ``key`` = key_y[py] | key_x[px]."""
-        values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist()
+        values = tuple(self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist())
         got = hd.tables[key] = (_cumulative(values, hd.weights), values)
         return got
 
@@ -1030,7 +1036,8 @@ class _Scene:
         for s in (s0, s1):
             if len(s.contrasts) < len(s.paddles):  # one paddle contrast, none drawn: all are the seed's
                 s.contrasts = [s.contrasts[0]] * len(s.paddles)
-            pads = [self.paddle((y, x), g.thetas[pid], c) for (y, x, pid), c in zip(s.paddles, s.contrasts)]
+            pads = [_Paddle(self.hw, (y, x), (g.thetas[pid], *self.patch), c)
+                    for (y, x, pid), c in zip(s.paddles, s.contrasts)]
             for pad in pads:
                 self.draw(pad)
             snake = _Snake(s.origin, (s.py, s.px), s.hd.theta, pads[0])
@@ -1163,7 +1170,7 @@ class _Scene:
                 if ok:
                     self._keep(g, s.last)
                     for (y, x, pid), c in zip(s.paddles, s.contrasts):
-                        self.draw(self.paddle((y, x), g.thetas[pid], c))
+                        self.draw(_Paddle(self.hw, (y, x), (g.thetas[pid], *self.patch), c))
                     break
                 del self.kept[base:]  # all or nothing, as many_snakes restores its copies
                 self.support, self.hot = support, hot
