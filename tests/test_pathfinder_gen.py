@@ -411,7 +411,7 @@ def test_padded_dilation_is_the_dilation():
 
 def test_timing_rows(tmp_path):
     """``python -m lra.generate pathfinder --time CSV``: one row per algorithm; their ratio is the speedup."""
-    rows = pg.time_generators(32, "easy", images=4, warmup=2, block=3, out=tmp_path / "generate.csv")
+    rows = pg.time_generators(32, "easy", images=4, warmup=2, out=tmp_path / "generate.csv")
     table = pd.read_csv(tmp_path / "generate.csv")
     assert list(table.columns) == pg.TIMING_COLUMNS and len(table) == 2
     canvas, lists = table.to_dict("records")

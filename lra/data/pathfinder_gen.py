@@ -79,10 +79,12 @@ import argparse
 import bisect
 import contextlib
 import functools
+import hashlib
 import io
 import itertools
 import json
 import math
+import operator
 import os
 import platform
 import time
@@ -458,17 +460,17 @@ def _bitmasks(rows: np.ndarray) -> list[int]:
     return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
-def _cumulative(g: list, weights: list):
+def _cumulative(g, weights):
     """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a tuple between
     two -inf (tuples of floats leave the cycle collector's lists), _NO_ROOM, or None when the total is too close to
     extend's 1e-4 threshold to decide without the exact sums."""
-    cum = list(itertools.accumulate([(1.0 - v) * w for v, w in zip(g, weights)]))
+    cum = list(itertools.accumulate(map(operator.mul, map((1.0).__sub__, g), weights)))  # (1 - g) * w, summed
     acc = cum[-1] if cum else 0.0
     if acc < 0.5e-4:
         return _NO_ROOM
     if acc < 2e-4:
         return None
-    return (-math.inf, *(c / acc for c in cum), -math.inf)  # candidate k is entry k + 1; the ends fail the tie test
+    return (-math.inf, *map(operator.mul, cum, itertools.repeat(1.0 / acc)), -math.inf)  # candidate k: entry k + 1
 
 
 class _Heading:
@@ -1058,14 +1060,14 @@ class _Scene:
                 if free is None:
                     return None
                 k = integers(0, len(free[0]))
-                tail = (free[0][k], free[1][k])
+                ty, tx = free[0][k], free[1][k]
             else:
                 sa, ca = g.sincos(g.deg[integers(0, 360)])
-                tail = (round(tail1[0] + g.seed_distance * sa), round(tail1[1] + g.seed_distance * ca))  # half-even
-            head = (math.ceil(tail[0] + rec.hy), math.ceil(tail[1] + rec.hx))
-            pivot = (math.ceil(head[0] + rec.py), math.ceil(head[1] + rec.px))
-            if 0 <= head[0] < h and 0 <= head[1] < w and 0 <= pivot[0] < h and 0 <= pivot[1] < w:
-                return _Track(tail, pivot, rec, contrast)
+                ty, tx = round(tail1[0] + g.seed_distance * sa), round(tail1[1] + g.seed_distance * ca)  # half-even
+            hy, hx = math.ceil(ty + rec.hy), math.ceil(tx + rec.hx)
+            py, px = math.ceil(hy + rec.py), math.ceil(hx + rec.px)
+            if 0 <= hy < h and 0 <= hx < w and 0 <= py < h and 0 <= px < w:
+                return _Track((ty, tx), (py, px), rec, contrast)
         return None
 
     def _grow(self, g: _PairGeometry, s: _Track, contrast, u0: float | None = None, tries: int | None = None) -> bool:
@@ -1132,11 +1134,10 @@ class _Scene:
             np.maximum(window, g.level_patches[pid], out=window)
         self.leveled = len(self.kept)
         read, base = self.levels_read, (py + M) * g.S + px + M
-        seen = (key, bytes([read[base + f] for f in hd.flat]))
+        seen = (key, bytes(map(read.__getitem__, map(base.__add__, hd.flat))))
         got = hd.near.get(seen, _MISSING)
         if got is _MISSING:
-            value = g.level_list
-            got = hd.near[seen] = _cumulative([max(value[b], v) for b, v in zip(seen[1], values)], hd.weights)
+            got = hd.near[seen] = _cumulative(map(max, map(g.level_list.__getitem__, seen[1]), values), hd.weights)
             g.near_count += 1
         return got
 
@@ -1170,7 +1171,7 @@ class _Scene:
                 if ok:
                     self._keep(g, s.last)
                     for (y, x, pid), c in zip(s.paddles, s.contrasts):
-                        self.draw(_Paddle(self.hw, (y, x), (g.thetas[pid], *self.patch), c))
+                        self._draw_listed(g, y, x, pid, c)
                     break
                 del self.kept[base:]  # all or nothing, as many_snakes restores its copies
                 self.support, self.hot = support, hot
@@ -1180,6 +1181,15 @@ class _Scene:
                 if self.leveled > base:  # ... or on the level canvas
                     self.levels.fill(0)
                     self.leveled = 0
+
+    def _draw_listed(self, g: _PairGeometry, y: int, x: int, pid: int, contrast) -> None:
+        """``draw`` of a listed paddle: its contrast line patch maxed into the image, clipped to the canvas."""
+        line, (h, w), size = _contrast_line(g.thetas[pid], *self.patch, contrast), self.hw, 2 * g.R + 1
+        y0, x0 = y - g.R, x - g.R
+        cy0, cy1, cx0, cx1 = max(y0, 0), min(y0 + size, h), max(x0, 0), min(x0 + size, w)
+        if cy0 < cy1 and cx0 < cx1:
+            window = self.img[cy0:cy1, cx0:cx1]
+            np.maximum(window, line[cy0 - y0:cy1 - y0, cx0 - x0:cx1 - x0], out=window)
 
     def _seed_distractor(self, g: _PairGeometry, contrast):
         """``seed(lined, contrast, stop)`` on the synced mask, without drawing: same draws, same outcome."""
@@ -1355,32 +1365,43 @@ def _cpu_name() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
+def _time_one(job) -> tuple[float, str]:
+    """(CPU seconds, digest of images and labels) of ``images`` renders + PNG encodes of batch 0 of ``seed`` by one
+    algorithm, after ``warmup`` images of batch 1: run in a process of its own, so neither algorithm's caches
+    (nor the objects the cycle collector scans) weigh on the other."""
+    params, reference, images, warmup, seed = job
+    rng = batch_rng(seed, 1)
+    for _ in range(warmup):
+        _render(params, rng, reference=reference)
+    rng, digest, spent = batch_rng(seed, 0), hashlib.sha256(), 0.0
+    for _ in range(images):
+        t = time.process_time()
+        img, label, _, _ = _render(params, rng, reference=reference)
+        Image.fromarray(img, "L").save(io.BytesIO(), format="PNG")
+        spent += time.process_time() - t
+        digest.update(img.tobytes())
+        digest.update(bytes([label]))
+    return spent, digest.hexdigest()
+
+
 def time_generators(resolution: int = 128, difficulty: str = "hard", images: int = 40, warmup: int = 200,
-                    seed: int = 0, block: int = 10, out: str | Path | None = None) -> list[dict]:
-    """CPU seconds of this process per image (render + PNG encode) of the canvas algorithm (``_render(...,
-    reference=True)``, the code before paddle lists) and of today's, on the same ``images`` images (batch 0 of
-    ``seed``) timed in alternating blocks, after ``warmup`` images of batch 1 (a tenth of them, at most 20, for the
-    canvas algorithm, whose caches fill sooner); every image is checked equal. Returns the two rows and appends
-    them to the CSV ``out`` when given (``minutes_200k_16_cores`` projects LRA's 200,000 images onto 16 such
-    cores)."""
+                    seed: int = 0, out: str | Path | None = None) -> list[dict]:
+    """CPU seconds per image (render + PNG encode, one process on one core) of the canvas algorithm
+    (``_render(..., reference=True)``, the code before paddle lists) and of today's, on the same ``images`` images
+    (batch 0 of ``seed``) after ``warmup`` images of batch 1 (a tenth of them, at most 20, for the canvas
+    algorithm, whose caches fill sooner), each in a fresh process; the two must draw the same images. Returns the
+    two rows and appends them to the CSV ``out`` when given (``minutes_200k_16_cores`` projects LRA's 200,000
+    images onto 16 such cores)."""
     params = PathfinderParams.for_lra(resolution, difficulty)
     warm = {True: max(1, min(warmup // 10, 20)), False: warmup}
+    ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
+    spent = {}
     for reference in (True, False):
-        rng = batch_rng(seed, 1)
-        for _ in range(warm[reference]):
-            _render(params, rng, reference=reference)
-    streams, spent = {r: batch_rng(seed, 0) for r in (True, False)}, {True: 0.0, False: 0.0}
-    for start in range(0, images, block):
-        drawn = {}
-        for reference in (True, False):
-            t = time.process_time()
-            drawn[reference] = [_render(params, streams[reference], reference=reference)[:3]
-                                for _ in range(min(block, images - start))]
-            for img, _, _ in drawn[reference]:
-                Image.fromarray(img, "L").save(io.BytesIO(), format="PNG")
-            spent[reference] += time.process_time() - t
-        if any(not np.array_equal(a[0], b[0]) or a[1:] != b[1:] for a, b in zip(drawn[True], drawn[False])):
-            raise RuntimeError(f"pathfinder_gen: the two algorithms drew different images (seed {seed}, batch 0)")
+        with ctx.Pool(1) as pool:
+            spent[reference] = pool.apply(_time_one, ((params, reference, images, warm[reference], seed),))
+    if spent[True][1] != spent[False][1]:
+        raise RuntimeError(f"pathfinder_gen: the two algorithms drew different images (seed {seed}, batch 0)")
+    spent = {reference: seconds for reference, (seconds, _) in spent.items()}
     from lra.report.results import append_row, git_sha, now_iso  # torch comes with it: only where rows are kept
     rows = []
     for reference in (True, False):
@@ -1417,7 +1438,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args) -> None:
     if args.time:
-        time_generators(args.resolution, args.difficulty, args.time_images, args.warmup, args.seed, out=args.time)
+        time_generators(args.resolution, args.difficulty, args.time_images, args.warmup, args.seed, args.time)
         return
     folder = generate(args.out, args.resolution, args.difficulty, args.n, args.seed, args.workers,
                       args.batch_size, progress=not args.no_progress)
