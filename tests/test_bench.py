@@ -13,7 +13,7 @@ from torch import nn
 from lra.bench import bench
 from lra.report.results import BENCH_COLUMNS
 from lra.train import engine
-from models import registry
+from models import model_defaults, registry
 from tests.conftest import ROOT, compose_cfg, in_background
 
 TINY = dict(n_layers=1, d_model=32, n_heads=2, d_qkv=32, d_ff=64, d_classifier=32, dropout=0.1, attn_dropout=0.1,
@@ -210,8 +210,11 @@ def test_per_length_batch_sizes(tmp_path):
     assert "(B1)" in bench.format_table(df)
 
 
-def test_model_config_options_drop_the_name(tmp_path):
+def test_model_config_options_are_what_the_model_config_composes(tmp_path):
+    """The constructor's defaults, as ``model=<name>`` composes them: neither the name nor the file's Hydra defaults
+    list is an option."""
     assert bench.model_config_options("transformer") == {}
+    assert bench.model_config_options("local") == model_defaults("local") == {"block": 128, "strided": False}
     assert bench.model_config_options("no_such_model_config") == {}
 
 

@@ -53,7 +53,7 @@ from lra.report.taxonomy import measured_exponents
 from lra.train import engine
 from lra.train.encoder import Classifier
 from models import get_model_class, list_models
-from models.registry import unknown_options
+from models.registry import model_defaults, unknown_options
 
 log = logging.getLogger("lra.bench")
 
@@ -62,13 +62,12 @@ BASELINE = "transformer"
 
 
 def model_config_options(name: str) -> dict:
-    """The options in ``conf/model/<name>.yaml`` (without ``name``); none when the model has no config."""
+    """The options ``model=<name>`` composes: the constructor's defaults (``model_defaults/<name>``, which
+    ``conf/model/<name>.yaml`` takes through its Hydra ``defaults`` list, not an option), then any the file sets."""
     path = MODEL_CONF / f"{name}.yaml"
-    if not path.exists():
-        return {}
-    opts = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
-    opts.pop("name", None)
-    return opts
+    own = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {} if path.exists() else {}
+    defaults = model_defaults(name) if name in list_models() else {}
+    return {**defaults, **{k: v for k, v in own.items() if k not in ("name", "defaults")}}
 
 
 def is_square(n: int) -> bool:
