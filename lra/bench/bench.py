@@ -53,6 +53,7 @@ from lra.report.taxonomy import measured_exponents
 from lra.train import engine
 from lra.train.encoder import Classifier
 from models import get_model_class, list_models
+from models.base import checked_setting, execution_settings
 from models.registry import model_defaults, unknown_options
 
 log = logging.getLogger("lra.bench")
@@ -93,30 +94,34 @@ def bench_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None =
     return engine.build_model(name, {**model_config_options(name), **(options or {})}, cfg.backbone, shape)
 
 
-MIXER_ATTRIBUTES = ("backend",)  # how a mixer runs (models/base.py): set on the built mixers, not constructor options
-
-
-def split_attributes(options: dict | None) -> tuple[dict, dict]:
-    """A variant's options -> (constructor options, ``MIXER_ATTRIBUTES`` to set on the built mixers)."""
+def split_attributes(name: str, options: dict | None) -> tuple[dict, dict]:
+    """A variant's options for model ``name`` -> (constructor options, the settings of how its mixers run: those
+    ``models.base.execution_settings`` lists, e.g. ``backend``, ``scan``, set on the built mixers by
+    ``engine.set_mixer_attributes``)."""
     options = dict(options or {})
-    return options, {k: options.pop(k) for k in MIXER_ATTRIBUTES if k in options}
+    settings = execution_settings(get_model_class(name))
+    return options, {k: options.pop(k) for k in list(options) if k in settings}
 
 
 def variant_cases(variants, also: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
-    changed options as the rows' ``model``: ``bigbird(block=64)``. ``MIXER_ATTRIBUTES`` are not constructor
-    options but set on the built mixers (``engine.set_mixer_attributes`` checks them); ``also``: more keys the caller
-    takes (layer_bench's ``dropout``)."""
+    changed options as the rows' ``model``: ``bigbird(block=64)``. How a mixer runs (``backend``, ``scan``, ...:
+    ``split_attributes``) is not a constructor option but set on the built mixers, each value checked here;
+    ``also``: more keys the caller takes (layer_bench's ``dropout``)."""
     cases = []
     for variant in variants or []:
         options = dict(variant)
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        checked = {k: v for k, v in split_attributes(options)[0].items() if k not in also}
+        constructor, settings = split_attributes(name, options)
+        checked = {k: v for k, v in constructor.items() if k not in also}
         error = unknown_options(name, checked, backbone=False)
         if error:
-            raise ValueError(f"bench.variants: {error}")
+            how = ", ".join(execution_settings(get_model_class(name))) or "none (it runs one way)"
+            raise ValueError(f"bench.variants: {error}; its settings of how it runs: {how}")
+        for key, value in settings.items():
+            checked_setting(get_model_class(name), key, value, f"bench.variants: {name}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
         cases.append((label, name, options))
     return cases
@@ -201,7 +206,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     b = cfg.bench
     leftover_mb = engine.release_leftovers(device)  # allocated before the model exists: not this row's memory
     torch.manual_seed(cfg.get("seed", 0))
-    options, attributes = split_attributes(options)
+    options, attributes = split_attributes(name, options)
     model = bench_model(name, cfg, row.seq_len, options)
     engine.set_mixer_attributes(model, name, attributes)
     row.params = sum(p.numel() for p in model.parameters())

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from lra.config import eval_batch_size, model_options, validate
+from lra.config import eval_batch_size, mixer_settings, model_options, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.errors import EXIT_INTERRUPTED, ConfigError
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
@@ -271,7 +271,7 @@ class Trainer:
             if (op := engine.nondeterministic_op(e)) is not None:  # a setting that cannot run: no row
                 raise ConfigError(f"trainer.deterministic=true: model {cfg.model.name} calls {op}, which has no "
                                   f"deterministic implementation on {self.device.type} in torch {torch.__version__}; "
-                                  f"run it with trainer.deterministic=false, or with another trainer.mixer_backend "
+                                  f"run it with trainer.deterministic=false, or with another trainer.mixer setting "
                                   f"or model option that avoids the op") from e
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
@@ -328,11 +328,12 @@ class Trainer:
     def build(self, checkpoint: dict | None) -> None:
         cfg, device = self.cfg, self.device
         self.model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(self.data))
-        if cfg.trainer.mixer_backend is not None:  # how the mixers run, not what: set on each one built
+        for key, settings in mixer_settings(cfg).items():  # how the mixers run, not what: set on each one built
             try:
-                engine.set_mixer_attributes(self.model, cfg.model.name, {"backend": cfg.trainer.mixer_backend})
+                engine.set_mixer_attributes(self.model, cfg.model.name, settings)
             except ValueError as e:  # a setting that cannot run: no row, as for any invalid setting
-                raise ConfigError(f"trainer.mixer_backend={cfg.trainer.mixer_backend}: {e}") from None
+                shown = settings["backend"] if key == "trainer.mixer_backend" else settings
+                raise ConfigError(f"{key}={shown}: {e}") from None  # e.g. a backend deterministic mode refuses
         self.model.to(device)
         self.packed = self.resolve_packing()
         # a 2-D task's grid is its whole length (and LRA's pixel_zero_is_pad makes background pixels pads)
