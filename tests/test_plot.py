@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.text import Text
 from PIL import Image
 
-from lra.report import plot
+from lra.report import labels, plot
 from lra.report.results import BENCH_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,19 +242,19 @@ BOUNDS = (0.0, 0.0, 400.0, 300.0)
 def test_labels_of_coinciding_bubbles_do_not_overlap_and_clear_every_bubble():
     bubbles = [(200.0, 150.0, 10.0), (203.0, 152.0, 8.0), (206.0, 149.0, 9.0)]  # the paper's linear-model cluster
     sizes = [(60.0, 9.0)] * 3
-    placed = boxes(bubbles, sizes, plot.place_labels(bubbles, sizes, BOUNDS))
+    placed = boxes(bubbles, sizes, labels.place_labels(bubbles, sizes, BOUNDS))
     assert not any(overlap(a, b) for a, b in itertools.combinations(placed, 2))
     assert not any(hits(box, bubble) for box in placed for bubble in bubbles)
     assert all(BOUNDS[0] <= b[0] and b[2] <= BOUNDS[2] and BOUNDS[1] <= b[1] and b[3] <= BOUNDS[3] for b in placed)
 
 
 def test_a_label_goes_below_its_bubble_unless_that_is_taken():
-    alone = plot.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS)
+    alone = labels.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS)
     assert alone == [(0.0, -(10.0 + 2.0 + 4.0))]  # just below: the paper's figure
-    assert plot.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS, centre_first=[True]) == [(0.0, 0.0)]
+    assert labels.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS, centre_first=[True]) == [(0.0, 0.0)]
     below = [(100.0, 100.0, 10.0), (100.0, 80.0, 6.0)]  # a bubble where the label would go
-    assert plot.place_labels(below, [(40.0, 8.0)] * 2, BOUNDS)[0] == (0.0, 16.0)  # above instead
-    assert plot.place_labels([(100.0, 5.0, 10.0)], [(40.0, 8.0)], BOUNDS) == [(0.0, 16.0)]  # at the bottom edge
+    assert labels.place_labels(below, [(40.0, 8.0)] * 2, BOUNDS)[0] == (0.0, 16.0)  # above instead
+    assert labels.place_labels([(100.0, 5.0, 10.0)], [(40.0, 8.0)], BOUNDS) == [(0.0, 16.0)]  # at the bottom edge
 
 
 def test_drawn_labels_do_not_collide():
@@ -263,10 +264,109 @@ def test_drawn_labels_do_not_collide():
     ax = fig.axes[0]
     renderer = fig.canvas.get_renderer()
     fig.canvas.draw()
-    labels = [t for t in ax.texts if t.get_text()]
-    assert {"transformer", "performer (LRA)", "linformer (LRA)"} <= {t.get_text() for t in labels}
-    extents = [t.get_window_extent(renderer) for t in labels]
-    assert not [(a, b) for (a, ea), (b, eb) in itertools.combinations(zip(labels, extents), 2) if ea.overlaps(eb)]
+    texts = [t for t in ax.texts if t.get_text()]
+    assert {"transformer", "performer (LRA)", "linformer (LRA)"} <= {t.get_text() for t in texts}
+    extents = [text_extent(t, renderer) for t in texts]
+    assert not [(a, b) for (a, ea), (b, eb) in itertools.combinations(zip(texts, extents), 2) if ea.overlaps(eb)]
+
+
+def text_extent(text, renderer):
+    """A label's own box in display pixels: an annotation's extent would include its leader line."""
+    return Text.get_window_extent(text, renderer)
+
+
+def drawn_bubbles(fig, ours: pd.DataFrame, paper: pd.DataFrame) -> dict[str, tuple[np.ndarray, float]]:
+    """label text -> (centre, radius) in display pixels of the bubble it names, read off the drawn collections
+    (ours: gid ``ours``, labelled by model; the paper's: gid ``published``, "<model> (LRA)"), in points' order."""
+    ax, out = fig.axes[0], {}
+    for gid, points, fmt in (("ours", ours, "{}"), ("published", paper, "{} (LRA)")):
+        for coll in (c for c in ax.collections if c.get_gid() == gid):
+            centres = ax.transData.transform(coll.get_offsets())
+            radii = np.broadcast_to(np.sqrt(coll.get_sizes()) / 2 * fig.dpi / 72, len(centres))
+            out.update({fmt.format(m): (c, r) for m, c, r in zip(points["model"], centres, radii, strict=True)})
+    return out
+
+
+def misplaced_labels(fig, ours: pd.DataFrame, paper: pd.DataFrame) -> list[str]:
+    """Each drawn label that does not name its own bubble: one nearer another bubble's edge (or as near), or further
+    from its own than one and a half label heights; a label with a leader line instead, where the line does not end
+    nearer its own bubble's centre than any other's."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bubbles = drawn_bubbles(fig, ours, paper)
+
+    def gap(box, bubble):
+        (x, y), r = bubble
+        return math.hypot(min(max(x, box.x0), box.x1) - x, min(max(y, box.y0), box.y1) - y) - r
+
+    wrong = []
+    texts = [t for t in fig.axes[0].texts if t.get_text() in bubbles]
+    assert sorted(t.get_text() for t in texts) == sorted(bubbles)  # one label per bubble
+    for t in texts:
+        name, box = t.get_text(), text_extent(t, renderer)
+        if t.arrow_patch is not None:  # drawn in display pixels: where the leader line ends
+            end = t.arrow_patch.get_path().vertices[-1]
+            nearest = min(bubbles, key=lambda o: np.hypot(*(bubbles[o][0] - end)))
+            wrong += [f"{name}: its line ends at {nearest}"] if nearest != name else []
+            continue
+        own = gap(box, bubbles[name])
+        closer = [o for o, b in bubbles.items() if o != name and gap(box, b) <= own]
+        if closer or own > 1.5 * box.height:
+            wrong.append(f"{name}: {own:.1f} px from its bubble, no nearer than {closer}")
+    return wrong
+
+
+def committed_bubble_charts():
+    """The bubble charts of the committed results (5, 4 and 2 tasks), as ``python -m lra.plot`` draws them, each
+    with the points it draws."""
+    bench, board, runs = (pd.read_csv(ROOT / "results" / f"{n}.csv") for n in ("bench", "leaderboard", "runs"))
+    for tasks in (None, TASKS4, ["listops", "image"]):
+        ours, missing = plot.bubble_points(bench, board, 4096, None, tasks)
+        device, attrs = ours.attrs["device"], ours.attrs
+        ours = ours.merge(plot.average_spread(runs, tasks), on="model", how="left")
+        ours.attrs = attrs
+        paper = plot.paper_points(published(), 4096, tasks)
+        fig = plot.draw_bubbles(ours, paper, missing, length=4096, device=device, tasks=tasks,
+                                x_range=plot.speed_range(bench, 4096, device, published()))
+        yield tasks, fig, ours, paper
+
+
+def test_every_label_of_the_committed_bubble_charts_names_its_own_bubble():
+    """Read back from the drawn charts: each label is nearer its own bubble than any other (the paper's transformer
+    label once sat on the synthesizer's circle, our longformer's away from its bubble), or draws a line to it."""
+    for tasks, fig, ours, paper in committed_bubble_charts():
+        assert not misplaced_labels(fig, ours, paper), tasks
+
+
+def test_every_label_of_a_crowded_bubble_chart_names_its_own_bubble():
+    """A cluster of ours of several sizes (near-equal speeds and scores, as the linear models' at 4K) beside the
+    paper's points: no label nearer another bubble, none over another label."""
+    speeds = {"a": 1000, "bb": 1040, "ccc": 1090, "dddd": 1010, "eeeee": 1150, "f": 700, "gg": 1300, "hhh": 980}
+    scores = {"a": 36.0, "bb": 36.3, "ccc": 35.8, "dddd": 35.5, "eeeee": 36.1, "f": 36.2, "gg": 35.9, "hhh": 36.6}
+    ours = pd.DataFrame([dict(model=m, x=x, y=scores[m], mem_gb=1 + i % 4) for i, (m, x) in enumerate(speeds.items())])
+    paper = plot.paper_points(published())
+    fig = plot.draw_bubbles(ours, paper, length=4096)
+    assert not misplaced_labels(fig, ours, paper)
+    renderer = fig.canvas.get_renderer()
+    extents = [text_extent(t, renderer) for t in fig.axes[0].texts if t.get_text()]
+    assert not [(a, b) for a, b in itertools.combinations(extents, 2) if a.overlaps(b)]
+
+
+def test_each_row_label_of_the_accuracy_chart_sits_on_its_own_row():
+    """The accuracy chart's labels are its y tick labels: each one's centre is nearer its own row's marker than any
+    other row's, in the committed leaderboard's chart."""
+    board, runs = (pd.read_csv(ROOT / "results" / f"{n}.csv") for n in ("leaderboard", "runs"))
+    points = plot.accuracy_points(board, "listops", runs)
+    fig = plot.draw_accuracy(points, "listops")
+    fig.canvas.draw()
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    rows = {m: ax.transData.transform((mean, y))[1]
+            for m, mean, y in zip(points["model"], points["mean"], ax.get_yticks(), strict=True)}
+    for tick in ax.get_yticklabels():
+        model = tick.get_text().split("\n")[0]
+        box = tick.get_window_extent(renderer)
+        centre = (box.y0 + box.y1) / 2
+        assert min(rows, key=lambda m: abs(rows[m] - centre)) == model
 
 
 # --- the bubble chart drawn -----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from lra.report import rank
+from lra.report import labels, rank
 from lra.report.leaderboard import (
     DEFAULT_RESULTS,
     TASKS5,
@@ -319,67 +319,6 @@ def axis_scale(lo: float, hi: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Label placement: pure geometry in points, no matplotlib
-
-# Directions tried in order: below first (the paper's figure), then above, beside, and the diagonals.
-DIRECTIONS = [(0, -1), (0, 1), (1, 0), (-1, 0), (1, -1), (-1, -1), (1, 1), (-1, 1)]
-
-
-def _candidates(r: float, w: float, h: float, gap: float, centre_first: bool) -> list[tuple[float, float]]:
-    """Offsets of a w x h label's centre from its bubble's: just outside the bubble (radius r) in each direction,
-    then one label height further out."""
-    out = [(0.0, 0.0)] if centre_first else []
-    for ring in (0, 1):
-        d = r + gap + ring * (h + gap)
-        for dx, dy in DIRECTIONS:
-            k = math.sqrt(0.5) if dx and dy else 1.0  # a diagonal puts the label's corner at distance d
-            out.append((dx * (d * k + w / 2), dy * (d * k + h / 2)))
-    return out
-
-
-def _boxes_overlap(a: tuple, b: tuple) -> bool:
-    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
-
-
-def _box_hits_circle(box: tuple, circle: tuple) -> bool:
-    x, y, r = circle
-    nearest_x, nearest_y = min(max(x, box[0]), box[2]), min(max(y, box[1]), box[3])
-    return (nearest_x - x) ** 2 + (nearest_y - y) ** 2 < r * r
-
-
-def _label_box(x: float, y: float, size: tuple[float, float], offset: tuple[float, float]) -> tuple:
-    """(x0, y0, x1, y1) of a label of ``size`` whose centre is ``offset`` away from (x, y)."""
-    cx, cy, (w, h) = x + offset[0], y + offset[1], size
-    return (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)
-
-
-def _collisions(box: tuple, labels: list[tuple], bubbles: list[tuple], bounds: tuple) -> int:
-    """How badly a label box sits: over a label counts most, then outside the axes, then over a bubble."""
-    outside = box[0] < bounds[0] or box[1] < bounds[1] or box[2] > bounds[2] or box[3] > bounds[3]
-    return (4 * sum(_boxes_overlap(box, b) for b in labels) + 2 * outside
-            + sum(_box_hits_circle(box, c) for c in bubbles))
-
-
-def place_labels(bubbles: list[tuple[float, float, float]], sizes: list[tuple[float, float]],
-                 bounds: tuple[float, float, float, float], centre_first: list[bool] | None = None,
-                 gap: float = 2.0) -> list[tuple[float, float]]:
-    """Greedy placement of one label per bubble, all in points: ``bubbles`` are (x, y, radius), ``sizes`` the labels'
-    (width, height), ``bounds`` the axes (x0, y0, x1, y1). In order, each label takes the first candidate offset
-    (its bubble's centre when ``centre_first``, then around the bubble) that overlaps no label placed before, no other
-    bubble and stays inside ``bounds``; when none does, the candidate with the fewest collisions. Returns the offset
-    of each label's centre from its bubble's centre."""
-    centre_first = centre_first or [False] * len(bubbles)
-    placed, offsets = [], []
-    for i, ((x, y, r), size) in enumerate(zip(bubbles, sizes)):
-        others = bubbles[:i] + bubbles[i + 1:]
-        options = [(o, _label_box(x, y, size, o)) for o in _candidates(r, *size, gap, centre_first[i])]
-        offset, box = min(options, key=lambda ob: _collisions(ob[1], placed, others, bounds))  # first of the best
-        offsets.append(offset)
-        placed.append(box)
-    return offsets
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # (a) The bubble chart: drawing
 
 
@@ -476,26 +415,30 @@ def _bubble_texts(fig: Figure, ax, ours: pd.DataFrame, missing: dict, length: in
 
 
 def _label_bubbles(fig: Figure, ax, groups: list[tuple[pd.DataFrame, float, dict, bool]]) -> None:
-    """Labels placed by ``place_labels`` once the layout is final: ``groups`` = (points, points^2 per GB, text style,
-    label inside the bubble first). Labels stay out of the layout, so placing them does not move the axes."""
+    """Labels placed by ``labels.place_labels`` once the layout is final: ``groups`` = (points, points^2 per GB, text
+    style, label inside the bubble first). A label that ``labels.leaders`` names gets a line to its bubble's centre.
+    Labels stay out of the layout, so placing them does not move the axes."""
     fig.canvas.draw()  # runs the layout: data -> points is final from here
     renderer = fig.canvas.get_renderer()
     to_pt = 72.0 / fig.dpi
     texts, bubbles, sizes, centre_first = [], [], [], []
     for points, scale, style, inside in groups:
         for r in points.itertuples():
-            text = ax.annotate(style["fmt"].format(r.model), (r.x, r.y), xytext=(0, 0), textcoords="offset points",
-                               ha="center", va="center", fontsize=style["fontsize"], color=style["color"])
-            text.set_in_layout(False)
-            extent = text.get_window_extent(renderer)
+            text = dict(text=style["fmt"].format(r.model), xy=(r.x, r.y), textcoords="offset points", ha="center",
+                        va="center", fontsize=style["fontsize"], color=style["color"])
+            probe = ax.annotate(**text, xytext=(0, 0))  # measured, then drawn again where it goes
+            extent = probe.get_window_extent(renderer)
+            probe.remove()
             cx, cy = ax.transData.transform((r.x, r.y)) * to_pt
             texts.append(text)
             bubbles.append((cx, cy, math.sqrt(r.mem_gb * scale) / 2 + 1))  # + the edge line
             sizes.append((extent.width * to_pt + 2, extent.height * to_pt))
             centre_first.append(inside)
     bounds = tuple(np.asarray(ax.bbox.extents) * to_pt)
-    for text, offset in zip(texts, place_labels(bubbles, sizes, bounds, centre_first)):
-        text.xyann = offset
+    offsets = labels.place_labels(bubbles, sizes, bounds, centre_first)
+    for text, offset, leader in zip(texts, offsets, labels.leaders(bubbles, sizes, offsets), strict=True):
+        arrow = dict(arrowstyle="-", color=text["color"], linewidth=0.6, shrinkA=0, shrinkB=0)  # to the centre
+        ax.annotate(**text, xytext=offset, arrowprops=arrow if leader else None).set_in_layout(False)
 
 
 OURS_STYLE = dict(alpha=0.55, color="tab:blue", edgecolors="black", linewidths=0.8, label="ours")
