@@ -264,7 +264,7 @@ def test_wandb_logging_offline(tmp_path, monkeypatch):
     assert len(runs) == 1
     media = list(runs[0].rglob("*.png"))
     names = sorted(p.name for p in media)  # both charts went up as images, named by their keys
-    assert len(names) == 2 and names[0].startswith("peak_mem_mb_vs_length") and names[1].startswith("steps_per_s")
+    assert len(names) == 2 and names[0].startswith("examples_per_s_vs_length") and names[1].startswith("peak_mem")
     assert list(runs[0].rglob("*.table.json"))
 
 

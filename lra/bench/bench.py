@@ -362,7 +362,7 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
                   "bench/table": wandb.Html(f"<pre>{html.escape(format_table(df))}</pre>")}
         ok = df[df["status"] == "ok"]
         if not ok.empty:
-            for metric in ("steps_per_s", "peak_mem_mb"):
+            for metric in ("examples_per_s", "peak_mem_mb"):
                 fig = plot.length_chart(ok, metric)
                 png, _ = plot.save(fig, Path(tmp), f"bench_{metric}")
                 logged[f"bench/{metric}_vs_length"] = wandb.Image(str(png))
