@@ -374,6 +374,8 @@ def check_protocol(cfg: DictConfig) -> None:
                               f"task/model (tasks: {', '.join(TASK_NAMES)}; models: python -m lra.taxonomy)")
     with open_dict(cfg):
         cfg.protocol = {}
+
+
 ConfigStore.instance().store(name="lra_bench_schema", node=BenchRunConfig)
 
 CHOICES = {
