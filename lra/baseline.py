@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lra.config import one_line_config_errors
 from lra.data import load_task
 from lra.prepare import compose_run
 from lra.report.baseline import Baseline, measure, write_baseline
@@ -18,8 +19,9 @@ def main(argv: list[str] | None = None) -> Baseline:
     ap.add_argument("--results", default=DEFAULT_RESULTS,
                     help="folder of baselines.csv, the row written there (the project's: results)")
     args, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
-    cfg = compose_run(overrides)
-    row = measure(load_task(cfg))
+    with one_line_config_errors(overrides):  # a bad value, missing data, an unknown config option
+        cfg = compose_run(overrides)
+        row = measure(load_task(cfg))
     row.data = row.data.replace(str(Path(cfg.data.cache_dir).expanduser()), "<cache_dir>")  # not this machine's path
     path = Path(args.results) / "baselines.csv"
     write_baseline(path, row)

@@ -12,18 +12,22 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from lra.data import get_task, image_tasks
-from lra.errors import ConfigError
+from lra.errors import ConfigError, exit_with, one_line_errors, wants_tracebacks
 from lra.launchers import unavailable
-from lra.provenance import NOT_HASHED, NOT_HASHED_TRAINER
+from lra.provenance import NOT_HASHED, NOT_HASHED_SCHEDULE, NOT_HASHED_TRAINER
 from models.base import checked_setting, execution_settings
 from models.registry import get_model_class, invalid_options, list_models, model_defaults
 
@@ -239,8 +243,10 @@ class BenchRunConfig(RunConfig):
 
 def execution_keys() -> list[str]:
     """The override keys of every setting that ``config_hash`` leaves out: where a run lives, how it executes and
-    logs (``trainer.devices``, ``trainer.progress``, ``logger=wandb``, ...). They name no folder, so a run continued
-    with other devices or threads, or without its progress bar, lands in its own folder again and resumes there."""
+    logs (``trainer.devices``, ``trainer.progress``, ``logger=wandb``, ...), and where it stops
+    (``schedule.stop_at``, ``trainer.time_limit``). They name no folder, so a run continued with other devices or
+    threads, without its progress bar, or past the step it stopped at, lands in its own folder again and resumes
+    there."""
     keys = ["data.cache_dir"]
     schema = {f.name: f for f in fields(RunConfig)}
     for name in NOT_HASHED:
@@ -248,7 +254,8 @@ def execution_keys() -> list[str]:
             else None
         keys += [name, *(f"{name}.{f.name}" for f in fields(section))] if section else [name]
     settings = sorted({key for name in list_models() for key in execution_settings(get_model_class(name))})
-    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + [f"trainer.mixer.{key}" for key in settings]
+    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + [f"trainer.mixer.{key}" for key in settings] \
+        + [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE]
 
 
 def swept_keys(argv: list[str]) -> list[str]:
@@ -373,6 +380,8 @@ def check_protocol(cfg: DictConfig) -> None:
                               f"task/model (tasks: {', '.join(TASK_NAMES)}; models: python -m lra.taxonomy)")
     with open_dict(cfg):
         cfg.protocol = {}
+
+
 ConfigStore.instance().store(name="lra_bench_schema", node=BenchRunConfig)
 
 CHOICES = {
@@ -415,16 +424,89 @@ def _set(cfg: DictConfig, key: str, value) -> None:
         OmegaConf.update(cfg, key, value, merge=False)
 
 
+def not_a_setting(key: str, schema: type = RunConfig, prefix: str = "") -> str:
+    """One line for ``prefix + key``, a key the section ``schema`` (at ``prefix``) does not have: its keys."""
+    where = prefix.rstrip(".") or "the top level"
+    return f"{prefix}{key} is not a setting of {where}: its keys are {', '.join(f.name for f in fields(schema))}"
+
+
+def section_schema(path: list[str]) -> type | None:
+    """The schema dataclass of the section at ``path`` (["trainer"] -> TrainerConfig); None where there is none
+    (``model``, whose keys are the model's, or a key outside the schema)."""
+    schema = RunConfig
+    for name in path:
+        child = schema.__dataclass_fields__[name].default_factory if name in schema.__dataclass_fields__ else None
+        sub = child() if callable(child) else None
+        if not is_dataclass(sub):
+            return None
+        schema = type(sub)
+    return schema
+
+
 def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
     """Hydra's ``+key=value`` adds keys even to a typed node; refuse any key the schema does not have."""
     known = {f.name: f.type for f in fields(schema)}
     for key in node:
         if key not in known:
-            where = prefix.rstrip(".") or "the top level"
-            raise ConfigError(f"{prefix}{key} is not a setting of {where}: its keys are {', '.join(known)}")
+            raise ConfigError(not_a_setting(key, schema, prefix))
         child = schema.__dataclass_fields__[key].default_factory
         if isinstance(node[key], DictConfig) and callable(child) and is_dataclass(sub := child()):
             unknown_keys(node[key], type(sub), f"{prefix}{key}.")
+
+
+def chosen_model(argv: list[str]) -> str:
+    """The model a command line composes: its last ``model=<name>``, else config.yaml's default."""
+    chosen = [a.split("=", 1)[1] for a in argv if a.lstrip("+~").startswith("model=")]
+    if chosen:
+        return chosen[-1]
+    defaults = OmegaConf.load(Path(__file__).parent / "conf" / "config.yaml").defaults
+    return next(str(d["model"]) for d in defaults if isinstance(d, DictConfig) and "model" in d)
+
+
+def composition_error(error: Exception, argv: list[str]) -> str:
+    """One line for what Hydra refused to compose from the command line ``argv``: ``task=foo`` (the choices),
+    ``model.foo=1`` (the model's options, as ``+model.foo=1`` is told), ``trainer.foo=1`` (the section's keys),
+    ``schedule.steps=abc`` (the key, the value and the type it needs)."""
+    cause = error.__cause__
+    options = getattr(error, "options", None)  # hydra.errors.MissingConfigException: a group's choices
+    missing = getattr(error, "missing_cfg_file", None)
+    if missing and options is not None:
+        group, _, name = str(missing).rpartition("/")
+        return f"{group}={name} is not valid: choose one of {', '.join(sorted(options))}"
+    key = str(getattr(cause, "full_key", "") or "")
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and key:
+        section, _, name = key.rpartition(".")
+        if section == "model":  # a model's options are its constructor's: say which it has
+            value = next((a.split("=", 1)[1] for a in argv if a.lstrip("+~").split("=", 1)[0] == key), None)
+            try:
+                return invalid_options(chosen_model(argv), {name: value}) or first_lines(error, cause)
+            except ValueError:  # not a registered model: Hydra's own words
+                return first_lines(error, cause)
+        schema = section_schema(section.split(".") if section else [])
+        return not_a_setting(name, schema, f"{section}." if section else "") if schema else first_lines(error, cause)
+    if isinstance(cause, ValidationError) and key:
+        return f"{key}={getattr(cause, 'value', '')} is not valid: {str(cause).splitlines()[0]}"
+    override = getattr(error, "override", None)  # hydra.errors.OverrideParseException: one it cannot parse
+    return f"{override}: {first_lines(error)}" if override else first_lines(error, cause)
+
+
+@contextmanager
+def one_line_config_errors(argv: list[str]) -> Iterator[None]:
+    """A command that composes the config from ``argv`` (``python -m lra``, ``lra.prepare``, ``lra.baseline``): what
+    Hydra cannot compose, a ConfigError or a DataError ends it in one line with exit code 2 (``HYDRA_FULL_ERROR=1``:
+    the traceback)."""
+    try:
+        with one_line_errors():
+            yield
+    except (HydraException, OmegaConfBaseException) as e:  # an unknown group choice or key, a value of a wrong type
+        if wants_tracebacks():
+            raise
+        exit_with(composition_error(e, argv))
+
+
+def first_lines(*errors: BaseException | None) -> str:
+    """The first line of each error's message, joined: Hydra's message and OmegaConf's cause under it."""
+    return ": ".join(str(e).strip().splitlines()[0].rstrip(".") for e in errors if e is not None and str(e).strip())
 
 
 def validate(cfg: DictConfig) -> DictConfig:

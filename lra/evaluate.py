@@ -4,15 +4,15 @@ generator, seed or release.
 
 The run's own ``config.yaml`` is loaded, the overrides are applied (data and task settings only: anything that
 would change the model the checkpoint holds is refused, naming the key), the data is loaded with the task's loader
-and the model is built as the runner builds it; the data must give that model the vocabulary, length and number of
-classes of the checkpoint. The accuracy comes from the runner's own ``lra.train.run.accuracy`` at the run's precision
-(bf16 autocast on CUDA, fp32 on CPU), eagerly. One line is printed; ``--out`` appends a row (``EvalRow``) to a CSV.
+(``data.path=FILE``: that one file of the task's test format, every example of it) and the model is built as the
+runner builds it; the data must give that model the vocabulary, length and number of classes of the checkpoint.
+The accuracy comes from the runner's own ``lra.train.run.accuracy`` at the run's precision (bf16 autocast on CUDA,
+fp32 on CPU), eagerly. One line is printed; ``--out`` appends a row (``EvalRow``) to a CSV.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lra.config import RunConfig, eval_batch_size, model_options, validate
-from lra.data import TaskData, load_task
-from lra.errors import EXIT_USER_ERROR, ConfigError, DataError
+from lra.data import TaskData, load_file, load_task
+from lra.errors import ConfigError, DataError, one_line_errors
 from lra.provenance import config_hash
 from lra.report.results import append_row, device_name, git_sha, now_iso
 from lra.train import engine
-from lra.train.checkpoint import RunFiles
+from lra.train.checkpoint import RunFiles, why_unreadable
 from lra.train.run import accuracy, check_writable, seed_everything, task_shape
 
 log = logging.getLogger("lra")
@@ -57,7 +57,8 @@ class EvalRow:
     n_examples: int
     run_acc: float | None  # the run's own accuracy for these weights and split, on its own data (result.json)
     data_source: str  # the loader's info["source"]: a folder, a file, a dataset id
-    data_version: str | None  # the loader's info["data"] where it records one (e.g. pathfinder_gen v2 seed 0)
+    data_version: str | None  # what a run's row records as its data (TaskData.version: pathfinder_gen v2 seed 0, a
+    # file's hash, else the source)
     data_split: str | None  # the loader's split recipe
     overrides: str  # this evaluation's overrides
     precision: str
@@ -126,13 +127,6 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return validate(cfg)
 
 
-def resolve_device(name: str) -> torch.device:
-    try:
-        return engine.resolve_device(name)
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
-
-
 def load_weights(files: RunFiles, which: str, device: torch.device) -> tuple[dict, int]:
     """(state_dict, training step) of ``best.pt`` or of the latest checkpoint, never running code from the file."""
     if which == "best":
@@ -143,8 +137,7 @@ def load_weights(files: RunFiles, which: str, device: torch.device) -> tuple[dic
         try:
             saved = files.load_best(device)
         except Exception as e:  # noqa: BLE001 - any unreadable file: name it, in one line
-            raise DataError(f"{files.best} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
-                from None
+            raise DataError(f"{files.best} is unreadable ({why_unreadable(e)})") from None
         return saved["model"], int(saved["step"])
     if not files.has_checkpoint():
         raise ConfigError(f"{files.dir} holds no checkpoint.pt (nor checkpoint.prev.pt); it holds "
@@ -165,13 +158,40 @@ def fit_error(model: torch.nn.Module, weights: dict, data: TaskData, run_seq_len
     trained = {"vocabulary": weights[embed].shape[0] if embed in weights else None, "length": run_seq_len,
                "classes": weights[head].shape[0] if head in weights else None}
     differ = [f"{k} {wanted[k]} (the model's: {trained[k]})" for k in wanted if wanted[k] != trained[k]]
-    tensors = sorted(k for k in set(ours) | set(weights)
-                     if k not in ours or k not in weights or ours[k].shape != weights[k].shape)
+    # a module's extra state (the performer's redraw counters: a dict) is no tensor and has no shape
+    tensors = sorted(k for k in set(ours) | set(weights) if k not in ours or k not in weights
+                     or getattr(ours[k], "shape", None) != getattr(weights[k], "shape", None))
     if not differ and not tensors:
         return None
     what = ", ".join(differ) or f"tensors {', '.join(tensors[:3])} differ in shape"
     return (f"this data does not fit the model in {where}: {what}; evaluate needs data of the run's vocabulary, "
             f"length and classes")
+
+
+def load_data(cfg: DictConfig, overrides: list[str], split: str, run_path: str | None) -> TaskData:
+    """The data to score: with ``data.path=FILE`` on this command line, that file of the task's test format, every
+    example of it (the first ``data.limit.test`` where this command line sets one; the run's limits are the
+    run's); else the task's loader on the run's data settings after the overrides, the run's ``data.limit.*``
+    included (said where it cuts the split). ``run_path`` is the run's own ``data.path``: a task that trained
+    without one (ListOps: its loader reads ``data.root``) takes ``data.path`` only as such a file."""
+    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    path = cfg.data.get("path")
+    if "data.path" in given and path and Path(path).expanduser().is_file():
+        if split != "test":
+            raise ConfigError(f"data.path={path} is the data to score, one split: drop --split {split}")
+        data = load_file(cfg, path, cfg.data.limit.test if "data.limit.test" in given else None)
+        log.info("%s: %d examples of %s (%s)", path, len(data.test), cfg.task.name, data.version())
+        return data
+    if "data.path" in given and path and run_path is None:
+        raise DataError(f"data.path={path}: no such file; for task {cfg.task.name} data.path is one file of its "
+                        f"test format (docs/cli.md)")
+    data = load_task(cfg)
+    log.info(data.summary())
+    limit = cfg.data.limit[split]
+    if limit is not None and f"data.limit.{split}" not in given and len(getattr(data, split)) == limit:
+        log.warning("the run's data.limit.%s=%d applies: %d examples scored; data.limit.%s=null scores the whole "
+                    "split", split, limit, limit, split)
+    return data
 
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpoint: str = "best",
@@ -182,11 +202,11 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
         raise ConfigError(f"checkpoint={checkpoint!r}, split={split!r}: choose best or final, and test or val")
     files = RunFiles(Path(run_dir))
     cfg = load_run_config(files.dir)
-    run_seq_len, run_steps = int(cfg.task.seq_len), int(cfg.schedule.steps)
+    run_seq_len, run_steps, run_path = int(cfg.task.seq_len), int(cfg.schedule.steps), cfg.data.get("path")
     done = files.finished() or {}
     chash = done.get("config_hash") or config_hash(OmegaConf.to_container(cfg))
     cfg = apply_overrides(cfg, list(overrides))
-    device = resolve_device(cfg.device)
+    device = engine.resolve_device(cfg.device)
     engine.configure(device, cfg.trainer.threads, cfg.trainer.deterministic)  # the mixers' paths the run took
     weights, step = load_weights(files, checkpoint, device)
     if done.get("status") != "ok":  # still running, stopped, diverged, ...: say what these weights are
@@ -195,8 +215,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
                     run_steps)
 
     seed_everything(cfg.seed)  # as the runner: load, then build
-    data = load_task(cfg)
-    log.info(data.summary())
+    data = load_data(cfg, list(overrides), split, run_path)
     model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(data))
     where = files.best.name if checkpoint == "best" else "the latest checkpoint"
     error = fit_error(model, weights, data, run_seq_len, where)
@@ -212,7 +231,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
         task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment, checkpoint=checkpoint,
         step=step, split=split, accuracy=acc, n_examples=len(examples),
         run_acc=done.get(RUN_ACC_KEY[checkpoint, split]), data_source=str(data.info.get("source", "")),
-        data_version=data.info.get("data"), data_split=data.info.get("split"), overrides=" ".join(overrides),
+        data_version=data.version(), data_split=data.info.get("split"), overrides=" ".join(overrides),
         precision=precision, device=device_name(device), torch=torch.__version__, git_sha=git_sha(),
         config_hash=chash, timestamp=now_iso(), run_dir=str(files.dir))
     return asdict(row)
@@ -220,7 +239,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] | tuple = (), checkpo
 
 def describe(row: dict) -> str:
     """The one line printed for an evaluation."""
-    version = f" ({row['data_version']})" if row["data_version"] else ""
+    version = f" ({row['data_version']})" if row["data_version"] not in (None, row["data_source"]) else ""
     recorded = f"; the run recorded {row['run_acc']:.4f} on its own data" if row["run_acc"] is not None else ""
     return (f"{row['task']}/{row['model']} seed {row['seed']}, {row['checkpoint']} weights (step {row['step']}), "
             f"{row['split']} split of {row['data_source']}{version}: accuracy {row['accuracy']:.4f} on "
@@ -241,13 +260,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with one_line_errors():
         if args.out:
             check_writable(Path(args.out).parent)  # fail before loading data, not after
         row = evaluate_run(args.run_dir, args.overrides, args.checkpoint, args.split)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
     print(describe(row))
     if args.out:
         append_row(args.out, row, EVAL_COLUMNS)

@@ -13,13 +13,11 @@ from __future__ import annotations
 import sys
 
 from hydra import compose, initialize_config_module
-from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 import lra.config
 from lra.config import validate
 from lra.data import TaskData, load_task
-from lra.errors import EXIT_USER_ERROR, ConfigError, DataError
 
 
 def compose_run(overrides: list[str]) -> DictConfig:
@@ -39,12 +37,10 @@ def prepare(overrides: list[str]) -> list[TaskData]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        for data in prepare(sys.argv[1:] if argv is None else argv):
+    argv = sys.argv[1:] if argv is None else argv
+    with lra.config.one_line_config_errors(argv):  # a bad value, missing data, an unknown config option
+        for data in prepare(argv):
             print(data.summary())
-    except (ConfigError, DataError, HydraException) as e:  # a bad value, missing data, an unknown config option
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
 
 
 if __name__ == "__main__":

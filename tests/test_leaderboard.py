@@ -95,7 +95,7 @@ def test_leaderboard_aggregation(published):
     assert not ((lb.model == "local") & (lb.task == "avg4")).any()  # no Pathfinder: no 4-task mean
 
     text = leaderboard.format_leaderboard(lb)
-    assert "36.00+-2.00[3] (-0.37) !2" in text and "FAIL" in text and "avg6" in text
+    assert "36.00 +-2.00 [3] (-0.37) !2" in text and "FAIL" in text and "avg6" in text
 
 
 def test_stalled_runs_count_and_are_flagged():
@@ -105,6 +105,18 @@ def test_stalled_runs_count_and_are_flagged():
     assert cell(lb, "m", "listops") == pytest.approx(26.5) and cell(lb, "m", "listops", "n_stalled") == 1
     assert "1 of 2 seeds stalled" in cell(lb, "m", "listops", "note")
     assert "~1" in leaderboard.format_leaderboard(lb)
+
+
+def test_the_console_table_keeps_cells_and_their_fields_apart():
+    """A stalled count beside the next column's mean once read as one number (``~1`` then ``44.79``: ``~144.79``):
+    columns are separated by ``|`` and a cell's fields (mean, +-std, [seeds], (diff), !failed, ~stalled) by spaces."""
+    listops = [run("listops", "m", s, acc, acc, majority=16.5) for s, acc in enumerate((17.0, 38.0, 40.0))]
+    text = [run("text", "m", s, acc, acc) for s, acc in enumerate((44.0, 45.58))]
+    lb = leaderboard.build_leaderboard(pd.DataFrame(listops + text).reindex(columns=RUN_COLUMNS))
+    line = next(line for line in leaderboard.format_leaderboard(lb).splitlines() if line.startswith("m "))
+    cells = [c.strip() for c in line.split(leaderboard.CELL_SEPARATOR)]
+    assert cells[0] == "m" and cells[1].split() == ["31.67", "+-12.74", "[3]", "~1"]
+    assert cells[2].split() == ["44.79", "+-1.12", "[2]"]
 
 
 def test_a_run_that_learned_then_fell_back_to_the_majority_class_is_flagged_as_collapsed():

@@ -1,6 +1,8 @@
-"""A non-editable install works from any folder: the configs ship inside the package, the `lra` console script
-runs the smoke command, and the commit is reported plainly as unknown without a checkout; plugin models from
-outside the package register through an entry point and the registry-wide tests run against them."""
+"""A non-editable install works from any folder: the configs ship inside the package, and the papers' numbers and stall
+baselines the leaderboard sets beside ours; the `lra` console script runs the smoke command, the leaderboard fills
+LRA Table 1 beside its row, and the commit is reported plainly as unknown, with the package's version, without a
+checkout; plugin models from outside the package register through an entry point and the registry-wide tests run
+against them."""
 from __future__ import annotations
 
 import os
@@ -11,7 +13,10 @@ import textwrap
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
+import lra
+from lra.report import leaderboard
 from tests.conftest import ROOT, finish_all, in_background, started
 
 
@@ -42,13 +47,15 @@ def smoke_command_of_the_installed_script(folder: Path, environ: dict[str, str])
                           text=True, timeout=600)
     import_check = subprocess.run([sys.executable, "-c", "import lra; print(lra.__file__)"], cwd=elsewhere, env=env,
                                   capture_output=True, text=True)
-    return installed, proc, import_check, before
+    board = subprocess.run([sys.executable, "-m", "lra.leaderboard", "--experiment", "smoke"], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=600)
+    return installed, proc, import_check, before, board
 
 
 @in_background(smoke_command_of_the_installed_script)
 def test_the_console_script_runs_the_smoke_command_from_another_folder(ran_in_background):
     """... writing its outputs under ./outputs of the folder it runs in, never into the project's results/."""
-    (installed, proc, import_check, before), folder = ran_in_background()
+    (installed, proc, import_check, before, board), folder = ran_in_background()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert import_check.stdout.startswith(str(installed))  # the installed copy ran, not this checkout
     for package in ("train", "bench", "report", "data", "conf"):  # lra's subpackages and its configs are installed
@@ -59,7 +66,22 @@ def test_the_console_script_runs_the_smoke_command_from_another_folder(ran_in_ba
     rows = pd.read_csv(folder / "elsewhere" / "outputs" / "results" / "runs.csv")
     assert len(rows) == 1 and (ROOT / "results" / "runs.csv").read_bytes() == before
     row = rows.iloc[0]
-    assert row.status == "ok" and row.git_sha.startswith("unknown (lra ") and "no git checkout" in row.git_sha
+    assert row.status == "ok" and row.git_sha == f"unknown (lra {lra.__version__}, no git checkout)"
+    assert (installed / f"lra-{lra.__version__}.dist-info").is_dir()  # the version the code says is the package's
+    # the leaderboard of the installed package sets LRA Table 1 beside its row (the transformer's ListOps: 36.37)
+    assert board.returncode == 0, board.stderr[-3000:]
+    board_csv = folder / "elsewhere" / "outputs" / "results" / "leaderboard.csv"
+    cell = pd.read_csv(board_csv).set_index("task").loc["listops"]
+    assert cell.published == pytest.approx(36.37) and pd.notna(cell["diff"])
+
+
+@pytest.mark.parametrize("name", ["published.csv", "baselines.csv"])
+def test_the_package_ships_the_results_papers_numbers_and_baselines(name):
+    """The leaderboard and the charts read the package's files (an install has no results/ folder); in the tree they
+    are links to results/'s, one file each, which a wheel copies (the installed wheel's test reads them)."""
+    shipped = leaderboard.PUBLISHED if name == "published.csv" else leaderboard.BASELINES
+    assert shipped.parent == ROOT / "lra" / "report" and shipped.is_symlink()
+    assert shipped.resolve() == (ROOT / "results" / name).resolve()
 
 
 PLUGIN = '''

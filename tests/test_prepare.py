@@ -22,7 +22,7 @@ def test_prepared_data_is_what_the_run_loads(smoke_cfg, tmp_path, caplog):
     assert "pathfinder: train" in caplog.text and "cache hit" in caplog.text and "cache miss" not in caplog.text
 
 
-BAD_OPTIONS = ((["task=nope"], "Could not find 'task/nope'"),
+BAD_OPTIONS = ((["task=nope"], "task=nope is not valid: choose one of image, listops,"),
                (["task=listops", "data.limit.train=0"], "data.limit.train=0 is not valid"))
 
 

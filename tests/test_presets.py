@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from lra.config import BackboneConfig, experiment_protocols, model_options, validate
 from lra.train.engine import TaskShape, build_model
+from models import model_defaults
 from tests.conftest import CONF, compose_cfg
 
 LRA_FILE = CONF / "experiment" / "lra.yaml"
@@ -178,7 +179,7 @@ def test_experiment_defaults_keeps_the_tasks_backbone_and_the_models_defaults(ta
     backbone, weight_decay = task_defaults(task)
     assert OmegaConf.to_container(cfg.backbone) == backbone
     assert cfg.optim.weight_decay == weight_decay
-    assert OmegaConf.to_container(cfg.model) == OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{model}.yaml"))
+    assert OmegaConf.to_container(cfg.model) == {"name": model, **model_defaults(model)}
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -217,3 +218,19 @@ def test_every_preset_builds_and_runs_on_a_32x32_image(task, model):
     with torch.no_grad():
         logits = net(tokens)
     assert logits.shape == (1, 10) and torch.isfinite(logits).all()
+
+
+# experiment=trainable: LRA's protocol and these changes alone (conf/experiment/trainable.yaml, docs/protocol.md)
+TRAINABLE = {"listops": {"backbone.pooling": "mean"}, "pathfinder": {"backbone.positions": "learned"},
+             "listops/performer": {"model.n_features": 256, "model.redraw_every": 1000}}
+
+
+@pytest.mark.parametrize("task", ["listops", "text", "image", "pathfinder"])
+def test_trainable_is_lra_with_only_its_named_changes(task):
+    for model in LRA_MODELS:
+        lra = flat(OmegaConf.to_container(composed(task, model)))
+        trainable = flat(OmegaConf.to_container(composed(task, model, "trainable")))
+        changed = {key: value for key, value in trainable.items() if lra.get(key) != value}
+        want = {"experiment": "trainable", **TRAINABLE.get(task, {}), **TRAINABLE.get(f"{task}/{model}", {})}
+        assert changed == {k: v for k, v in want.items() if lra.get(k) != v}, model
+        assert set(trainable) == set(lra), model

@@ -266,8 +266,9 @@ def test_a_truncated_checkpoint_falls_back_to_the_previous_one(smoke_cfg, tmp_pa
         assert resumed[k] == reference[k], k
 
 
-def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch):
-    """A crafted checkpoint.pt that runs code when unpickled is refused, not executed."""
+def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch, caplog):
+    """A crafted checkpoint.pt that runs code when unpickled is refused, not executed; the warning says it was
+    refused and why, never torch's advice to load it with weights_only=False."""
     marker = tmp_path / "pwned"
 
     class Exploit:
@@ -277,8 +278,12 @@ def test_checkpoints_never_unpickle_code(smoke_cfg, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     torch.save({"state": Exploit()}, run_dir / "checkpoint.pt", pickle_protocol=pickle.DEFAULT_PROTOCOL)
-    row = runner.run(smoke_cfg(*TINY, "schedule.steps=2", "schedule.eval_every=2"))  # starts over, saying so
+    with caplog.at_level(logging.WARNING, logger="lra"):
+        row = runner.run(smoke_cfg(*TINY, "schedule.steps=2", "schedule.eval_every=2"))  # starts over, saying so
     assert not marker.exists() and row["steps"] == 2
+    warning = next(r.getMessage() for r in caplog.records if "checkpoint.pt is unreadable" in r.getMessage())
+    assert "torch's weights-only loader refused it: " in warning, warning
+    assert "weights_only" not in warning and "Re-running" not in warning and "\n" not in warning
 
 
 def test_a_nan_loss_is_recorded_as_diverged_without_accuracies(smoke_cfg, tmp_path):
@@ -381,6 +386,51 @@ def test_wandb_offline_logging(smoke_cfg, tmp_path, monkeypatch):
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
+class WandbStub:
+    """wandb as the runner uses it, recording: ``init``'s arguments, what is logged (step, data), the summary and
+    the tables. ``init`` returns the stub itself as the run."""
+
+    def __init__(self):
+        self.inits, self.logged, self.summary, self.finished = [], [], {}, 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, data: dict, step: int | None = None):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished += 1
+
+    class Table:
+        def __init__(self, columns: list, data: list):
+            self.columns, self.data = columns, data
+
+
+def test_wandb_resumes_its_run_and_logs_the_curve_and_the_row(smoke_cfg, tmp_path, monkeypatch):
+    """A run stopped and resumed is one wandb run (an id of its own, resume=allow), tagged and typed by its
+    experiment; the validation curve is logged as it goes, and each row (the stopped slice's, the finished run's)
+    as the summary and a table. A sweep's name groups its jobs; another folder is another wandb run."""
+    stub = WandbStub()
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    overrides = (*TINY, "logger=wandb", "logger.mode=offline", "logger.tags=[mine]", "schedule.steps=8",
+                 "schedule.eval_every=2")
+    runner.run(smoke_cfg(*overrides, "schedule.stop_at=4"))
+    finished = runner.run(smoke_cfg(*overrides))
+    first, second = stub.inits
+    assert first["id"] == second["id"] and first["resume"] == second["resume"] == "allow"
+    assert first["job_type"] == "smoke" and first["tags"] == ["smoke", "listops", "transformer", "mine"]
+    assert first["group"] is None and first["mode"] == "offline" and first["dir"] == str(tmp_path / "run")
+    assert [step for step, data in stub.logged if "val/acc" in data] == [2, 4, 6, 8]
+    tables = [data["result"] for _, data in stub.logged if "result" in data]
+    assert [t.data[0][t.columns.index("status")] for t in tables] == ["stopped: at step 4 of 8", "ok"]
+    assert stub.summary["status"] == "ok" and stub.summary["test_acc"] == finished["test_acc"] and stub.finished == 2
+    other = smoke_cfg(*overrides, f"run_dir={tmp_path / 'other'}", "sweep=mine")
+    settings = runner.wandb_settings(other, other.run_dir, finished["config_hash"])
+    assert settings["group"] == "mine" and settings["id"] != first["id"]
+
+
 def test_a_run_resumed_on_other_hardware_names_both_devices_and_commits(smoke_cfg, monkeypatch):
     interrupt_after_one_step(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"), monkeypatch)
     monkeypatch.setattr(runner, "device_name", lambda device: "Other GPU")
@@ -421,9 +471,46 @@ def test_sigterm_saves_and_exits_with_one_line_and_code_75(ran_in_background):
     assert (tmp_path / "run" / "checkpoint.pt").exists()
 
 
+def sigint_during_step(monkeypatch, n: int) -> None:
+    """Step ``n`` sends this process a SIGINT, as Ctrl-C in a terminal does."""
+    calls, real_step = count(1), engine.train_step
+
+    def step(*args, **kwargs):
+        if next(calls) == n:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "train_step", step)
+
+
+def test_a_run_called_from_other_code_leaves_sigint_to_it(smoke_cfg, tmp_path, monkeypatch):
+    """Under pytest a Ctrl-C is pytest's: ``run`` called from a test installs no handler, so the SIGINT raises
+    KeyboardInterrupt there (the suite stops) rather than ending the run as stopped and the test as failed."""
+    monkeypatch.delenv(runner.CATCH_SIGNALS, raising=False)
+    sigint_during_step(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"))
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_a_command_catches_sigint_and_stops_with_a_checkpoint(smoke_cfg, tmp_path, monkeypatch):
+    """A command asks for the signals (``catch_signals``, as ``python -m lra`` does): the SIGINT during step 2 ends
+    the run after it, checkpointed, and the same command resumes it."""
+    monkeypatch.setenv(runner.CATCH_SIGNALS, "1")
+    previous = signal.getsignal(signal.SIGINT)
+    real_step = engine.train_step
+    sigint_during_step(monkeypatch, 2)
+    with pytest.raises(runner.RunInterrupted, match="stopped at step 2"):
+        runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"))
+    assert signal.getsignal(signal.SIGINT) is previous and (tmp_path / "run" / "checkpoint.pt").exists()
+    monkeypatch.setattr(engine, "train_step", real_step)
+    assert runner.run(smoke_cfg(*TINY, "schedule.steps=6", "schedule.eval_every=3"))["steps"] == 6
+
+
 def test_sigusr2_checkpoints_then_hands_over_to_the_previous_handler(smoke_cfg, tmp_path, monkeypatch):
     """Slurm (through submitit) signals SIGUSR2 before a timeout: the step finishes, the checkpoint is written, and
     only then submitit's own handler (which requeues the job) is called."""
+    monkeypatch.setenv(runner.CATCH_SIGNALS, "1")  # as the command's jobs do
     seen = []
 
     def submitit_handler(signum, frame):

@@ -54,21 +54,11 @@ from lra.train import engine
 from lra.train.encoder import Classifier
 from models import get_model_class, list_models
 from models.base import checked_setting, execution_settings
-from models.registry import model_defaults, unknown_options
+from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
 
-MODEL_CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 BASELINE = "transformer"
-
-
-def model_config_options(name: str) -> dict:
-    """The options ``model=<name>`` composes: the constructor's defaults (``model_defaults/<name>``, which
-    ``conf/model/<name>.yaml`` takes through its Hydra ``defaults`` list, not an option), then any the file sets."""
-    path = MODEL_CONF / f"{name}.yaml"
-    own = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {} if path.exists() else {}
-    defaults = model_defaults(name) if name in list_models() else {}
-    return {**defaults, **{k: v for k, v in own.items() if k not in ("name", "defaults")}}
 
 
 def is_square(n: int) -> bool:
@@ -91,7 +81,7 @@ def bench_shape(name: str, task: str, seq_len: int, vocab_size: int) -> engine.T
 def bench_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None = None) -> Classifier:
     """The model at one bench length; ``options`` override the model config's (a variant)."""
     shape = bench_shape(name, cfg.task.name, seq_len, cfg.bench.vocab_size)
-    return engine.build_model(name, {**model_config_options(name), **(options or {})}, cfg.backbone, shape)
+    return engine.build_model(name, dict(options or {}), cfg.backbone, shape)
 
 
 def split_attributes(name: str, options: dict | None) -> tuple[dict, dict]:

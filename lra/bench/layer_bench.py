@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 import yaml
 
-from lra.bench.bench import model_config_options, split_attributes, variant_cases
+from lra.bench.bench import split_attributes, variant_cases
 from lra.bench.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.config import CHOICES
 from lra.report.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
@@ -124,7 +124,7 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
     options, attributes = split_attributes(name, options)  # backend, scan, ...: how it runs, set once built
     dropout = options.pop("dropout", 0.0)
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=dropout, max_len=n,
-                         **{**model_config_options(name), **options}).to(device).train()
+                         **options).to(device).train()
     engine.set_mixer_attributes(mixer, name, attributes)
     mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
     extra = {}

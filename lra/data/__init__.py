@@ -4,14 +4,18 @@ its ``load`` function, and every such module is imported here, so a new task is 
 
 A loader is ``load(task, data, *, seed, progress) -> TaskData``: ``task`` and ``data`` are the config's
 ``task.*`` and ``data.*`` sections (a loader reads only its own keys of ``data``), ``seed`` draws any limited
-subset, ``progress`` shows bars on long generation.
+subset, ``progress`` shows bars on long generation. A task may also read one file of its test split's format
+(``read_file(path, task, data) -> TaskData``, the file as every split): ``lra.evaluate``'s ``data.path=FILE``,
+through ``load_file``.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from lra.errors import ConfigError, DataError
 
@@ -24,8 +28,9 @@ _NOT_TASKS = {"common", "pathfinder_gen"}  # shared code and the Pathfinder gene
 @dataclass(frozen=True)
 class TaskSpec:
     """A registered task: its loader, its number of classes, whether it is a pair task (two documents per
-    example) or an image (its tokens lie on a pixel grid), and an optional ``check(task_cfg)`` that refuses
-    impossible settings before any data is read (raising ``ValueError`` with a one-line reason)."""
+    example) or an image (its tokens lie on a pixel grid), an optional ``check(task_cfg)`` that refuses
+    impossible settings before any data is read (raising ``ValueError`` with a one-line reason), and an optional
+    ``read_file`` that reads one file of the task's test format (``load_file``)."""
 
     name: str
     load: Callable[..., TaskData]
@@ -33,6 +38,7 @@ class TaskSpec:
     pair: bool = False
     image: bool = False
     validate: Callable | None = None
+    read_file: Callable[..., TaskData] | None = None
 
     def check(self, task_cfg) -> None:
         if self.validate is not None:
@@ -43,7 +49,7 @@ class TaskSpec:
 
 
 def register_task(name: str, *, n_classes: int, pair: bool = False, image: bool = False,
-                  check: Callable | None = None) -> Callable:
+                  check: Callable | None = None, read_file: Callable[..., TaskData] | None = None) -> Callable:
     """Decorator for a loader function: ``@register_task("listops", n_classes=10)``. Stack it to serve
     several tasks with one loader (Pathfinder and Path-X)."""
 
@@ -51,7 +57,7 @@ def register_task(name: str, *, n_classes: int, pair: bool = False, image: bool 
         if name in _REGISTRY and _REGISTRY[name].load is not load:
             raise ValueError(f"task {name!r} is registered twice: {_REGISTRY[name].load.__module__} and "
                              f"{load.__module__}")
-        _REGISTRY[name] = TaskSpec(name, load, n_classes, pair, image, check)
+        _REGISTRY[name] = TaskSpec(name, load, n_classes, pair, image, check, read_file)
         return load
 
     return add
@@ -86,9 +92,27 @@ def load_task(cfg) -> TaskData:
     return data
 
 
+def load_file(cfg, path: str | Path, limit: int | None = None) -> TaskData:
+    """One file of ``cfg.task``'s test format (its ``read_file``: ListOps' TSV, IMDb's or CIFAR-10's parquet, ...)
+    as every split: all its examples, or the first ``limit``."""
+    spec = get_task(cfg.task.name)
+    spec.check(cfg.task)
+    if spec.read_file is None:
+        able = ", ".join(n for n in list_tasks() if _REGISTRY[n].read_file is not None)
+        raise DataError(f"task {spec.name} reads no single file (tasks that do: {able}); give its source with "
+                        f"data.root or data.path as a run does")
+    path = Path(path).expanduser()
+    data = spec.read_file(path, cfg.task, cfg.data)
+    if len(data.test) == 0:
+        raise DataError(f"{path} holds no examples")
+    data.info.setdefault("task", spec.name)
+    split = data.test.head(limit)
+    return dataclasses.replace(data, train=split, val=split, test=split)
+
+
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _NOT_TASKS and not _module.startswith("_"):
         importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["BatchOrder", "DataError", "Split", "TaskData", "TaskSpec", "get_task", "image_tasks", "list_tasks",
-           "load_task", "register_task"]
+           "load_file", "load_task", "register_task"]

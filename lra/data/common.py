@@ -45,6 +45,11 @@ class TaskData:
     grid: tuple[int, int] | None = None  # (height, width) of an image task's pixels, row-major
     info: dict = field(default_factory=dict)  # source, split recipe, cache hit/miss: goes into the run row
 
+    def version(self) -> str | None:
+        """What a row records as the data: the loader's version of it (``info["data"]``: a generator's version and
+        seed, a file's hash) where it gives one, else its source."""
+        return self.info.get("data", self.info.get("source"))
+
     def summary(self) -> str:
         counts = torch.bincount(self.train.labels, minlength=self.n_classes).tolist()
         total = max(sum(counts), 1)
@@ -112,6 +117,25 @@ def generate_once(out: Path, generate: Callable[[], object], description: dict) 
             return
         generate()
         atomic_write_text(marker, json.dumps(description, indent=1, default=str))
+
+
+def one_file(path: Path, split: Split, **shape) -> TaskData:
+    """A task's ``read_file``: one file's examples as every split (an evaluation scores one), the file itself and
+    its content's hash as the data (``shape``: the TaskData's vocab_size, n_classes, seq_len, and pair or grid)."""
+    return TaskData(split, split, split, **shape, info={
+        "source": str(path), "data": f"{path.name} sha256 {file_sha256(path)[:12]}", "split": "one file",
+        "cache": "none"})
+
+
+def read_parquet(path: Path, how_to_get: str):
+    """One parquet file as a pyarrow table; a DataError saying what it needs where it cannot be read."""
+    import pyarrow.parquet as pq  # pyarrow only where a parquet file is read: lra.data loads at every command's start
+
+    try:
+        return pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - a missing, unreadable or non-parquet file: one line saying which
+        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}); {how_to_get}") from None
 
 
 def pad_truncate(ids: list[int], length: int) -> list[int]:

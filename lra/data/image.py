@@ -13,13 +13,15 @@ Splits: LRA took TFDS ``train[:90%]`` / ``train[90%:]`` / ``test`` in TFDS's own
 reproduces; we split the 50,000 training images 45,000 / 5,000 like ``torch.utils.data.random_split``
 with ``data.split_seed`` (42, the S4 / Mega convention). Membership depends on the source's row order
 (the hub copy keeps the original order; a local copy sorted by label splits otherwise). Test = test.
-Sources (``data.path``): ``uoft-cs/cifar10`` on the hub, or a local folder / template of its parquet files.
+Sources (``data.path``): ``uoft-cs/cifar10`` on the hub, or a local folder / template of its parquet files. One
+parquet file of its columns (``img`` or ``image``, ``label``) alone is an evaluation's data (``read_file``).
 """
 from __future__ import annotations
 
 import io
 import logging
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,9 +35,11 @@ from .common import (
     cached,
     hf_tables,
     limit_recipe,
+    one_file,
     parallel_map,
     pixel_tokens,
     random_split_indices,
+    read_parquet,
     split_limits,
     subset_indices,
 )
@@ -89,7 +93,21 @@ def check(task) -> None:
         raise ValueError(f"CIFAR-10 images are {SIDE}x{SIDE} = {SIDE * SIDE} pixels; set task.seq_len={SIDE * SIDE}")
 
 
-@register_task("image", n_classes=N_CLASSES, image=True, check=check)
+def gray_pixels(img, workers: int | None) -> torch.Tensor:
+    """An image column's cells as (n, 1024) uint8 gray rows, decoded in processes."""
+    gray = parallel_map(partial(decode_gray, side=SIDE), img.to_pylist(), workers)
+    return torch.from_numpy(np.stack(gray)) if gray else torch.zeros(0, SIDE * SIDE, dtype=torch.uint8)
+
+
+def read_file(path: Path, task, data) -> TaskData:
+    """One parquet file of the hub's columns (``img`` or ``image``, ``label``), e.g. its ``test-00000-of-00001``."""
+    img, labels = columns(read_parquet(path, HOW_TO_GET), str(path))
+    tokens, vocab = pixel_tokens(gray_pixels(img, data.get("workers")), bool(data.pixel_zero_is_pad))
+    return one_file(path, Split(tokens, labels), vocab_size=vocab, n_classes=N_CLASSES, seq_len=SIDE * SIDE,
+                    grid=(SIDE, SIDE))
+
+
+@register_task("image", n_classes=N_CLASSES, image=True, check=check, read_file=read_file)
 def load(task, data, *, seed: int, progress: bool) -> TaskData:
     limits, split_seed, zero_is_pad = split_limits(data), int(data.split_seed), bool(data.pixel_zero_is_pad)
     if not data.get("path"):
@@ -107,10 +125,7 @@ def load(task, data, *, seed: int, progress: bool) -> TaskData:
         out = {}
         for s, (img, lab, idx) in rows.items():
             idx = idx[subset_indices(len(idx), limits[s], seed, s)]
-            cells = img.take(idx.numpy()).to_pylist()
-            gray = parallel_map(partial(decode_gray, side=SIDE), cells, data.get("workers"))
-            empty = torch.zeros(0, SIDE * SIDE, dtype=torch.uint8)
-            out[f"{s}_pixels"] = torch.from_numpy(np.stack(gray)) if gray else empty  # (n, 1024)
+            out[f"{s}_pixels"] = gray_pixels(img.take(idx.numpy()), data.get("workers"))  # (n, 1024)
             out[f"{s}_labels"] = lab[idx].clone()
         return out
 

@@ -9,7 +9,7 @@ does not depend on the number of worker processes.
 
 Loader: ``basic_{train,val,test}.tsv`` (header ``Source<TAB>Target``) from an LRA release folder or from
 the generator's cache; LRA's rewrite (``]`` -> its own token, parentheses dropped), a fixed vocabulary
-(0 = pad), truncate/pad to ``task.seq_len``.
+(0 = pad), truncate/pad to ``task.seq_len``. One such file alone is an evaluation's data (``read_file``).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from .common import (
     cached,
     fingerprint,
     generate_once,
+    one_file,
     resolve_root,
     smallest_int_dtype,
 )
@@ -181,7 +182,13 @@ def source_folder(data, progress: bool) -> Path:
     return out / "listops-1000"
 
 
-@register_task("listops", n_classes=N_CLASSES)
+def read_file(path: Path, task, data) -> TaskData:
+    """One TSV file of the release's format (``Source<TAB>Target``, that header first), e.g. a ``basic_test.tsv``."""
+    seq_len = int(task.seq_len)
+    return one_file(path, read_tsv(path, seq_len), vocab_size=len(VOCAB), n_classes=N_CLASSES, seq_len=seq_len)
+
+
+@register_task("listops", n_classes=N_CLASSES, read_file=read_file)
 def load(task, data, *, seed: int, progress: bool) -> TaskData:
     folder = source_folder(data, progress)
     paths = [folder / f"basic_{s}.tsv" for s in SPLITS]

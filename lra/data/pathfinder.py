@@ -18,6 +18,9 @@ dropped from its split and counted. Pixels are decoded once (in processes) into 
 
 Ids: pixel + 1 (vocab 257) because 0 is the black background, not padding; ``data.pixel_zero_is_pad:
 true`` feeds raw pixels as LRA did, which masks the whole background as padding (vocab 256).
+
+One metadata file alone (``<folder>/metadata/<k>.npy``, its images under ``<folder>/imgs/``) is an evaluation's
+data (``read_file``): every image it lists.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from .common import (
     fingerprint,
     generate_once,
     limit_recipe,
+    one_file,
     parallel_map,
     pixel_tokens,
     random_split_indices,
@@ -74,16 +78,24 @@ def read_metadata(folder: Path) -> tuple[list[str], list[int], list[Path]]:
     files.sort(key=lambda p: int(p.stem))
     paths, labels = [], []
     for f in files:
-        for lineno, line in enumerate(f.read_text().splitlines(), start=1):
-            fields = line.split()
-            if not fields:
-                continue
-            if len(fields) < 4 or not fields[3].lstrip("-").isdigit() or int(fields[3]) not in (0, 1):
-                raise DataError(f"{f}:{lineno}: expected 'imgs/<k> sample_<i>.png <i> <label 0|1> ...', "
-                                f"got {line[:80]!r}")
-            paths.append(f"{fields[0]}/{fields[1]}")
-            labels.append(int(fields[3]))
+        for path, label in metadata_lines(f):
+            paths.append(path)
+            labels.append(label)
     return paths, labels, files
+
+
+def metadata_lines(file: Path) -> list[tuple[str, int]]:
+    """One metadata file's (image path relative to its folder, label) per line, in order."""
+    out = []
+    for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) < 4 or not fields[3].lstrip("-").isdigit() or int(fields[3]) not in (0, 1):
+            raise DataError(f"{file}:{lineno}: expected 'imgs/<k> sample_<i>.png <i> <label 0|1> ...', "
+                            f"got {line[:80]!r}")
+        out.append((f"{fields[0]}/{fields[1]}", int(fields[3])))
+    return out
 
 
 def decode_pngs(paths: list[str], side: int) -> list:
@@ -165,8 +177,23 @@ def check(task) -> None:
         raise ValueError(f"{res}x{res} images are {res * res} pixels; set task.seq_len={res * res}")
 
 
-@register_task("pathfinder", n_classes=N_CLASSES, image=True, check=check)
-@register_task("pathx", n_classes=N_CLASSES, image=True, check=check)
+def read_file(path: Path, task, data) -> TaskData:
+    """One metadata file of the release layout (``<folder>/metadata/<k>.npy``): every image it lists that can be
+    read (under ``<folder>/imgs/``)."""
+    res, folder = int(task.resolution), path.parent.parent
+    lines = metadata_lines(path)
+    pixels = parallel_map(partial(decode_pngs, side=res), [f"{folder}/{p}" for p, _ in lines], data.get("workers"),
+                          chunk=1024, min_parallel=2048)
+    got = [(px, label) for px, (_, label) in zip(pixels, lines) if px is not None]
+    stacked = (torch.from_numpy(np.stack([g[0] for g in got])) if got
+               else torch.zeros(0, res * res, dtype=torch.uint8))  # (n, res * res)
+    tokens, vocab = pixel_tokens(stacked, bool(data.pixel_zero_is_pad))
+    return one_file(path, Split(tokens, torch.tensor([g[1] for g in got], dtype=torch.long)), vocab_size=vocab,
+                    n_classes=N_CLASSES, seq_len=res * res, grid=(res, res))
+
+
+@register_task("pathfinder", n_classes=N_CLASSES, image=True, check=check, read_file=read_file)
+@register_task("pathx", n_classes=N_CLASSES, image=True, check=check, read_file=read_file)
 def load(task, data, *, seed: int, progress: bool) -> TaskData:
     res, difficulty = int(task.resolution), str(task.difficulty)
     limits, split_seed, zero_is_pad = split_limits(data), int(data.split_seed), bool(data.pixel_zero_is_pad)

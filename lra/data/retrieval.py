@@ -9,7 +9,8 @@ cut to its first 10,000 bytes, byte-encoded (id = byte + 1, vocab 257, 0 = pad) 
 ``task.seq_len`` (4,000) ids; tokens are (n, 2, seq_len) for the two-tower encoder. The text fields are
 encoded as the raw field bytes, as LRA and S4 do (one third-party loader parses them as Python ``b'...'``
 literals instead). Splits: train = train, val = eval, test = test. Unlike LRA, no example is dropped to
-fill the last batch. A malformed line raises with its file and line number.
+fill the last batch. A malformed line raises with its file and line number. One such file alone is an
+evaluation's data (``read_file``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .common import (
     encode_bytes,
     fingerprint,
     limit_recipe,
+    one_file,
     resolve_root,
     smallest_int_dtype,
     split_limits,
@@ -97,7 +99,15 @@ def read_split(path: Path, keep: set[int] | None, seq_len: int, truncate_bytes: 
     return {"tokens": torch.cat(tokens), "labels": torch.tensor(labels, dtype=torch.long)}
 
 
-@register_task("retrieval", n_classes=N_CLASSES, pair=True)
+def read_file(path: Path, task, data) -> TaskData:
+    """One TSV file of the release's AAN pairs (``label id1 id2 text1 text2``), e.g. ``new_aan_pairs.test.tsv``."""
+    seq_len = int(task.seq_len)
+    pairs = read_split(path, None, seq_len, int(data.truncate_bytes))
+    return one_file(path, Split(pairs["tokens"], pairs["labels"]), vocab_size=VOCAB, n_classes=N_CLASSES,
+                    seq_len=seq_len, pair=True)
+
+
+@register_task("retrieval", n_classes=N_CLASSES, pair=True, read_file=read_file)
 def load(task, data, *, seed: int, progress: bool) -> TaskData:
     if not data.get("root"):
         raise DataError(f"the retrieval task reads the AAN pairs from the LRA release: {HOW_TO_GET}")

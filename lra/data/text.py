@@ -9,6 +9,7 @@ validation = test = ``test`` (IMDb has no validation set; LRA reports the last c
 Sources (``data.path``): a Hugging Face dataset id (``stanfordnlp/imdb``), a local folder of the hub's
 parquet files (e.g. ``data/imdb``), a parquet template with ``{split}``, or the original ``aclImdb``
 folder (``{train,test}/{pos,neg}/<id>_<rating>.txt``; files not named like that are skipped and counted).
+One parquet file of the hub's columns (``text``, ``label``) alone is an evaluation's data (``read_file``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from .common import (
     encode_bytes,
     hf_tables,
     limit_recipe,
+    one_file,
+    read_parquet,
     smallest_int_dtype,
     split_limits,
     subset_indices,
@@ -109,16 +112,29 @@ def open_source(path: str) -> tuple[dict, dict, str, int]:
     return table_source(tables), fp, desc, 0
 
 
-@register_task("text", n_classes=N_CLASSES)
+def check_labels(docs: Docs, where: str) -> None:
+    bad = set(docs.labels.unique().tolist()) - {0, 1}
+    if bad:
+        raise DataError(f"IMDb labels must be 0 (neg) or 1 (pos), found {sorted(bad)} in {where}")
+
+
+def read_file(path: Path, task, data) -> TaskData:
+    """One parquet file of the hub's columns (``text``, ``label``), e.g. its ``test-00000-of-00001.parquet``."""
+    docs = table_source({"test": read_parquet(path, HOW_TO_GET)})["test"]
+    check_labels(docs, str(path))
+    seq_len = int(task.seq_len)
+    tokens = encode_bytes(docs.read(list(range(len(docs)))), seq_len).to(smallest_int_dtype(VOCAB))
+    return one_file(path, Split(tokens, docs.labels), vocab_size=VOCAB, n_classes=N_CLASSES, seq_len=seq_len)
+
+
+@register_task("text", n_classes=N_CLASSES, read_file=read_file)
 def load(task, data, *, seed: int, progress: bool) -> TaskData:
     seq_len, limits = int(task.seq_len), split_limits(data)
     if not data.get("path"):
         raise DataError(f"data.path is not set; {HOW_TO_GET}")
     docs, source_fp, desc, skipped = open_source(str(data.path))
     for split, d in docs.items():
-        bad = set(d.labels.unique().tolist()) - {0, 1}
-        if bad:
-            raise DataError(f"IMDb {split} labels must be 0 (neg) or 1 (pos), found {sorted(bad)} in {desc}")
+        check_labels(d, f"the {split} split of {desc}")
     # val and test are both IMDb's test split: draw one subset large enough for either limit, so that
     # val is a prefix of test (identical when the limits agree), as in LRA where they are the same set.
     lv, lt = limits["val"], limits["test"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lra.errors import DataError
 from lra.report.leaderboard import build_leaderboard, sort_leaderboard
 
 COMPARE_COLUMNS = ["experiment", "model", "task", "a", "b", "diff", "n_seeds_a", "n_seeds_b"]
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--experiment", default="lra", help="for run files: comma-separated experiments, or 'all'")
     ap.add_argument("--out", default=None, help="also write the comparison to this CSV")
     args = ap.parse_args(argv)
+    for path in (args.a, args.b):
+        if not Path(path).is_file():
+            raise DataError(f"no file at {path}: compare two leaderboard.csv, runs.csv or bench.csv files")
     a, b = pd.read_csv(args.a), pd.read_csv(args.b)
     ka, kb = kind_of(a), kind_of(b)
     print(f"a = {args.a} ({ka})\nb = {args.b} ({kb})")

@@ -14,7 +14,7 @@ Table 1. Rules:
   replaces, never averages with, the earlier one); it is *stalled* when its best validation accuracy is within
   1 point of its *stall baseline*, the higher of the validation split's majority-class share (``val_majority``)
   and ``val_baseline``, what classifiers that cannot use the task's long-range structure score (``lra.baseline``;
-  rows older than the column take their task's from ``results/baselines.csv``): it still counts, and
+  rows older than the column take their task's from ``baselines.csv``): it still counts, and
   ``n_stalled`` says so; it *collapsed* when it learned (not stalled) but its final weights' validation accuracy is
   back within that point: its best-validation checkpoint still counts, and the note says so (the final weights'
   test is beside it);
@@ -35,7 +35,7 @@ Table 1. Rules:
 Accuracies are percentages; a runs file holding fractions (every accuracy <= 1) is scaled by 100.
 
     python -m lra.leaderboard [--results DIR] [--runs DIR/runs.csv] [--out DIR/leaderboard.csv]
-                              [--published results/published.csv] [--baselines results/baselines.csv]
+                              [--published FILE] [--baselines FILE]   (default: the package's copies)
                               [--experiment lra] [--readme README.md results/README.md]
 """
 from __future__ import annotations
@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lra.errors import DataError
 from lra.provenance import PARTIAL_PRESETS, departures, is_stopped
 from lra.report import rank
 
@@ -58,7 +59,11 @@ AVERAGES = {"avg4": TASKS4, "avg5": TASKS5, "avg6": TASKS5}
 PATHX_CHANCE, PATHX_FAIL_BAND = 50.0, 1.0
 SUPERSEDED = "+superseded_data"  # the experiment suffix of rows on older Pathfinder images (``superseded_data``)
 STALL_BAND = 1.0  # points above the stall baseline within which a run counts as stalled
-PROJECT_RESULTS = Path(__file__).resolve().parents[2] / "results"
+# LRA Table 1 (and the other papers' numbers) and the tasks' stall baselines ship inside the package, so that an
+# installed copy sets its rows beside them: in the tree, links to results/published.csv and results/baselines.csv
+# (one file each), which a wheel copies
+PUBLISHED = Path(__file__).resolve().parent / "published.csv"
+BASELINES = Path(__file__).resolve().parent / "baselines.csv"
 # test split sizes of LRA's tasks, whose whole test splits the runs evaluate (baselines.csv counts them in our data):
 # the rank bootstrap's test-set noise
 TEST_SIZES = {"listops": 2000, "text": 25000, "retrieval": 17437, "image": 10000, "pathfinder": 20000,
@@ -93,11 +98,19 @@ def as_percent(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def read_baselines(path: str | Path | None = PROJECT_RESULTS / "baselines.csv") -> pd.DataFrame | None:
-    """``lra.baseline``'s table (one row per task, accuracies as fractions), indexed by task; None without one."""
-    if path is None or not Path(path).exists():
-        return None
-    return pd.read_csv(path).set_index("task")
+def read_reference(path: str | Path, what: str) -> pd.DataFrame:
+    """A CSV the reports read beside the results (``what`` it holds, for the message): a DataError saying where it
+    looked when it is not there."""
+    if not Path(path).is_file():
+        shipped = Path(path) in (PUBLISHED, BASELINES)
+        raise DataError(f"no {what} at {path}: " + ("reinstall lra, whose package ships it" if shipped else
+                                                      "name an existing file"))
+    return pd.read_csv(path)
+
+
+def read_baselines(path: str | Path | None = BASELINES) -> pd.DataFrame | None:
+    """``lra.baseline``'s table (one row per task, accuracies as fractions), indexed by task; None for no path."""
+    return None if path is None else read_reference(path, "stall baselines (lra.baseline)").set_index("task")
 
 
 def stall_baselines(runs: pd.DataFrame, baselines: pd.DataFrame | None = None) -> pd.Series:
@@ -392,22 +405,26 @@ def wide(lb: pd.DataFrame, value: str = "test_acc") -> pd.DataFrame:
 
 
 def format_cell(r) -> str:
+    """A console cell: its fields apart, so that a count never runs into a number (``36.00 +-2.00 [3] (-0.37) ~1``)."""
     if pd.isna(r["test_acc"]):
         return f"failed x{int(r['n_failed'])}" if r["n_failed"] else "-"
-    s = f"{r['test_acc']:.2f}"
+    fields = [f"{r['test_acc']:.2f}"]
     if pd.notna(r["test_std"]):
-        s += f"+-{r['test_std']:.2f}"
+        fields.append(f"+-{r['test_std']:.2f}")
     if r["task"] not in AVERAGES and r["n_seeds"] > 1:
-        s += f"[{int(r['n_seeds'])}]"
+        fields.append(f"[{int(r['n_seeds'])}]")
     if pd.notna(r["diff"]):
-        s += f" ({r['diff']:+.2f})"
+        fields.append(f"({r['diff']:+.2f})")
     elif str(r["note"]).startswith("FAIL"):
-        s += " FAIL"
+        fields.append("FAIL")
     if pd.notna(r["n_failed"]) and r["n_failed"]:
-        s += f" !{int(r['n_failed'])}"
+        fields.append(f"!{int(r['n_failed'])}")
     if pd.notna(r["n_stalled"]) and r["n_stalled"]:
-        s += f" ~{int(r['n_stalled'])}"
-    return s
+        fields.append(f"~{int(r['n_stalled'])}")
+    return " ".join(fields)
+
+
+CELL_SEPARATOR = " | "  # between the console table's columns: a cell's last field and the next cell's first apart
 
 
 def format_leaderboard(lb: pd.DataFrame) -> str:
@@ -415,16 +432,16 @@ def format_leaderboard(lb: pd.DataFrame) -> str:
         return "(no runs)"
     tasks = list(wide(lb).columns)
     labels = {(e, m): m if e == "lra" else f"{m} [{e}]" for e, m in zip(lb["experiment"], lb["model"], strict=True)}
-    width = max(12, max(map(len, labels.values())) + 2)
+    width = max(12, max(map(len, labels.values())))
     cells = lb.set_index(["experiment", "model", "task"])
     texts = {key: format_cell(r.to_dict() | {"task": key[2]}) for key, r in cells.iterrows()}
-    column = max(24, max(map(len, texts.values())) + 2)  # a space between cells however long they get
-    lines = ["test accuracy %: mean +- std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper); "
+    column = max(12, *map(len, texts.values()), *map(len, tasks))
+    lines = ["test accuracy %: mean +-std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper); "
              "!n failed runs, ~n stalled",
-             "model".ljust(width) + "".join(t.rjust(column) for t in tasks)]
+             CELL_SEPARATOR.join(["model".ljust(width), *(t.rjust(column) for t in tasks)])]
     for key, label in labels.items():
         out = [texts.get((*key, t), "-") for t in tasks]
-        lines.append(label.ljust(width) + "".join(c.rjust(column) for c in out))
+        lines.append(CELL_SEPARATOR.join([label.ljust(width), *(c.rjust(column) for c in out)]))
     lines += [f"{name}: {note}" for name, note in AVG_NOTES.items() if name in tasks]
     final = sorted(set(lb.loc[lb["headline"] == "final", "task"])) if "headline" in lb else []
     lines += [f"{t}: final weights' accuracy (its validation split is the test set, as in LRA)" for t in final]
@@ -678,9 +695,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     help="results folder: reads runs.csv, writes leaderboard.csv (the project's: results)")
     ap.add_argument("--runs", default=None, help="runs file (default: RESULTS/runs.csv)")
     ap.add_argument("--out", default=None, help="leaderboard file (default: RESULTS/leaderboard.csv)")
-    ap.add_argument("--published", default=str(PROJECT_RESULTS / "published.csv"))
-    ap.add_argument("--baselines", default=str(PROJECT_RESULTS / "baselines.csv"),
-                    help="stall baselines per task (python -m lra.baseline), for rows without their own")
+    ap.add_argument("--published", default=str(PUBLISHED), help="the papers' numbers (default: the package's "
+                    "copy of results/published.csv)")
+    ap.add_argument("--baselines", default=str(BASELINES),
+                    help="stall baselines per task (python -m lra.baseline), for rows without their own (default: "
+                         "the package's copy of results/baselines.csv)")
     ap.add_argument("--experiment", default="lra", help="comma-separated experiment names, or 'all'")
     ap.add_argument("--readme", type=Path, nargs="+", default=[], help="rewrite these files' results blocks, and "
                     "their bench blocks from RESULTS/bench.csv (the project's: README.md results/README.md)")
@@ -688,9 +707,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     runs_path = Path(args.runs or Path(args.results) / "runs.csv")
     out = Path(args.out or Path(args.results) / "leaderboard.csv")
     if not runs_path.exists():
-        raise SystemExit(f"no runs at {runs_path}: train with `python -m lra` first (or --results results for the "
-                         f"project's published runs)")
-    published = pd.read_csv(args.published) if Path(args.published).exists() else None
+        raise DataError(f"no runs at {runs_path}: train with `python -m lra` first (or --results results for the "
+                        f"project's published runs)")
+    published = read_reference(args.published, "published results (LRA Table 1)")
     lb = build_leaderboard(pd.read_csv(runs_path), published, args.experiment, read_baselines(args.baselines))
     out.parent.mkdir(parents=True, exist_ok=True)
     lb.to_csv(out, index=False, float_format="%.4f")

@@ -21,7 +21,7 @@ Only the leaderboard's ``experiment == lra`` rows count (LRA's protocol; a leade
 ``lra``). Figures are plain ``matplotlib.figure.Figure`` objects on the Agg canvas (no pyplot, no display needed).
 
     python -m lra.plot [--results DIR] [--bench FILE] [--leaderboard FILE] [--length 4096] [--out DIR]
-                       [--published [results/published.csv]] [--device NAME]
+                       [--published [FILE]] [--device NAME]
                        [--tasks listops,text,image,pathfinder] [--errorbars-task listops]
 """
 from __future__ import annotations
@@ -38,15 +38,18 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
+from lra.errors import DataError
 from lra.report import labels, rank
 from lra.report.leaderboard import (
     DEFAULT_RESULTS,
+    PUBLISHED,
     TASKS5,
     average_replicates,
     cell_replicates,
     headline_bench_rows,
     latest_bench_rows,
     pick_device,
+    read_reference,
     seed_accuracies,
     select_runs,
 )
@@ -55,7 +58,6 @@ from models import get_model_class, list_models
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
-PUBLISHED = Path(__file__).resolve().parents[2] / "results" / "published.csv"
 MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 
 NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
@@ -801,7 +803,7 @@ def _parser() -> argparse.ArgumentParser:
                     "models; for the bubble chart, the card that draws the most bubbles)")
     ap.add_argument("--out", default=None, help="chart folder (default: RESULTS/charts)")
     ap.add_argument("--published", nargs="?", const=str(PUBLISHED), default=None,
-                    help="also draw the LRA paper's points (default file results/published.csv)")
+                    help="also draw the LRA paper's points (default: the package's copy of results/published.csv)")
     ap.add_argument("--tasks", default=None,
                     help="bubble chart's y = mean over these comma-separated tasks (ours and the paper's alike) "
                          "instead of the 5-task LRA score; the file is then lra_bubble_<length>_<n>tasks")
@@ -811,7 +813,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _leaderboard_charts(args, bench: pd.DataFrame, board: pd.DataFrame, tasks: list[str] | None) -> list[Path]:
-    published = pd.read_csv(args.published) if args.published else None
+    published = read_reference(args.published, "published results (LRA Tables 1 and 2)") if args.published else None
     runs_path = Path(args.results) / "runs.csv"  # the runs behind the leaderboard: each seed's accuracy
     runs = pd.read_csv(runs_path) if runs_path.exists() else None
     fig = bubble_chart(bench, board, args.length, args.device, published, tasks=tasks, runs=runs)
@@ -835,7 +837,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     lb_path = Path(args.leaderboard or results / "leaderboard.csv")
     args.out = args.out or results / "charts"
     if not bench_path.exists():
-        raise SystemExit(f"no bench results at {bench_path}: run `python -m lra.bench` first")
+        raise DataError(f"no bench results at {bench_path}: run `python -m lra.bench` first")
     bench = pd.read_csv(bench_path)
     written = []
     if lb_path.exists():

@@ -229,7 +229,7 @@ def git_sha(short: bool = True) -> str:
     if os.environ.get("LRA_GIT_SHA"):
         return os.environ["LRA_GIT_SHA"]
     root = Path(__file__).resolve().parents[2]
-    no_checkout = f"unknown (lra {package_version()}, no git checkout)"
+    no_checkout = f"unknown (lra {__version__}, no git checkout)"  # the running code's version, not a dist's
     if not (root / ".git").exists():
         return no_checkout
     try:
@@ -242,13 +242,6 @@ def git_sha(short: bool = True) -> str:
         return out + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def package_version() -> str:
-    try:
-        return version("lra")
-    except PackageNotFoundError:
-        return __version__
 
 
 def triton_version() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,6 +51,20 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         if isinstance(cuda, (list, tuple)):  # written before one device's state was kept: every GPU of its host
             cuda = cuda[0]  # the slot it trained on is not recorded; any state is a valid continuation
         torch.cuda.set_rng_state(cuda, device)
+
+
+def why_unreadable(error: Exception) -> str:
+    """Why ``torch.load`` could not read a file, in one line. The weights-only loader's refusal opens with how to
+    load the file anyway (``weights_only=False``, which runs code from it: no advice for a file in a run folder);
+    the line says what it refused instead."""
+    text = str(error)
+    if isinstance(error, pickle.UnpicklingError) and "WeightsUnpickler error:" in text:
+        after = [line.strip() for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()]
+        what = after[0].split(". ")[0] if after else "an object it does not read"
+        return (f"torch's weights-only loader refused it: {what}; it reads tensors and plain containers only, never "
+                f"code from a file")
+    first = (text.splitlines() or [""])[0][:200]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 class FolderInUse(ConfigError):
@@ -114,7 +129,7 @@ class RunFiles:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try the next
-                log.warning("checkpoint %s is unreadable (%s: %s)%s", path, type(e).__name__, str(e)[:200],
+                log.warning("checkpoint %s is unreadable (%s)%s", path, why_unreadable(e),
                             "; trying the previous one" if path == self.checkpoint else "")
                 continue
             if path == self.previous:

@@ -21,17 +21,22 @@ import torch._functorch.config
 import torch._inductor.config
 import torch.nn.functional as F
 
+from lra.errors import ConfigError
 from lra.train.encoder import Classifier, build_classifier
 from models import get_model_class
 from models.base import checked_setting
 
 
 def resolve_device(name: str) -> torch.device:
+    """``device``'s torch device; a ConfigError (one line) for a CUDA device this machine does not have."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
+        raise ConfigError(f"device={name} is not valid here: CUDA is not available; use device=cpu or device=auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={name} is not valid here: this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 

@@ -14,6 +14,7 @@ data-parallel (``lra.train.distributed``).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import math
@@ -29,11 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from lra.config import eval_batch_size, mixer_settings, model_options, validate
+from lra.config import eval_batch_size, mixer_settings, model_options, sweep_folder, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.errors import EXIT_INTERRUPTED, ConfigError
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
@@ -65,12 +67,21 @@ class StopFlag:
 
 STOP = StopFlag()
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+CATCH_SIGNALS = "LRA_CATCH_SIGNALS"  # "1": the loop catches STOP_SIGNALS (``catch_signals``); spawned ranks inherit it
+
+
+def catch_signals() -> None:
+    """This process's runs, and the data-parallel ranks they spawn, catch SIGINT, SIGTERM and SIGUSR2 to stop with
+    a checkpoint (``graceful_stop``). The commands ask for it (``python -m lra``, a launcher's jobs); ``run`` called
+    from other code, a test say, leaves the signals to its caller: pytest's Ctrl-C stops the suite."""
+    os.environ[CATCH_SIGNALS] = "1"
 
 
 @contextmanager
 def graceful_stop():
-    """Turn SIGINT, SIGTERM and SIGUSR2 into a request to stop after the current step. The previous handlers are
-    kept: after the checkpoint, a previous SIGUSR2 handler (submitit's, which requeues the Slurm job) is called."""
+    """Turn SIGINT, SIGTERM and SIGUSR2 into a request to stop after the current step, where the process asked to
+    (``catch_signals``). The previous handlers are kept: after the checkpoint, a previous SIGUSR2 handler
+    (submitit's, which requeues the Slurm job) is called."""
 
     def handler(signum, frame):
         if STOP.requested and signum == signal.SIGINT:  # a second Ctrl-C stops at once
@@ -79,7 +90,7 @@ def graceful_stop():
         log.warning("%s: finishing this step and saving a checkpoint", signal.Signals(signum).name)
 
     try:
-        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS} if os.environ.get(CATCH_SIGNALS) == "1" else {}
     except ValueError:  # not the main thread (e.g. some test runners): no handlers, same loop
         old = {}
     STOP.requested, STOP.signum = False, None
@@ -161,15 +172,46 @@ HELD_BY_PARENT = "LRA_RUN_FOLDER_HELD"  # the run folder the process that spawne
 PARENT_OVERRIDES = "LRA_RUN_OVERRIDES"  # the command-line overrides of that process (a spawned rank has no Hydra)
 
 
-def start_logger(cfg: DictConfig, run_dir: Path):
+def wandb_settings(cfg: DictConfig, run_dir: str | Path, chash: str) -> dict:
+    """``wandb.init``'s arguments for a run. Its id is the run's own (its configuration hash and folder), resumed
+    where it exists: a run continued after a stop, a time limit or a requeue logs on into the wandb run it began. A
+    multirun's jobs share a group, the sweep's name; the experiment is the job type and a tag, beside task and
+    model."""
+    folder = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    tags = dict.fromkeys([cfg.experiment, cfg.task.name, cfg.model.name, *(cfg.logger.get("tags") or [])])
+    return dict(project=cfg.logger.project, entity=cfg.logger.get("entity"), mode=cfg.logger.mode, dir=str(run_dir),
+                id=f"{chash}-{folder}", resume="allow", group=sweep_group(cfg), job_type=cfg.experiment,
+                tags=[str(t) for t in tags], name=f"{cfg.task.name}-{cfg.model.name}-s{cfg.seed}",
+                config=OmegaConf.to_container(cfg, resolve=True), reinit=True)
+
+
+def sweep_group(cfg: DictConfig) -> str | None:
+    """The sweep a run is a job of (its folder under outputs/multirun: ``sweep``, or the name the CLI derived from
+    the command), or None for a single run."""
+    try:
+        multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # run(cfg) called outside Hydra: a test, a spawned data-parallel rank
+        multirun = False
+    return sweep_folder(cfg.get("sweep")) if multirun or cfg.get("sweep") else None
+
+
+def start_logger(cfg: DictConfig, run_dir: Path, chash: str):
     if cfg.logger.name != "wandb":
         return None
     import wandb  # optional: only this logger needs it
 
-    return wandb.init(
-        project=cfg.logger.project, entity=cfg.logger.get("entity"), mode=cfg.logger.mode, dir=str(run_dir),
-        config=OmegaConf.to_container(cfg, resolve=True), tags=list(cfg.logger.get("tags") or []),
-        name=f"{cfg.task.name}-{cfg.model.name}-s{cfg.seed}", reinit=True)
+    return wandb.init(**wandb_settings(cfg, run_dir, chash))
+
+
+def log_result(logger, row: dict, step: int) -> None:
+    """A row into the run's wandb run, then its end: every field in the summary, and the row as a table (each
+    stopped slice's, then the finished run's)."""
+    import wandb  # optional: only the wandb logger calls this
+
+    kept = {k: v for k, v in row.items() if v is not None}
+    logger.summary.update(kept)
+    logger.log({"result": wandb.Table(columns=list(kept), data=[list(kept.values())])}, step=step)
+    logger.finish()
 
 
 def check_batch_split(batch_size: int, processes: int) -> None:
@@ -452,7 +494,7 @@ class Trainer:
                                  state["timed_s"])
         profiler = engine.StepProfiler(device, state["step"] + cfg.trainer.timing_warmup, cfg.trainer.profile_steps,
                                        self.files.dir) if world.is_main else None
-        self.timer, self.logger = timer, start_logger(cfg, self.files.dir) if world.is_main else None
+        self.timer, self.logger = timer, start_logger(cfg, self.files.dir, self.chash) if world.is_main else None
         loss_sum, n_loss, warned = torch.zeros((), device=device), 0, False
         self.check_compiled_gradients()
         engine.reset_peak_memory(device)
@@ -714,7 +756,7 @@ class Trainer:
             train_steps_per_s=steps_per_s, examples_per_s=steps_per_s * cfg.schedule.batch_size if steps_per_s
             else None, peak_mem_mb=state["peak_mem_mb"] if ok else None, params=getattr(self, "n_params", None),
             wall_time_s=state["wall_s"] + time.time() - self.wall_start, precision=self.precision,
-            compiled=self.compiled, devices=self.world.size, data=data.info.get("data", data.info.get("source")),
+            compiled=self.compiled, devices=self.world.size, data=data.version(),
             split=data.info.get("split", ""), device=" + ".join(state["devices"]),
             torch=torch.__version__, git_sha=" + ".join(state["git_shas"]), config_hash=self.chash,
             timestamp=now_iso(), run_dir=str(self.files.dir), overrides=_overrides(),
@@ -730,8 +772,7 @@ class Trainer:
                          cfg.task.name, cfg.model.name, f"{status}: " if stopped else "", out["val_acc"],
                          out["best_step"], out["test_acc"], out["final_test_acc"], speed, state["peak_mem_mb"])
             if getattr(self, "logger", None) is not None:
-                self.logger.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float))})
-                self.logger.finish()
+                log_result(self.logger, out, state["step"])
         self.world.barrier()
         return out
 
