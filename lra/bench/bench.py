@@ -49,7 +49,7 @@ from lra.report.results import (
     git_sha,
     now_iso,
 )
-from lra.report.taxonomy import measured_exponents
+from lra.report.taxonomy import STEP, length_range, measured_exponents
 from lra.train import engine
 from lra.train.encoder import Classifier
 from models import get_model_class, list_models
@@ -364,16 +364,19 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
 
 
 def format_exponents(df: pd.DataFrame) -> str:
-    """The measured growth of each model's step time and memory in N (log-log slope over N >= 4K at one batch size)
-    beside the complexity it declares; empty when the sweep has fewer than two such lengths."""
-    exps = measured_exponents(df.assign(device=df["device"].astype(str)))
+    """The measured growth of each model's step time and memory per example in N (``measured_exponents`` of the
+    whole step, ``STEP``: the log-log slope over the lengths where the step's time per token has stopped falling)
+    beside the complexity it declares; empty when no sweep has two such lengths."""
+    exps = measured_exponents(df.assign(device=df["device"].astype(str)), source=STEP)
     if not exps:
         return ""
-    lines = ["Measured exponent in N (time / memory, N >= 4K at one batch) vs the declared complexity"]
-    for label, (time_exp, mem_exp, _card) in sorted(exps.items()):
+    lines = ["Measured exponent in N (time / memory per example, over the compute-bound lengths) vs the declared "
+             "complexity"]
+    for label, e in sorted(exps.items()):
         name = label.split("(")[0]
         declared = get_model_class(name).taxonomy.complexity if name in list_models() else "?"
-        lines.append(f"{label:<28}{time_exp:6.2f} / {mem_exp:4.2f}   declared {declared}")
+        lines.append(f"{label:<28}{e.time:6.2f} / {e.memory:4.2f}   declared {declared}   "
+                     f"(N {length_range(e.lengths)})")
     return "\n".join(lines)
 
 
