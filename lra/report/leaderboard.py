@@ -20,6 +20,8 @@ Table 1. Rules:
   test is beside it);
 * per (experiment, model, task) the mean and sample std over seeds of the best-validation checkpoint's test
   accuracy (``test_acc``) and of the final weights' (``final_test_acc``, LRA's own protocol), and ``n_seeds``;
+  beside the seeds' spread, the same command's: ``rerun_std`` pools the spread of runs repeating one seed and config
+  on one kind of card outside deterministic mode, over ``n_reruns`` such repeats (``rerun_spread``);
 * where the validation split is the test set (a row's ``val_is_test``: Text, whose IMDb has no validation set, as
   in LRA), choosing by validation would choose on test: the latest ok run of each seed counts, and the headline
   ``test_acc`` is the final weights' (``headline = final``; elsewhere ``best_val``);
@@ -74,7 +76,8 @@ PUBLISHED_SOURCE = "lra_table1"
 # the model name in that source's rows)
 RECIPE_PAPERS = {"s4d_lra": ("s4d_2022", {"s4d": "s4d_legs"})}
 DEFAULT_RESULTS = os.environ.get("LRA_RESULTS_DIR", "outputs/results")
-LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "n_failed", "n_stalled",
+LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "rerun_std", "n_reruns",
+                       "n_failed", "n_stalled",
                        "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "headline", "published", "diff",
                        *rank.RANK_COLUMNS, "note"]
 PRIOR_COLUMNS = ["val_majority", "val_baseline"]  # what a run that learned nothing scores
@@ -229,6 +232,26 @@ def seed_accuracies(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.Da
     return best[["experiment", "model", "task", "seed"]].assign(test_acc=headline(best)).reset_index(drop=True)
 
 
+def rerun_spread(g: pd.DataFrame) -> tuple[float | None, int]:
+    """The default mode's run-to-run spread in one cell: the pooled sample std of the headline accuracy over runs
+    that repeat one seed with one config (``config_hash``) on one kind of card, outside deterministic mode
+    (``trainer.deterministic``, where repeats agree by construction); and how many (seed, config, card) were run
+    more than once. ``None, 0`` where nothing was repeated. Beside ``test_std`` it says how much of the seeds'
+    spread the same command alone would give."""
+    ok = g[(g["status"] == "ok") & g["test_acc"].notna()]
+    if "deterministic" in ok:
+        ok = ok[~as_bool(ok["deterministic"]).fillna(False).astype(bool)]
+    keys = [c for c in ("seed", "config_hash", "device") if c in ok]
+    if "config_hash" not in keys:
+        return None, 0
+    groups = [v for _, v in ok.assign(value=headline(ok)).groupby(keys, dropna=False)["value"] if len(v) > 1]
+    if not groups:
+        return None, 0
+    squares = sum(((v - v.mean()) ** 2).sum() for v in groups)
+    dof = sum(len(v) - 1 for v in groups)
+    return float(np.sqrt(squares / dof)), len(groups)
+
+
 def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     best = g[g["best"]]
     n = len(best)
@@ -237,8 +260,10 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     stopped = ended_early & open_seed  # schedule.stop_at, trainer.time_limit
     unresolved = (g["status"] != "ok") & ~ended_early & open_seed
     failed = int(unresolved.sum())
-    row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
-               n_stalled=int(best["stalled"].sum()), stall_baseline=best["stall_baseline"].max(), note="")
+    rerun_std, n_reruns = rerun_spread(g)
+    row = dict(experiment=experiment, model=model, task=task, n_seeds=n, rerun_std=rerun_std, n_reruns=n_reruns,
+               n_failed=failed, n_stalled=int(best["stalled"].sum()), stall_baseline=best["stall_baseline"].max(),
+               note="")
     notes = []
     if n:
         final, values = bool(best["val_is_test"].all()), headline(best)
@@ -309,10 +334,10 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
         if value is None and note.startswith("FAIL"):
             lb.at[i, "note"] = "; ".join(x for x in (r["note"], "LRA Table 1: FAIL") if x)
     lb = add_ranks(lb, runs[runs["best"]])
-    for c in ["test_acc", "test_std", "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "published",
-              "diff", "test_lo", "test_hi", "p_best"]:
+    for c in ["test_acc", "test_std", "rerun_std", "stall_baseline", "val_acc", "final_test_acc", "final_test_std",
+              "published", "diff", "test_lo", "test_hi", "p_best"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce")
-    for c in ["n_seeds", "n_failed", "n_stalled", "rank", "rank_lo", "rank_hi"]:
+    for c in ["n_seeds", "n_reruns", "n_failed", "n_stalled", "rank", "rank_lo", "rank_hi"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce").astype("Int64")
     lb["best_group"] = lb["best_group"].astype("boolean")
     return sort_leaderboard(lb)
