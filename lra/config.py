@@ -595,6 +595,19 @@ def validate_model(cfg: DictConfig) -> None:
     error = invalid_options(cfg.model.name, options)
     if error:
         raise ConfigError(error)
+    why = task_mismatch(cfg.model.name, cfg.task.name)
+    if why:
+        raise ConfigError(f"model={cfg.model.name} task={cfg.task.name}: {why}")
+
+
+def task_mismatch(model: str, task: str) -> str | None:
+    """Why registered ``model`` cannot take registered ``task``, or None if it can: a 2-D mixer (``needs_grid``)
+    mixes over the pixel grid, which only image tasks' sequences have. The runner refuses such a pair before any
+    data is read; the leaderboard names it in the cell instead of leaving it blank."""
+    if getattr(get_model_class(model), "needs_grid", False) and not get_task(task).image:
+        return (f"a 2-D mixer over the pixel grid takes image tasks only ({', '.join(image_tasks())}); "
+                f"{task}'s tokens form no grid")
+    return None
 
 
 def register_model_configs() -> None:

@@ -374,3 +374,18 @@ def test_rerun_spread_pools_repeats_of_one_seed_config_and_card_outside_determin
     assert cell(lb, "m", "listops", "n_reruns") == 2 and cell(lb, "m", "listops", "n_seeds") == 5
     alone = leaderboard.build_leaderboard(pd.DataFrame(rows[6:]).reindex(columns=RUN_COLUMNS))
     assert pd.isna(cell(alone, "m", "listops", "rerun_std")) and cell(alone, "m", "listops", "n_reruns") == 0
+
+
+def test_a_task_a_model_cannot_take_is_named_not_blank():
+    """axial mixes over the pixel grid: its ListOps, Text and Retrieval cells say why they are empty, in the CSV,
+    the console and the README table; its image cell is its own; a model with runs on every task gets no such cell."""
+    rows = [run("image", "axial", 0, 45.0, 44.0), run("image", "transformer", 0, 41.0, 40.0),
+            run("listops", "transformer", 0, 36.0, 35.0)]
+    lb = leaderboard.build_leaderboard(pd.DataFrame(rows).reindex(columns=RUN_COLUMNS))
+    for task in ("listops", "text", "retrieval"):
+        assert pd.isna(cell(lb, "axial", task)) and "2-D mixer" in cell(lb, "axial", task, "note")
+    assert cell(lb, "axial", "image") == pytest.approx(44.0)
+    assert not lb[(lb["model"] == "transformer") & lb["note"].str.startswith(leaderboard.NOT_TAKEN)].shape[0]
+    line = next(line for line in leaderboard.format_leaderboard(lb).splitlines() if line.startswith("axial "))
+    assert [c.strip() for c in line.split(leaderboard.CELL_SEPARATOR)][1:4] == ["n/a"] * 3
+    assert "| `axial` | n/a (2-D mixer) | n/a (2-D mixer) | 44.00 (1 seed) |" in leaderboard.readme_table(lb)

@@ -312,6 +312,27 @@ def _averages(cells: pd.DataFrame) -> list[dict]:
     return rows
 
 
+NOT_TAKEN = "not applicable: "  # the note of a cell whose task the model cannot take
+
+
+def not_taken(cells: list[dict]) -> list[dict]:
+    """A cell for each task of LRA's five that a model of ``cells`` cannot take (``lra.config.task_mismatch``: a
+    2-D mixer on a 1-D task), its note saying why, so that the tables say so instead of leaving it blank. Models
+    the registry does not know (a plugin no longer installed) get none."""
+    from lra.config import task_mismatch  # the registries (torch): only where a leaderboard is built
+    from models import list_models
+
+    known, have = set(list_models()), {(c["experiment"], c["model"], c["task"]) for c in cells}
+    out = []
+    for experiment, model in dict.fromkeys((c["experiment"], c["model"]) for c in cells):
+        for task in TASKS5 if model in known else ():
+            why = (experiment, model, task) not in have and task_mismatch(model, task)
+            if why:
+                out.append(dict(experiment=experiment, model=model, task=task, n_seeds=0, n_reruns=0, n_failed=0,
+                                n_stalled=0, note=NOT_TAKEN + why))
+    return out
+
+
 def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
                       experiment: str | None = "lra", baselines: pd.DataFrame | None = None) -> pd.DataFrame:
     """Long format: one row per (experiment, model, task) and per average; columns ``LEADERBOARD_COLUMNS``.
@@ -324,6 +345,7 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
         if n := set_apart.get((row["experiment"], row["model"], row["task"])):
             left_out = f"{n} run(s) on an older Pathfinder generator version left out ({row['experiment']}{SUPERSEDED})"
             row["note"] = "; ".join(x for x in (row["note"], left_out) if x)
+    rows += not_taken(rows)
     cells = pd.DataFrame(rows, columns=LEADERBOARD_COLUMNS)
     lb = pd.DataFrame(rows + _averages(cells), columns=LEADERBOARD_COLUMNS)
     pub = {experiment: published_cells(published, experiment) for experiment in lb["experiment"].unique()}
@@ -432,7 +454,8 @@ def wide(lb: pd.DataFrame, value: str = "test_acc") -> pd.DataFrame:
 def format_cell(r) -> str:
     """A console cell: its fields apart, so that a count never runs into a number (``36.00 +-2.00 [3] (-0.37) ~1``)."""
     if pd.isna(r["test_acc"]):
-        return f"failed x{int(r['n_failed'])}" if r["n_failed"] else "-"
+        return "n/a" if str(r["note"]).startswith(NOT_TAKEN) else f"failed x{int(r['n_failed'])}" if r["n_failed"] \
+            else "-"
     fields = [f"{r['test_acc']:.2f}"]
     if pd.notna(r["test_std"]):
         fields.append(f"+-{r['test_std']:.2f}")
@@ -508,6 +531,8 @@ def in_best_group(flag) -> bool:
 def _readme_cell(r) -> str:
     """One task of one model in the README's table: mean +- std, seeds and stalled ones; bold in the best group."""
     if pd.isna(r.test_acc):
+        if str(r.note).startswith(NOT_TAKEN):
+            return "n/a (2-D mixer)"
         return f"failed x{int(r.n_failed)}" if pd.notna(r.n_failed) and r.n_failed else "-"
     value = f"{r.test_acc:.2f}" + (f" ± {r.test_std:.2f}" if pd.notna(r.test_std) else "")
     value = f"**{value}**" if in_best_group(r.best_group) else value
