@@ -388,4 +388,4 @@ def test_a_task_a_model_cannot_take_is_named_not_blank():
     assert not lb[(lb["model"] == "transformer") & lb["note"].str.startswith(leaderboard.NOT_TAKEN)].shape[0]
     line = next(line for line in leaderboard.format_leaderboard(lb).splitlines() if line.startswith("axial "))
     assert [c.strip() for c in line.split(leaderboard.CELL_SEPARATOR)][1:4] == ["n/a"] * 3
-    assert "| `axial` | n/a (2-D mixer) | n/a (2-D mixer) | 44.00 (1 seed) |" in leaderboard.readme_table(lb)
+    assert "| `axial` | n/a (2-D mixer) | n/a (2-D mixer) | **44.00** (1 seed) |" in leaderboard.readme_table(lb)

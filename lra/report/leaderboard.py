@@ -557,7 +557,7 @@ def readme_table(lb: pd.DataFrame, experiment: str = "lra") -> str:
         else:
             best = in_best_group(avg.best_group)
             row += [f"{avg.test_acc:.2f} ({avg.test_lo:.2f}-{avg.test_hi:.2f})",
-                    ("**{}**" if best else "{}").format(f"{avg['rank']} ({avg.rank_lo}-{avg.rank_hi})"),
+                    ("**{}**" if best else "{}").format(f"{avg['rank']:.0f} ({avg.rank_lo:.0f}-{avg.rank_hi:.0f})"),
                     "-" if pd.isna(avg.published) else f"{avg.published:.2f}"]
         lines.append(f"| `{model}` | " + " | ".join(row) + " |")
     stall = lb[lb["task"].isin(TASKS4)].groupby("task")["stall_baseline"].max().reindex(TASKS4)
