@@ -328,7 +328,7 @@ class Trainer:
                     return files.finished() or self.record(status)
                 if status != "ok":  # diverged, or stopped by pretrain.stop_at or trainer.time_limit
                     return self.record(status)
-                seed_everything(cfg.seed)  # the classifier's head as if the phase had run in another process
+                seed_everything(cfg.seed)  # one initial head, whether the phase ran in this process or before
             self.build(checkpoint, pretrained)
             status = self.train()
         except torch.cuda.OutOfMemoryError as e:
