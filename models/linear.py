@@ -152,7 +152,7 @@ def linear_attention(
 @register_model
 class LinearAttention(MultiHeadMixer):
     taxonomy = Taxonomy("Katharopoulos et al. 2020, arXiv 2006.16236", "N", ("KR",), decode=True)
-    supports_segments = True  # the non-causal form; set per instance below
+    supports_causal = True  # ``causal``: the constructor's option, or set on an instance (it changes no parameter)
 
     def __init__(
         self,
@@ -170,7 +170,11 @@ class LinearAttention(MultiHeadMixer):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.causal, self.chunk_size, self.compile_core = bool(causal), int(chunk_size), bool(compile_core)
-        self.supports_segments = not self.causal  # a causal prefix would run on into the next example
+
+    @property
+    def supports_segments(self) -> bool:
+        """Packed rows in the non-causal form only: a causal prefix would run on into the next example."""
+        return not self.causal
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:

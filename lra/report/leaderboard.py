@@ -4,8 +4,9 @@ Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers" (htt
 Table 1. Rules:
 
 * runs of the chosen experiments only (default ``lra``: LRA's protocol; smoke runs never count); other
-  experiments (recipes, variants) are separate rows, labelled by their ``experiment``; so are runs on Pathfinder
-  images of an older generator version (``<experiment>+superseded_data``);
+  experiments (recipes, variants) are separate rows, labelled by their ``experiment``; so are self-pretrained runs
+  (``<experiment>+pretrain_mlm``, ``+pretrain_causal``) and runs on Pathfinder images of an older generator version
+  (``<experiment>+superseded_data``);
 * only ``status == ok`` rows carry a result; ``diverged``, ``oom`` and ``error`` runs are counted (``n_failed``)
   while their seed has no ok run, and never averaged; a run ended early by ``schedule.stop_at`` or
   ``trainer.time_limit`` (``stopped: at step N of M``, a recipe longer than the device time it got) is named in the
@@ -129,8 +130,10 @@ def stall_baselines(runs: pd.DataFrame, baselines: pd.DataFrame | None = None) -
 
 
 def normalise(runs: pd.DataFrame) -> pd.DataFrame:
-    """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A run with
-    length-grouped batches did not follow its preset's protocol: its experiment reads ``<preset>+length_grouped``,
+    """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A self-pretrained
+    run (its ``pretrain``: mlm or causal) reads ``<preset>+pretrain_<objective>``, beside the preset's runs from
+    scratch. A run with length-grouped batches did not follow its preset's protocol: its experiment reads
+    ``<preset>+length_grouped``,
     so it is never averaged with the preset's own runs; nor is one whose command line changed what the preset
     computes (``lra.provenance.departures``, e.g. ``backbone.n_layers=2``): ``<preset>+modified``; nor one trained
     on Pathfinder images of an older generator version (``superseded_data``): ``<preset>+superseded_data``."""
@@ -143,6 +146,10 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
     if "batching" in runs:
         grouped = runs["batching"].astype(str) == "length_grouped"
         runs.loc[grouped, "experiment"] = runs.loc[grouped, "experiment"] + "+length_grouped"
+    if "pretrain" in runs:  # self-pretrained first (pretrain=mlm|causal): another protocol than from scratch
+        objective = runs["pretrain"].fillna("").astype(str)
+        pretrained = objective != ""
+        runs.loc[pretrained, "experiment"] = runs.loc[pretrained, "experiment"] + "+pretrain_" + objective[pretrained]
     if "data" in runs:  # images of an older generator are another dataset
         stale = superseded_data(runs)
         runs.loc[stale, "experiment"] = runs.loc[stale, "experiment"] + SUPERSEDED
@@ -276,7 +283,8 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     latest = g[stopped].drop_duplicates("seed", keep="last")  # the furthest-trained is the latest
     for (_, run), so_far in zip(latest.iterrows(), headline(latest), strict=True):  # Text: its weights at the stop
         where = run["status"].replace(": ", " ", 1)  # stopped at step N of M
-        notes.append(f"seed {run['seed']} {where}, test {so_far:.2f} so far (not averaged)")
+        test = "no test yet" if pd.isna(so_far) else f"test {so_far:.2f} so far"  # stopped in pretraining: none
+        notes.append(f"seed {run['seed']} {where}, {test} (not averaged)")
     if failed:
         kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()
         notes.append("failed: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))
