@@ -27,7 +27,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from lra.data import get_task, image_tasks
 from lra.errors import ConfigError, exit_with, one_line_errors, wants_tracebacks
 from lra.launchers import unavailable
-from lra.provenance import NOT_HASHED, NOT_HASHED_SCHEDULE, NOT_HASHED_TRAINER
+from lra.provenance import NOT_HASHED, NOT_HASHED_PRETRAIN, NOT_HASHED_SCHEDULE, NOT_HASHED_TRAINER
 from models.base import checked_setting, execution_settings
 from models.registry import get_model_class, invalid_options, list_models, model_defaults
 
@@ -178,6 +178,22 @@ class LoggerConfig:
 
 
 @dataclass
+class PretrainConfig:
+    """Self-pretraining on the task's own training split before the task's training (``pretrain=<objective>``,
+    ``conf/pretrain/``; ``lra.train.pretrain``). The masking rate is the task's (``conf/task/<task>.yaml``); each
+    setting of the schedule left null is the task's own (``schedule.*``, ``optim.*``)."""
+
+    objective: str = "none"  # none | mlm (masked tokens) | causal (the next token; causal mixers only)
+    mask_rate: Optional[float] = None  # mlm: the chance that each real token is masked (its task sets it)
+    steps: Optional[int] = None  # pretraining steps; null: schedule.steps
+    lr: Optional[float] = None  # null: optim.lr, under the task's optim.lr_schedule
+    warmup_steps: Optional[int] = None  # null: optim.warmup_steps
+    # end the pretraining at this step, its learning-rate schedule still spanning `steps` (as schedule.stop_at):
+    # the row says `stopped: at pretraining step N of M`; relaunched without it the pretraining resumes
+    stop_at: Optional[int] = None
+
+
+@dataclass
 class ResultsConfig:
     # runs.csv is appended here (the project's published rows: results.dir=results)
     dir: str = "${oc.env:LRA_RESULTS_DIR,outputs/results}"
@@ -201,6 +217,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     # the experiment's settings per task, per model and per task/model (conf/experiment/<name>.yaml), which compose
     # through ``register_protocols``; emptied by ``validate`` once checked
     protocol: Dict[str, Any] = field(default_factory=dict)
@@ -255,7 +272,7 @@ def execution_keys() -> list[str]:
         keys += [name, *(f"{name}.{f.name}" for f in fields(section))] if section else [name]
     settings = sorted({key for name in list_models() for key in execution_settings(get_model_class(name))})
     return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + [f"trainer.mixer.{key}" for key in settings] \
-        + [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE]
+        + [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE] + [f"pretrain.{name}" for name in NOT_HASHED_PRETRAIN]
 
 
 def swept_keys(argv: list[str]) -> list[str]:
@@ -401,6 +418,7 @@ CHOICES = {
     "optim.lr_schedule": ("rsqrt", "cosine", "constant"),
     "logger.name": ("none", "wandb"),
     "logger.mode": ("online", "offline", "disabled"),
+    "pretrain.objective": ("none", "mlm", "causal"),
 }
 AT_LEAST_ONE = ("schedule.steps", "schedule.batch_size", "schedule.eval_every", "trainer.eval_batch_size",
                 "trainer.ckpt_every", "trainer.devices", "backbone.n_layers", "backbone.d_model", "backbone.n_heads",
@@ -560,6 +578,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     validate_embedding(cfg)
     validate_head(cfg)
     validate_model(cfg)
+    validate_pretrain(cfg)
     return cfg
 
 
@@ -615,6 +634,9 @@ def validate_model(cfg: DictConfig) -> None:
             except ValueError as e:
                 name = source if source == "trainer.mixer_backend" else f"{source}.{key}"
                 raise ConfigError(f"{name}={value}: {e}") from None
+    why = task_mismatch(cfg.model.name, cfg.task.name)
+    if why:
+        raise ConfigError(f"model={cfg.model.name} task={cfg.task.name}: {why}")
 
 
 def mixer_settings(cfg: DictConfig) -> dict[str, dict]:
@@ -627,6 +649,46 @@ def mixer_settings(cfg: DictConfig) -> dict[str, dict]:
     if trainer.get("mixer"):
         out["trainer.mixer"] = OmegaConf.to_container(trainer.mixer, resolve=True)
     return out
+
+
+def task_mismatch(model: str, task: str) -> str | None:
+    """Why registered ``model`` cannot take registered ``task``, or None if it can: a 2-D mixer (``needs_grid``)
+    mixes over the pixel grid, which only image tasks' sequences have. The runner refuses such a pair before any
+    data is read; the leaderboard names it in the cell instead of leaving it blank."""
+    if getattr(get_model_class(model), "needs_grid", False) and not get_task(task).image:
+        return (f"a 2-D mixer over the pixel grid takes image tasks only ({', '.join(image_tasks())}); "
+                f"{task}'s tokens form no grid")
+    return None
+
+
+def validate_pretrain(cfg: DictConfig) -> None:
+    """``pretrain.*``: a masking rate in (0, 1) for mlm, a schedule of positive values, and for causal a model whose
+    mixer has a causal form here (``supports_causal``: next-token targets through a bidirectional mixer would be
+    read off the input)."""
+    p = cfg.pretrain
+    if p.objective == "none":
+        return
+    if p.objective == "mlm" and (p.mask_rate is None or not 0.0 < p.mask_rate < 1.0):
+        raise ConfigError(f"pretrain.mask_rate={p.mask_rate} is not valid for pretrain=mlm: the chance that a token "
+                          f"is masked, in (0, 1) (conf/task/{cfg.task.name}.yaml sets the task's)")
+    for key in ("steps", "warmup_steps"):
+        if p[key] is not None and p[key] < (1 if key == "steps" else 0):
+            raise ConfigError(f"pretrain.{key}={p[key]} is not valid: it must be at least {int(key == 'steps')}, or "
+                              f"null for the task's")
+    if p.lr is not None and not p.lr > 0:
+        raise ConfigError(f"pretrain.lr={p.lr} is not valid: the learning rate must be positive, or null for the "
+                          f"task's optim.lr")
+    steps = p.steps if p.steps is not None else cfg.schedule.steps
+    if p.stop_at is not None and not 1 <= p.stop_at <= steps:
+        raise ConfigError(f"pretrain.stop_at={p.stop_at} is not valid: a step from 1 to the {steps} pretraining "
+                          f"steps, or null to run them all")
+    if p.objective == "causal":
+        model = get_model_class(cfg.model.name)
+        if not (model.taxonomy.decode and getattr(model, "supports_causal", False)):
+            able = [n for n in list_models()
+                    if get_model_class(n).taxonomy.decode and getattr(get_model_class(n), "supports_causal", False)]
+            raise ConfigError(f"pretrain=causal needs a causal mixer: model {cfg.model.name} has no causal form here "
+                              f"(models that have one: {', '.join(able)}); use pretrain=mlm")
 
 
 def register_model_configs() -> None:

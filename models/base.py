@@ -9,6 +9,10 @@ each example's positions are contiguous), and must compute every example's outpu
 positions alone, exactly as if it had its own row. ``attend`` then receives ``segments=`` too. Position-indexed
 mixers (a learned projection over positions, a fixed layout of blocks) cannot, and keep the default False.
 
+Causal form: a mixer that sets ``supports_causal = True`` reads a ``causal`` attribute, which the caller may set on
+an instance: True makes out_i depend on positions j <= i only (next-token pretraining, ``lra.train.pretrain``). It
+changes no parameter, so weights trained one way load into the other.
+
 Mixers that do not fit this shape (e.g. shared-QK Reformer, dense Synthesizer) subclass it anyway and override
 ``project`` or ``forward``.
 """
@@ -305,6 +309,9 @@ class MultiHeadMixer(nn.Module):
     accepts_no_mask = False
     # True when ``forward`` takes ``segments`` (several examples packed in one row) and keeps them apart exactly
     supports_segments = False
+    # True when the mixer has a ``causal`` attribute (False unless set): True makes each position's output a
+    # function of the positions at and before it only (next-token pretraining), with the same parameters
+    supports_causal = False
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__()

@@ -158,7 +158,7 @@ def linear_attention(
 @register_model
 class LinearAttention(MultiHeadMixer):
     taxonomy = Taxonomy("Katharopoulos et al. 2020, arXiv 2006.16236", "N", ("KR",), decode=True)
-    supports_segments = True  # the non-causal form; set per instance below
+    supports_causal = True  # ``causal``: the constructor's option, or set on an instance (it changes no parameter)
     execution = settings(chunk_size=Count(), compile_core=(True, False))  # how it runs (the module docstring)
 
     def __init__(
@@ -175,7 +175,11 @@ class LinearAttention(MultiHeadMixer):
         self.causal = bool(causal)
         self.chunk_size = 64  # the causal form: tokens per chunk of its parallel prefix sums
         self.compile_core = True  # CUDA: the core through torch.compile
-        self.supports_segments = not self.causal  # a causal prefix would run on into the next example
+
+    @property
+    def supports_segments(self) -> bool:
+        """Packed rows in the non-causal form only: a causal prefix would run on into the next example."""
+        return not self.causal
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:

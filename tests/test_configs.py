@@ -171,6 +171,7 @@ BAD_VALUES = [
     (["backbone.d_qkv=100"], "d_qkv=100.*multiple of backbone.n_heads=8"),
     (["device=gpu"], "device='gpu'"),
     (["resume=maybe"], "resume='maybe'"),
+    (["task=text", "model=axial"], "model=axial task=text: a 2-D mixer.*image tasks only"),
 ]
 
 

@@ -229,12 +229,13 @@ def compiled_gradient_check(model: torch.nn.Module, inputs: tuple[torch.Tensor, 
 
 
 def train_step(model, optimizer, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, *, autocast, grad_clip=None,
-               scheduler=None, loss_weight: float = 1.0) -> torch.Tensor:
+               scheduler=None, loss_weight: float = 1.0, loss_fn=classification_loss) -> torch.Tensor:
     """One optimisation step: forward, loss, backward, clip, AdamW, schedule. ``inputs``: the model's arguments
     (the ids, or a packed batch). ``loss_weight``: what the loss is multiplied by for the backward (a data-parallel
-    rank's share, ``World.loss_weight``). Returns the loss, unweighted (not synchronised)."""
+    rank's share, ``World.loss_weight``). ``loss_fn(outputs, labels)``: the loss (pretraining's counts its
+    predicted tokens as well: ``lra.train.pretrain.TokenLoss``). Returns the loss, unweighted (not synchronised)."""
     with autocast():
-        loss = classification_loss(model(*inputs), labels)
+        loss = loss_fn(model(*inputs), labels)
     (loss * loss_weight if loss_weight != 1.0 else loss).backward()
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
