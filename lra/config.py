@@ -28,6 +28,7 @@ from lra.data import get_task, image_tasks
 from lra.errors import ConfigError, exit_with, one_line_errors, wants_tracebacks
 from lra.launchers import unavailable
 from lra.provenance import NOT_HASHED, NOT_HASHED_PRETRAIN, NOT_HASHED_SCHEDULE, NOT_HASHED_TRAINER
+from models.base import checked_setting, execution_settings
 from models.registry import get_model_class, invalid_options, list_models, model_defaults
 
 
@@ -114,6 +115,9 @@ class TrainerConfig:
     # how the model's mixers run: their ``backend`` attribute (e.g. flex, dense, explicit, sdpa: each mixer's
     # docstring names its own); null: each mixer's auto. Never what they compute, so a run resumes under another
     mixer_backend: Optional[str] = None
+    # every other setting of how the mixers run (models.base.execution_settings: scan, chunk_size, recompute, ...),
+    # attribute -> value, set on each mixer built: +trainer.mixer.scan=fla. Out of the config hash as mixer_backend
+    mixer: Dict[str, Any] = field(default_factory=dict)
     pack: str = "false"  # several examples per row (lra.train.packing): false | auto (where possible) | true (or fail)
     trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
     profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder
@@ -227,7 +231,8 @@ class BenchSettings:
     # the latest transformer row of the same shape in ``out``)
     models: Optional[List[str]] = None
     # more rows with model options changed, labelled by them: [{model: bigbird, block: 64}] -> bigbird(block=64);
-    # ``backend`` sets how a mixer runs ({model: synthesizer, backend: explicit}), on every layer
+    # how a mixer runs (``backend``, ``scan``, ...: models.base.execution_settings) is set the same way, on every
+    # layer: {model: synthesizer, backend: explicit}, {model: gla, scan: fla}
     variants: List[Dict[str, Any]] = field(default_factory=list)
     # attention dropout of every mixer: 0 = none for all (like with like: the kernel, low-rank and block-sparse mixers
     # have no attention matrix to drop); null = the task's (LRA's 0.1, which only the mixers with an attention matrix
@@ -265,8 +270,9 @@ def execution_keys() -> list[str]:
         section = schema[name].default_factory if name in schema and is_dataclass(schema[name].default_factory) \
             else None
         keys += [name, *(f"{name}.{f.name}" for f in fields(section))] if section else [name]
-    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + \
-        [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE] + [f"pretrain.{name}" for name in NOT_HASHED_PRETRAIN]
+    settings = sorted({key for name in list_models() for key in execution_settings(get_model_class(name))})
+    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + [f"trainer.mixer.{key}" for key in settings] \
+        + [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE] + [f"pretrain.{name}" for name in NOT_HASHED_PRETRAIN]
 
 
 def swept_keys(argv: list[str]) -> list[str]:
@@ -611,12 +617,38 @@ def validate_model(cfg: DictConfig) -> None:
         get_model_class(cfg.model.name)
     except ValueError as e:
         raise ConfigError(f"model.name={cfg.model.name!r}: {e}") from None
+    cls = get_model_class(cfg.model.name)
+    for key in sorted(set(options) & set(execution_settings(cls))):  # an option that became a setting of how it runs
+        raise ConfigError(f"model.{key} is how {cfg.model.name} runs, not what it computes: set it with "
+                          f"+trainer.mixer.{key}={options[key]} (left out of the config hash)")
     error = invalid_options(cfg.model.name, options)
     if error:
         raise ConfigError(error)
+    given = mixer_settings(cfg)
+    if "trainer.mixer_backend" in given and "backend" in given.get("trainer.mixer", {}):
+        raise ConfigError("the backend is given twice: set trainer.mixer_backend or trainer.mixer.backend, not both")
+    for source, settings in given.items():
+        for key, value in settings.items():
+            try:
+                checked_setting(cls, key, value, cfg.model.name)
+            except ValueError as e:
+                name = source if source == "trainer.mixer_backend" else f"{source}.{key}"
+                raise ConfigError(f"{name}={value}: {e}") from None
     why = task_mismatch(cfg.model.name, cfg.task.name)
     if why:
         raise ConfigError(f"model={cfg.model.name} task={cfg.task.name}: {why}")
+
+
+def mixer_settings(cfg: DictConfig) -> dict[str, dict]:
+    """The settings of how the model's mixers run, by the key that gives them: ``trainer.mixer_backend`` (the
+    ``backend``) and ``trainer.mixer`` (any of ``models.base.execution_settings``); a key left unset is left out."""
+    trainer = cfg.trainer
+    out = {}
+    if trainer.get("mixer_backend") is not None:
+        out["trainer.mixer_backend"] = {"backend": trainer.mixer_backend}
+    if trainer.get("mixer"):
+        out["trainer.mixer"] = OmegaConf.to_container(trainer.mixer, resolve=True)
+    return out
 
 
 def task_mismatch(model: str, task: str) -> str | None:

@@ -138,23 +138,27 @@ def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):
 
 
 def test_a_variant_can_choose_how_a_mixer_runs(tmp_path, monkeypatch):
-    """bench.variants may set a mixer's ``backend`` (an attribute, not a constructor option) on every layer of the
-    model; a mixer with one execution gives an error row, and the sweep goes on."""
+    """bench.variants may set how a mixer runs (its ``backend``, or another of ``execution_settings``: attributes,
+    not constructor options) on every layer of the model; a setting the mixer lacks fails before the sweep."""
     seen = []
     real = bench.time_steps
 
     def spy(fn, *args, **kwargs):
-        seen.append([getattr(m, "backend", None) for m in fn.modules() if type(m).__name__ == "Synthesizer"])
+        seen.append([(getattr(m, "backend", None), getattr(m, "compile_sinkhorn", None)) for m in fn.modules()
+                     if type(m).__name__ in ("Synthesizer", "Sinkhorn")])
         return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(bench, "time_steps", spy)
-    variants = [{"model": "synthesizer", "backend": "explicit"}, {"model": "linformer", "backend": "torch"}]
+    variants = [{"model": "synthesizer", "backend": "explicit"}, {"model": "sinkhorn", "compile_sinkhorn": False}]
     cfg = make_cfg(tmp_path, ["synthesizer"], [128], compile=False, variants=variants)
     df = bench.run_bench(cfg)
-    assert list(df["model"]) == ["synthesizer", "synthesizer(backend=explicit)", "linformer(backend=torch)"]
-    assert seen == [["auto"] * TINY["n_layers"], ["explicit"] * TINY["n_layers"]]
-    assert list(df["status"][:2]) == ["ok", "ok"]
-    assert df["status"][2] == "error: ValueError: linformer has one execution, no backend to choose"
+    assert list(df["model"]) == ["synthesizer", "synthesizer(backend=explicit)", "sinkhorn(compile_sinkhorn=False)"]
+    layers = TINY["n_layers"]
+    assert seen == [[("auto", None)] * layers, [("explicit", None)] * layers, [(None, False)] * layers]
+    assert list(df["status"]) == ["ok", "ok", "ok"]
+    with pytest.raises(ValueError, match="linformer.*no option.*backend.*how it runs: none"):
+        bench.run_bench(make_cfg(tmp_path, ["synthesizer"], [128], compile=False,
+                                 variants=[{"model": "linformer", "backend": "torch"}]))
 
 
 def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, mean_mixer, caplog):
@@ -252,7 +256,7 @@ def test_wandb_logging_offline(tmp_path, monkeypatch):
     assert len(runs) == 1
     media = list(runs[0].rglob("*.png"))
     names = sorted(p.name for p in media)  # both charts went up as images, named by their keys
-    assert len(names) == 2 and names[0].startswith("peak_mem_mb_vs_length") and names[1].startswith("steps_per_s")
+    assert len(names) == 2 and names[0].startswith("examples_per_s_vs_length") and names[1].startswith("peak_mem")
     assert list(runs[0].rglob("*.table.json"))
 
 

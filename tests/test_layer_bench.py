@@ -379,18 +379,24 @@ def test_variants_are_rows_of_their_own_labelled_by_their_options(tmp_path):
     assert table.ours.tolist() == ["lra linear", "lra linear(chunk_size=16)"]
 
 
-def test_a_variant_may_choose_a_mixers_execution(monkeypatch):
-    """backend=<name> is set on the built mixer (how it runs, not a constructor option); a mixer with one
-    execution says so."""
-    assert layer_bench.parse_variants("performer:backend=torch") == [
-        ("performer(backend=torch)", "performer", {"backend": "torch"})]
+def test_a_variant_may_choose_how_a_mixer_runs(monkeypatch):
+    """backend=<name>, scan=<form>, recompute=..., chunk_size=... (models.base.execution_settings) are set on the
+    built mixer (how it runs, not constructor options); a setting the mixer lacks, or a value it does not allow,
+    fails before any timing, naming its settings."""
+    assert layer_bench.parse_variants("performer:backend=torch,recompute=false,chunk_size=16; gla:scan=recurrent") \
+        == [("performer(backend=torch,recompute=False,chunk_size=16)", "performer",
+             {"backend": "torch", "recompute": False, "chunk_size": 16}),
+            ("gla(scan=recurrent)", "gla", {"scan": "recurrent"})]
     built, create = [], layer_bench.create_model
     monkeypatch.setattr(layer_bench, "create_model", lambda *a, **k: built.append(create(*a, **k)) or built[-1])
     monkeypatch.setattr(layer_bench, "time_forward", lambda *args: layer_bench.Timing(1.0, None, 1.0, 1.0))
-    layer_bench.time_layer("performer", 64, 2, torch.device("cpu"), options={"backend": "torch"})
-    assert built[0].backend == "torch"
-    with pytest.raises(ValueError, match="linear has one execution"):
-        layer_bench.time_layer("linear", 64, 2, torch.device("cpu"), options={"backend": "torch"})
+    layer_bench.time_layer("performer", 64, 2, torch.device("cpu"),
+                           options={"backend": "torch", "recompute": False, "chunk_size": 16})
+    assert (built[0].backend, built[0].recompute, built[0].chunk_size) == ("torch", False, 16)
+    with pytest.raises(SystemExit, match="no option.*backend.*its settings of how it runs: chunk_size, compile_core"):
+        layer_bench.parse_variants("linear:backend=torch")
+    with pytest.raises(SystemExit, match="gla: scan must be 'auto', 'fla', 'chunked', 'recurrent', got 'fast'"):
+        layer_bench.parse_variants("gla:scan=fast")
 
 
 def test_a_variant_may_time_the_training_path_with_attention_dropout(monkeypatch):

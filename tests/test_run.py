@@ -21,6 +21,7 @@ import torch
 import lra.train.run as runner
 from lra.data import Split
 from lra.errors import ConfigError, DataError
+from lra.provenance import departures
 from lra.report.results import RUN_COLUMNS, curve_path
 from lra.train import engine
 from lra.train.checkpoint import RunFiles
@@ -769,9 +770,34 @@ def test_mixer_backend_sets_how_every_mixer_runs_and_leaves_the_config_hash(smok
     rows = len(pd.read_csv(tmp_path / "results" / "runs.csv"))
     with pytest.raises(ConfigError, match="trainer.mixer_backend=fused: etc: backend must be one of auto, explicit"):
         runner.run(smoke_cfg(*base, "trainer.mixer_backend=fused", "resume=false"))
-    with pytest.raises(ConfigError, match="linear has one execution"):
+    with pytest.raises(ConfigError, match="trainer.mixer_backend=flex: linear: backend is not a setting of how it "
+                                          "runs \\(its settings: chunk_size, compile_core\\)"):
         runner.run(smoke_cfg(*TINY, "model=linear", "schedule.steps=2", "trainer.mixer_backend=flex"))
     assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == rows  # no row for either
+
+
+def test_trainer_mixer_sets_any_setting_of_how_the_mixers_run_and_leaves_the_config_hash(smoke_cfg, monkeypatch):
+    """``+trainer.mixer.<setting>=<value>`` sets that attribute (``models.base.execution_settings``) on every mixer
+    built, as trainer.mixer_backend sets the backend: the row's hash is the default's (a run resumes under another
+    setting) and its overrides change nothing the preset computes. A value the mixer does not allow, a setting it
+    lacks, or the backend given twice, stops the run before it starts."""
+    built = []
+    build = engine.build_model
+    monkeypatch.setattr(engine, "build_model", lambda *args: built.append(build(*args)) or built[-1])
+    base = (*TINY, "model=gla", "schedule.steps=2", "schedule.eval_every=2")
+    row = runner.run(smoke_cfg(*base, "+trainer.mixer.scan=recurrent", "+trainer.mixer.chunk_size=8"))
+    mixers = [m for m in built[0].modules() if type(m).__name__ == "GLA"]
+    assert mixers and {(m.scan, m.chunk_size) for m in mixers} == {("recurrent", 8)} and row["status"] == "ok"
+    assert row["config_hash"] == runner.run(smoke_cfg(*base, "resume=false"))["config_hash"]
+    assert departures("model=gla +trainer.mixer.scan=fla +trainer.mixer={scan:fla}") == []
+    for bad, message in (("+trainer.mixer.scan=fast", "trainer.mixer.scan=fast: gla: scan must be 'auto'"),
+                         ("+trainer.mixer.recompute=false", "trainer.mixer.recompute=False: gla: recompute is not a "
+                                                            "setting of how it runs"),
+                         ("+trainer.mixer.backend=dense", "gla: backend is not a setting")):
+        with pytest.raises(ConfigError, match=message):
+            runner.run(smoke_cfg(*base, bad, "resume=false"))
+    with pytest.raises(ConfigError, match="the backend is given twice"):
+        runner.run(smoke_cfg(*TINY, "model=etc", "trainer.mixer_backend=sdpa", "+trainer.mixer.backend=flex"))
 
 
 def test_a_run_shorter_than_its_timing_warm_up_says_its_speed_was_not_timed(smoke_cfg, caplog):

@@ -49,10 +49,11 @@ from lra.report.results import (
     git_sha,
     now_iso,
 )
-from lra.report.taxonomy import measured_exponents
+from lra.report.taxonomy import STEP, length_range, measured_exponents
 from lra.train import engine
 from lra.train.encoder import Classifier
 from models import get_model_class, list_models
+from models.base import checked_setting, execution_settings
 from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
@@ -83,30 +84,34 @@ def bench_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None =
     return engine.build_model(name, dict(options or {}), cfg.backbone, shape)
 
 
-MIXER_ATTRIBUTES = ("backend",)  # how a mixer runs (models/base.py): set on the built mixers, not constructor options
-
-
-def split_attributes(options: dict | None) -> tuple[dict, dict]:
-    """A variant's options -> (constructor options, ``MIXER_ATTRIBUTES`` to set on the built mixers)."""
+def split_attributes(name: str, options: dict | None) -> tuple[dict, dict]:
+    """A variant's options for model ``name`` -> (constructor options, the settings of how its mixers run: those
+    ``models.base.execution_settings`` lists, e.g. ``backend``, ``scan``, set on the built mixers by
+    ``engine.set_mixer_attributes``)."""
     options = dict(options or {})
-    return options, {k: options.pop(k) for k in MIXER_ATTRIBUTES if k in options}
+    settings = execution_settings(get_model_class(name))
+    return options, {k: options.pop(k) for k in list(options) if k in settings}
 
 
 def variant_cases(variants, also: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
-    changed options as the rows' ``model``: ``bigbird(block=64)``. ``MIXER_ATTRIBUTES`` are not constructor
-    options but set on the built mixers (``engine.set_mixer_attributes`` checks them); ``also``: more keys the caller
-    takes (layer_bench's ``dropout``)."""
+    changed options as the rows' ``model``: ``bigbird(block=64)``. How a mixer runs (``backend``, ``scan``, ...:
+    ``split_attributes``) is not a constructor option but set on the built mixers, each value checked here;
+    ``also``: more keys the caller takes (layer_bench's ``dropout``)."""
     cases = []
     for variant in variants or []:
         options = dict(variant)
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        checked = {k: v for k, v in split_attributes(options)[0].items() if k not in also}
+        constructor, settings = split_attributes(name, options)
+        checked = {k: v for k, v in constructor.items() if k not in also}
         error = unknown_options(name, checked, backbone=False)
         if error:
-            raise ValueError(f"bench.variants: {error}")
+            how = ", ".join(execution_settings(get_model_class(name))) or "none (it runs one way)"
+            raise ValueError(f"bench.variants: {error}; its settings of how it runs: {how}")
+        for key, value in settings.items():
+            checked_setting(get_model_class(name), key, value, f"bench.variants: {name}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
         cases.append((label, name, options))
     return cases
@@ -191,7 +196,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     b = cfg.bench
     leftover_mb = engine.release_leftovers(device)  # allocated before the model exists: not this row's memory
     torch.manual_seed(cfg.get("seed", 0))
-    options, attributes = split_attributes(options)
+    options, attributes = split_attributes(name, options)
     model = bench_model(name, cfg, row.seq_len, options)
     engine.set_mixer_attributes(model, name, attributes)
     row.params = sum(p.numel() for p in model.parameters())
@@ -347,7 +352,7 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
                   "bench/table": wandb.Html(f"<pre>{html.escape(format_table(df))}</pre>")}
         ok = df[df["status"] == "ok"]
         if not ok.empty:
-            for metric in ("steps_per_s", "peak_mem_mb"):
+            for metric in ("examples_per_s", "peak_mem_mb"):
                 fig = plot.length_chart(ok, metric)
                 png, _ = plot.save(fig, Path(tmp), f"bench_{metric}")
                 logged[f"bench/{metric}_vs_length"] = wandb.Image(str(png))
@@ -359,16 +364,19 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
 
 
 def format_exponents(df: pd.DataFrame) -> str:
-    """The measured growth of each model's step time and memory in N (log-log slope over N >= 4K at one batch size)
-    beside the complexity it declares; empty when the sweep has fewer than two such lengths."""
-    exps = measured_exponents(df.assign(device=df["device"].astype(str)))
+    """The measured growth of each model's step time and memory per example in N (``measured_exponents`` of the
+    whole step, ``STEP``: the log-log slope over the lengths where the step's time per token has stopped falling)
+    beside the complexity it declares; empty when no sweep has two such lengths."""
+    exps = measured_exponents(df.assign(device=df["device"].astype(str)), source=STEP)
     if not exps:
         return ""
-    lines = ["Measured exponent in N (time / memory, N >= 4K at one batch) vs the declared complexity"]
-    for label, (time_exp, mem_exp, _card) in sorted(exps.items()):
+    lines = ["Measured exponent in N (time / memory per example, over the compute-bound lengths) vs the declared "
+             "complexity"]
+    for label, e in sorted(exps.items()):
         name = label.split("(")[0]
         declared = get_model_class(name).taxonomy.complexity if name in list_models() else "?"
-        lines.append(f"{label:<28}{time_exp:6.2f} / {mem_exp:4.2f}   declared {declared}")
+        lines.append(f"{label:<28}{e.time:6.2f} / {e.memory:4.2f}   declared {declared}   "
+                     f"(N {length_range(e.lengths)})")
     return "\n".join(lines)
 
 

@@ -121,7 +121,7 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n). Attention
     dropout is 0 unless ``options`` names one (``dropout``: a variant that times the training path with it)."""
     torch.manual_seed(0)
-    options, attributes = split_attributes(options)  # backend: how a mixer runs, set on it once built
+    options, attributes = split_attributes(name, options)  # backend, scan, ...: how it runs, set once built
     dropout = options.pop("dropout", 0.0)
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=dropout, max_len=n,
                          **options).to(device).train()
@@ -244,7 +244,7 @@ def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
         options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
         variants.append({"model": name, **options})
     try:
-        return variant_cases(variants, also=("dropout",))  # backend, how a mixer runs: checked when built
+        return variant_cases(variants, also=("dropout",))
     except ValueError as error:  # a misspelt option: before the sweep, in one line
         raise SystemExit(f"--variants: {error}") from None
 
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
     parser.add_argument("--variants", default="", help="more rows of our mixers with options changed, e.g. "
                         "'performer:chunk_size=1024;reformer:n_hashes=4' (rows 'lra performer(chunk_size=1024)', ...); "
-                        "backend=<name> picks a mixer's execution (e.g. 'performer:backend=torch')")
+                        "how a mixer runs is set the same way (e.g. 'performer:backend=torch,recompute=false', "
+                        "'gla:scan=fla')")
     parser.add_argument("--peers", action="store_true",
                         help="also time the public packages of these models and a bare SDPA layer, here and now")
     parser.add_argument("--compile", action="store_true",

@@ -584,17 +584,80 @@ def readme_table(lb: pd.DataFrame, experiment: str = "lra") -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 
+BENCH_NUMBERS = ("seq_len", "batch_size", "steps_per_s", "examples_per_s", "ms_per_step", "peak_mem_mb", "rel_speed",
+                 "rel_mem")
+# A card scales every model's speed by much the same factor, so a model's speed relative to the transformer of its
+# own card and shape (``rel_speed``) is the code's: two rows of one model, shape and protocol on two cards whose
+# relative speeds differ by more than this factor did not time the same thing (the model's code changed between
+# them, or a call was disturbed), and the later one stands.
+CONTRADICTS = 3.0
+
+
+def contradicted_bench_rows(rows: pd.DataFrame) -> pd.Series:
+    """Whether each of ``rows`` (ok bench rows) is contradicted by a later one: a row of the same model, length,
+    batch and protocol (``BENCH_PROTOCOL``) on another card whose ``rel_speed`` is more than ``CONTRADICTS`` times
+    this row's, or less than its 1 / ``CONTRADICTS``. Rows without a timestamp or ``rel_speed`` are never."""
+    from lra.report.results import BENCH_PROTOCOL, as_text  # results brings torch: only where bench rows are read
+
+    if rows.empty or not {"timestamp", "rel_speed"} <= set(rows):
+        return pd.Series(False, index=rows.index)
+    frame = pd.DataFrame({"key": as_text(rows, ("model", "seq_len", "batch_size", *BENCH_PROTOCOL)).agg(
+                              "|".join, axis=1),
+                          "device": rows["device"].astype(str), "when": rows["timestamp"].astype(str),
+                          "rel": pd.to_numeric(rows["rel_speed"], errors="coerce")}, index=rows.index)
+    frame = frame[frame["rel"] > 0].rename_axis("row").reset_index()
+    pairs = frame.merge(frame, on="key", suffixes=("", "_later"))
+    apart = np.abs(np.log(pairs["rel"] / pairs["rel_later"])) > np.log(CONTRADICTS)
+    hit = pairs[(pairs["device"] != pairs["device_later"]) & (pairs["when_later"] > pairs["when"]) & apart]
+    return pd.Series(rows.index.isin(hit["row"]), index=rows.index)
+
+
+def latest_bench_rows(bench: pd.DataFrame) -> pd.DataFrame:
+    """The bench rows every table and chart reads: each model's latest ok row per card, shape (``seq_len``,
+    ``batch_size``) and protocol (``BENCH_PROTOCOL``), oldest first. A later ok row of the same supersedes an earlier
+    one, which stays in the append-only file but is neither tabled nor drawn; so does a later row on another card
+    that contradicts it (``contradicted_bench_rows``). A later failed row does not (the last measurement stands, and
+    the failure is reported apart). Lengths, batches and measurements as numbers."""
+    from lra.report.results import BENCH_PROTOCOL, as_text  # as in contradicted_bench_rows
+
+    rows = bench.copy()
+    for column in BENCH_NUMBERS:
+        if column in rows:
+            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    rows = rows[rows["status"].astype(str) == "ok"]
+    if "timestamp" in rows:
+        rows = rows.sort_values("timestamp", kind="stable")
+    rows = rows[~contradicted_bench_rows(rows)]
+    keys = as_text(rows, ("device", "model", "seq_len", "batch_size", *BENCH_PROTOCOL))
+    return rows[~keys.duplicated(keep="last")]
+
+
+def on_cpu(devices: pd.Series) -> pd.Series:
+    """Whether each bench row's ``device`` is the CPU (``lra.report.results.device_name``: ``cpu (...)``)."""
+    return devices.astype(str).str.lower().str.startswith("cpu")
+
+
+def headline_bench_rows(bench: pd.DataFrame) -> pd.DataFrame:
+    """``latest_bench_rows`` under the bench's own protocol, the one its tables and length charts show: its defaults
+    (``BenchSettings``), i.e. compiled on a GPU and eager on the CPU (``bench.compile=auto``), in torch.compile's
+    default mode, attention dropout 0 (``bench.attn_dropout``), registry models only (a variant's ``model`` names
+    its options, ``bigbird(block=64)``)."""
+    rows = latest_bench_rows(bench)
+    compiled = rows["compiled"].astype(str).str.lower().eq("true")
+    keep = ((compiled != on_cpu(rows["device"])) & rows["backbone"].astype(str).str.endswith("/0.0")
+            & ~rows["model"].astype(str).str.contains("(", regex=False))
+    if "compile_mode" in rows:
+        keep &= rows["compile_mode"].isna() | rows["compile_mode"].astype(str).eq("")
+    return rows[keep]
+
+
 def bench_table(bench: pd.DataFrame, device: str | None = None) -> str:
     """The bench's headline: steps/s (and speed relative to the transformer's row of that shape) of every model's
-    latest ok, compiled, unvaried row at ``BENCH_SHAPES`` on one card (``pick_device``), attention dropout 0 (the
-    bench's default), then peak GB at 4K (batch 32, else 8) and at 16K."""
-    rows = bench[(bench["status"].astype(str) == "ok") & bench["compiled"].astype(str).str.lower().eq("true")
-                 & ~bench["model"].astype(str).str.contains("(", regex=False)
-                 & bench["backbone"].astype(str).str.endswith("/0.0")]
-    if "compile_mode" in rows:
-        rows = rows[rows["compile_mode"].isna()]
+    latest row under the bench's own protocol (``headline_bench_rows``: compiled, unvaried, attention dropout 0) at
+    ``BENCH_SHAPES`` on one card (``pick_device``), then peak GB at 4K (batch 32, else 8) and at 16K."""
+    rows = headline_bench_rows(bench)  # the length charts read the same rows (lra.report.plot)
     card = pick_device(rows, device)
-    rows = rows[rows["device"] == card].sort_values("timestamp", kind="stable")
+    rows = rows[rows["device"] == card]
     latest = rows.drop_duplicates(["model", "seq_len", "batch_size"], keep="last").set_index(
         ["model", "seq_len", "batch_size"])
     names = [f"{n // 1024}K" + ("" if b == 32 else f" (batch {b})") for n, b in BENCH_SHAPES]
@@ -621,8 +684,10 @@ def bench_table(bench: pd.DataFrame, device: str | None = None) -> str:
     for model in ranked.index:
         lines.append(f"| {model} | " + " | ".join([*(cell(model, n, b) for n, b in BENCH_SHAPES),
                                                   gb(model, [(4096, 32), (4096, 8)]), gb(model, [(16384, 8)])]) + " |")
-    note = (f"Training steps/s of the LRA Table 2 protocol (`bench.csv`: the byte-level Text backbone, bf16, "
-            f"compiled, attention dropout 0) on the {card}, each model's latest row; in brackets, relative to the "
+    precision = ", ".join(sorted(rows["precision"].astype(str).unique())) if "precision" in rows else ""
+    compiled = "eager" if on_cpu(pd.Series([card])).all() else "compiled"
+    note = (f"Training steps/s of the LRA Table 2 protocol (`bench.csv`: the byte-level Text backbone, {precision}, "
+            f"{compiled}, attention dropout 0) on the {card}, each model's latest row; in brackets, relative to the "
             f"transformer's row of that shape; peak memory in GB. `python -m lra.bench` measures them.")
     return "\n".join(lines) + "\n\n" + note
 

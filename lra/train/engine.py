@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from lra.errors import ConfigError
 from lra.train.encoder import Classifier, build_classifier
 from models import get_model_class
-from models.base import checked_backend
+from models.base import checked_setting
 
 
 def resolve_device(name: str) -> torch.device:
@@ -306,15 +306,15 @@ def build_model(name: str, options: dict, backbone, shape: TaskShape) -> Classif
 
 
 def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) -> None:
-    """Set ``attributes`` (how a mixer runs, e.g. its ``backend``) on every mixer of registry model ``name`` in
-    ``model`` (a whole model, or the mixer itself); a mixer without such an attribute runs one way only, and a
-    backend outside the mixer's ``backends``, are errors, raised here rather than at its first call."""
-    mixers = [m for m in model.modules() if isinstance(m, get_model_class(name))]
-    for key, value in attributes.items():
-        for mixer in mixers:
-            if not hasattr(mixer, key):
-                raise ValueError(f"{name} has one execution, no {key} to choose")
-            setattr(mixer, key, checked_backend(mixer, value, name) if key == "backend" else value)
+    """Set ``attributes`` (how a mixer runs: its ``backend``, ``scan``, ... as ``models.base.execution_settings``
+    lists them) on every mixer of registry model ``name`` in ``model`` (a whole model, or the mixer itself); a
+    setting the mixer does not declare, or a value outside its allowed ones, is an error raised here rather than at
+    its first call (``models.base.checked_setting``)."""
+    cls = get_model_class(name)
+    checked = {key: checked_setting(cls, key, value, name) for key, value in attributes.items()}
+    for mixer in (m for m in model.modules() if isinstance(m, cls)):
+        for key, value in checked.items():
+            setattr(mixer, key, value)
 
 
 def median_and_spread(times: list[float]) -> tuple[float, float, float]:

@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from lra.config import eval_batch_size, model_options, sweep_folder, validate
+from lra.config import eval_batch_size, mixer_settings, model_options, sweep_folder, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.errors import EXIT_INTERRUPTED, ConfigError
 from lra.io import atomic_save
@@ -339,7 +339,7 @@ class Trainer:
             if (op := engine.nondeterministic_op(e)) is not None:  # a setting that cannot run: no row
                 raise ConfigError(f"trainer.deterministic=true: model {cfg.model.name} calls {op}, which has no "
                                   f"deterministic implementation on {self.device.type} in torch {torch.__version__}; "
-                                  f"run it with trainer.deterministic=false, or with another trainer.mixer_backend "
+                                  f"run it with trainer.deterministic=false, or with another trainer.mixer setting "
                                   f"or model option that avoids the op") from e
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
@@ -420,11 +420,12 @@ class Trainer:
         self.model = self.make_model()
         if checkpoint is None and pretrained is not None:
             self.model.encoder.load_state_dict(pretrained)  # strict: every weight of the encoder, nothing else
-        if cfg.trainer.mixer_backend is not None:  # how the mixers run, not what: set on each one built
+        for key, settings in mixer_settings(cfg).items():  # how the mixers run, not what: set on each one built
             try:
-                engine.set_mixer_attributes(self.model, cfg.model.name, {"backend": cfg.trainer.mixer_backend})
+                engine.set_mixer_attributes(self.model, cfg.model.name, settings)
             except ValueError as e:  # a setting that cannot run: no row, as for any invalid setting
-                raise ConfigError(f"trainer.mixer_backend={cfg.trainer.mixer_backend}: {e}") from None
+                shown = settings["backend"] if key == "trainer.mixer_backend" else settings
+                raise ConfigError(f"{key}={shown}: {e}") from None  # e.g. a backend deterministic mode refuses
         self.model.to(device)
         self.packed = self.resolve_packing()
         self.trimmed = self.resolve_trimming()
