@@ -246,6 +246,9 @@ class BenchSettings:
     steps: int = 20  # timed steps; steps/s = 1 / median step time, the 10th and 90th percentiles beside it
     compile: str = "auto"  # torch.compile the model: auto = on CUDA only
     compile_mode: str = "default"  # torch.compile's mode (trainer.compile_mode's choices)
+    # trainer.compile_check's, before a compiled case is timed: auto (on CUDA) | true | false. A model it rejects is
+    # timed eagerly, as training would run it (compiled False, compile_note why); with compile=true its row is an error
+    compile_check: str = "auto"
     precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU | bf16 | fp32
     vocab_size: int = 257  # byte ids 1..256, 0 = pad (never drawn: the inputs have no padding)
     # appended to; relative figures may use its earlier transformer rows

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lra.bench import bench
+from lra.config import BenchSettings
 from lra.report.results import BENCH_COLUMNS
 from lra.train import engine
 from models import registry
@@ -41,7 +42,8 @@ def mean_mixer(monkeypatch):
 
 def make_cfg(tmp_path, models, lengths, **bench_overrides):
     b = dict(models=models, lengths=lengths, batch_size=2, batch_sizes={}, warmup=1, steps=2, compile="auto",
-             precision="auto", vocab_size=257, out=str(tmp_path / "bench.csv"), progress=False)
+             compile_check=BenchSettings.compile_check, precision="auto", vocab_size=257,
+             out=str(tmp_path / "bench.csv"), progress=False)
     b.update(bench_overrides)
     return OmegaConf.create(dict(seed=0, device="cpu", task=dict(name="text", seq_len=1000),
                                  backbone=dict(TINY), bench=b, logger=dict(name="none")))
@@ -112,6 +114,53 @@ def test_compile_mode_is_passed_recorded_and_compared_within_its_mode(tmp_path, 
         bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="fast"))
     with pytest.raises(ValueError, match="set bench.warmup to 3 or more"):
         bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="reduce-overhead"))
+
+
+class ScaledLogits(nn.Module):
+    """A stand-in for torch.compile whose model computes other numbers (logits x ``factor``: other gradients)."""
+
+    factor = 2.0
+
+    def __init__(self, model, **kwargs):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return self.factor * self.model(*args)
+
+
+def test_the_compile_check_decides_as_the_runner_and_the_row_says_so(tmp_path, monkeypatch, mean_mixer, caplog):
+    """bench.compile_check (as trainer.compile_check; true here, off the GPU): a compiled model whose gradients the
+    check rejects is timed eagerly, as training with compile=auto would run it: compiled False and compile_note the
+    finding (the parameter, both errors). With compile=true the row is an error, as the training run would stop;
+    right gradients leave it compiled."""
+    monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)  # compile=auto compiles here
+    monkeypatch.setattr(torch, "compile", ScaledLogits)
+    df = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile_check="true"))
+    row = df.iloc[0]
+    assert row["status"] == "ok" and not row["compiled"]  # the check's compile, none for the timing
+    note = row["compile_note"]
+    assert note.startswith("compile check: ") and "of its size off float64's compiled, " in note
+    assert "timing it eagerly" in caplog.text
+    stored = pd.read_csv(tmp_path / "bench.csv").iloc[-1]
+    assert not stored.compiled and stored.compile_note == note
+    refused = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_check="true")).iloc[0]
+    assert refused["status"].startswith("error: RuntimeError: torch.compile gives bench_mean other gradients")
+    assert "bench.compile=auto runs it eagerly instead" in caplog.text  # the row keeps a line, the log the rest
+    monkeypatch.setattr(ScaledLogits, "factor", 1.0)  # compiled to the same numbers
+    right = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile_check="true")).iloc[0]
+    assert right["status"] == "ok" and right["compiled"] and pd.isna(right["compile_note"])
+    with pytest.raises(ValueError, match="bench.compile_check='sometimes' is not valid"):
+        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile_check="sometimes"))
+
+
+def test_the_compile_check_runs_on_cuda_only_by_default(tmp_path, monkeypatch, mean_mixer):
+    """bench.compile_check=auto (its default): not on the CPU, where a compiled model is asked for, not chosen."""
+    calls = []
+    monkeypatch.setattr(engine, "compiled_gradient_check", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    row = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true")).iloc[0]
+    assert calls == [] and row["compiled"] and pd.isna(row["compile_note"])
 
 
 def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):

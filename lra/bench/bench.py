@@ -13,7 +13,8 @@ training precision: ``warmup`` untimed steps, then ``steps`` timed ones, each be
 transients excluded) on a GPU, less what was still allocated before the model was built (an earlier case's
 leftovers: ``engine.release_leftovers``), the process's peak RSS on CPU. The last warm-up step runs under the
 profiler to record which SDPA kernel ran (cudnn, flash, efficient, math, flash_cpu; blank when the model calls
-none).
+none). A case to be compiled (``bench.compile``) first meets the runner's compile decision (``bench.compile_check``,
+on CUDA by default: ``checked_compile``), so its row says what training would run: compiled, or eager and why.
 
 Differences from LRA: one GPU instead of a 4x4 TPU v3 slice (their memory is per device); the model is built
 for each bench length (position table and mixer ``max_len`` = N); an OOM or a failure is a row, not a crash.
@@ -190,6 +191,28 @@ def time_steps(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: 
     return out
 
 
+def checked_compile(cfg: DictConfig, row: BenchRow, model: torch.nn.Module, tokens: torch.Tensor,
+                    labels: torch.Tensor, device: torch.device, precision: str) -> bool:
+    """The runner's compile decision for this case (``bench.compile_check``): the compile check on the batch's first
+    ``engine.COMPILE_CHECK_ROWS`` rows (``engine.compiled_gradient_check``, under the bench's autocast where its fp32
+    graphs do not compile). Returns whether the case runs compiled: False where the check rejects the compiled model
+    (``row.compile_note`` says why), as training with ``compile=auto`` would; with ``bench.compile=true`` the
+    rejection is raised (``engine.refuse_compiled``: the row is an error, as the training run would stop)."""
+    rows = slice(0, engine.COMPILE_CHECK_ROWS)
+    bf16 = engine.autocast(precision, device) if precision == "bf16" else None
+    check = engine.compiled_gradient_check(model, (tokens[rows],), labels[rows], bf16)
+    for note in check.notes():
+        log.info("%s at N=%d, compile check: %s", row.model, row.seq_len, note)
+    if not check.rejected:
+        return True
+    report = (f"torch.compile gives {row.model} other gradients than the eager model: {check.describe()}, on "
+              f"{len(labels[rows])} rows")
+    engine.refuse_compiled(report, cfg.bench.compile, "bench")
+    log.warning("%s at N=%d: %s; timing it eagerly", row.model, row.seq_len, report)
+    row.compile_note = f"compile check: {check.describe()}"
+    return False
+
+
 def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, precision: str, compile_: bool,
                options: dict | None = None) -> None:
     """Fill ``row`` with one (model, length) measurement; raises on OOM or failure (``params`` set first)."""
@@ -203,9 +226,12 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     model = model.to(device).train()
     tokens = torch.randint(1, b.vocab_size, (row.batch_size, row.seq_len), device=device)  # (B, N), no padding
     labels = torch.randint(0, get_task(cfg.task.name).n_classes, (row.batch_size,), device=device)  # (B,)
+    mode = b.get("compile_mode", "default")
+    if compile_ and engine.compile_check_due(b.compile_check, compile_, device):
+        compile_ = checked_compile(cfg, row, model, tokens, labels, device, precision)
+        row.compiled, row.compile_mode = compile_, engine.recorded_compile_mode(compile_, mode)
     if compile_:
         torch._dynamo.reset()  # one graph per case; otherwise the cache limit silently drops to eager
-    mode = b.get("compile_mode", "default")
     fn = torch.compile(model, dynamic=False, mode=mode) if compile_ else model
     cuda_graphs = engine.replays_cuda_graphs(compile_, device, mode)
     m = time_steps(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters(),
@@ -236,6 +262,9 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     if mode not in CHOICES["trainer.compile_mode"]:
         raise ValueError(f"bench.compile_mode={mode!r} is not valid: choose one of "
                          f"{', '.join(CHOICES['trainer.compile_mode'])}")
+    if b.compile_check not in CHOICES["trainer.compile_check"]:
+        raise ValueError(f"bench.compile_check={b.compile_check!r} is not valid: choose one of "
+                         f"{', '.join(CHOICES['trainer.compile_check'])}")
     engine.check_graph_warmup(mode, b.warmup, "bench.warmup")
     if b.get("attn_dropout", 0.0) is not None:  # one dropout setting for every mixer; the rows' backbone tag says which
         cfg = copy.deepcopy(cfg)

@@ -108,6 +108,7 @@ class BenchRow:
     git_sha: str | None = None
     timestamp: str | None = None
     compile_mode: str | None = None  # torch.compile's mode where it is not the default (reduce-overhead, ...)
+    compile_note: str | None = None  # why a case asked to compile ran eagerly: the compile check's finding
 
 
 RUN_COLUMNS = [f.name for f in fields(RunRow)]
@@ -115,10 +116,11 @@ BENCH_COLUMNS = [f.name for f in fields(BenchRow)]
 # ``python -m lra.layer_bench``'s rows (layer_bench.csv). implementation: "lra <model>" for ours (blank in rows
 # written before it existed), the package's name for theirs; package / pin: the distribution installed and the one
 # the protocol pins (blank for ours and for SDPA); ms_p10, ms_p90: the spread of the timed calls; triton: the Triton
-# that compiled the kernels (blank where none was installed, and in rows older than the column)
+# that compiled the kernels (blank where none was installed, and in rows older than the column); compile_note: why a
+# layer asked to compile ran eagerly (the compile check's finding; blank otherwise and in older rows)
 LAYER_BENCH_COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device",
                        "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled", "ms_p10",
-                       "ms_p90", "compile_mode", "triton"]
+                       "ms_p90", "compile_mode", "triton", "compile_note"]
 SCHEMAS = {"runs.csv": RUN_COLUMNS, "bench.csv": BENCH_COLUMNS, "layer_bench.csv": LAYER_BENCH_COLUMNS}
 # What a bench row's speed depends on besides the model, the length, the batch and the device: rows that differ in any
 # of these were timed under different protocols (say, the whole model eager with attention dropout, or compiled

@@ -65,8 +65,6 @@ log = logging.getLogger("lra")
 STOP_CHECK_EVERY = 10  # steps between the data-parallel ranks' agreement on a stop request
 clock = time.monotonic  # trainer.time_limit's clock (seconds); a test replaces it
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
-COMPILE_CHECK_ROWS = 4  # training rows whose gradients check the compiled model (check_compiled_gradients)
-
 
 class RunInterrupted(Exception):
     """The run was asked to stop; its checkpoint is saved and rerunning the command resumes it."""
@@ -678,44 +676,38 @@ class Trainer:
         self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
 
     def check_compiled_gradients(self) -> None:
-        """``trainer.compile_check`` (auto: on CUDA, where the model is compiled): before this process's first step,
-        the loss gradients of the first ``COMPILE_CHECK_ROWS`` training rows (unpacked) through torch.compile against
-        the eager model's, in fp32 and eval mode (``engine.gradient_disagreement``). Where one differs by more than
-        ``engine.GRADIENT_TOLERANCE`` of its size, the compiled model computes something else: with
-        ``trainer.compile=auto`` the run trains eagerly (the log and ``compile_error.txt`` say why; the row says
-        compiled=False), with ``true`` it stops, saying so. Costs one more compilation (of the check's graphs, dropped
-        after it). Where the fp32 graphs fail to compile (Inductor's code generation can fail in fp32 where it
-        succeeds in bf16) and the run trains in bf16, the check runs under its autocast
-        (``engine.GRADIENT_TOLERANCE_BF16``); where no graph compiles, it says the gradients are unchecked and
-        leaves the failure to the training step's own fallback."""
+        """``trainer.compile_check`` (auto: on CUDA, where the model is compiled: ``engine.compile_check_due``):
+        before this process's first step, the loss gradients of the first ``engine.COMPILE_CHECK_ROWS`` training rows
+        (unpacked), through torch.compile and eagerly, each against a float64 copy of the model's, in eval mode
+        (``engine.compiled_gradient_check``: compiled is accepted within ``COMPILE_ERROR_FACTOR`` times eager's error
+        plus a floor). Where a gradient is further off, the compiled model computes something else: with
+        ``trainer.compile=auto`` the run trains eagerly (the log and ``compile_error.txt`` name the parameter and both
+        errors; the row says compiled=False), with ``true`` it stops, saying so (``engine.refuse_compiled``). Costs
+        one more compilation (of the check's graphs, dropped after it). Where the fp32 graphs fail to compile
+        (Inductor's code generation can fail in fp32 where it succeeds in bf16) and the run trains in bf16, the check
+        runs under its autocast; where the model does not run in float64, compiled is compared with eager (the log
+        says so); where no graph compiles, it says the gradients are unchecked and leaves the failure to the training
+        step's own fallback."""
         cfg = self.cfg
-        if not self.compiled or cfg.trainer.compile_check == "false" or (
-                cfg.trainer.compile_check == "auto" and self.device.type != "cuda"):
+        if not engine.compile_check_due(cfg.trainer.compile_check, self.compiled, self.device):
             return
-        rows = torch.arange(min(COMPILE_CHECK_ROWS, len(self.data.train)))
+        rows = torch.arange(min(engine.COMPILE_CHECK_ROWS, len(self.data.train)))
         inputs, labels = self.device_inputs(rows, False)
         bf16 = self.autocast if self.precision == "bf16" else None
-        precision, tolerance, found, failed = engine.compiled_gradient_check(self.model, inputs, labels, bf16)
-        for attempt, kind in failed:
-            log.info("compile check: torch.compile failed on it in %s (%s)", attempt, kind)
-        if found is None:
-            log.warning("compile check: no graph of the check compiled, so the compiled gradients are unchecked; the "
-                        "training step's compilation decides")
-        name, error, got, want = found or (None, 0.0, 0.0, 0.0)
-        differs_here = found is not None and error > tolerance
+        check = engine.compiled_gradient_check(self.model, inputs, labels, bf16)
+        for note in check.notes():
+            log.info("compile check: %s", note)
+        if check.precision is None:
+            log.warning("compile check: %s; the training step's compilation decides", check.describe())
         # every rank reaches this agreement (a data-parallel rank waits for the others here), whatever it found
-        differs = self.world.any(torch.tensor([float(differs_here)], device=self.device))[0] > 0
+        differs = self.world.any(torch.tensor([float(check.rejected)], device=self.device))[0] > 0
         if not differs:
-            if found is not None:
-                log.info("compile check: the compiled gradients are the eager ones in %s (largest difference %.1e of "
-                         "%s's)", precision, error, name)
+            if check.precision is not None:
+                log.info("compile check: the compiled gradients are the model's (%s)", check.describe())
             return
-        where = (f"{name}'s differs by {error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
-                 f"{tolerance:g}), on {len(rows)} training rows in {precision}" if differs_here else "on another rank")
+        where = f"{check.describe()}, on {len(rows)} training rows" if check.rejected else "on another rank"
         report = f"torch.compile gives {cfg.model.name} other gradients than the eager model: {where}"
-        if cfg.trainer.compile != "auto":
-            raise RuntimeError(f"{report}. trainer.compile=auto trains eagerly instead; trainer.compile_check=false "
-                               f"trains compiled regardless")
+        engine.refuse_compiled(report, cfg.trainer.compile, "trainer")
         trace = self.record_compile_error(f"compile check: {report}\n")
         log.warning("%s; training it eagerly (%s)", report, trace)
         self.run_eagerly()
