@@ -27,7 +27,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from lra.data import get_task, image_tasks
 from lra.errors import ConfigError, exit_with, one_line_errors, wants_tracebacks
 from lra.launchers import unavailable
-from lra.provenance import NOT_HASHED, NOT_HASHED_SCHEDULE, NOT_HASHED_TRAINER
+from lra.provenance import NOT_HASHED, NOT_HASHED_PRETRAIN, NOT_HASHED_SCHEDULE, NOT_HASHED_TRAINER
+from models.base import checked_setting, execution_settings
 from models.registry import get_model_class, invalid_options, list_models, model_defaults
 
 
@@ -114,6 +115,9 @@ class TrainerConfig:
     # how the model's mixers run: their ``backend`` attribute (e.g. flex, dense, explicit, sdpa: each mixer's
     # docstring names its own); null: each mixer's auto. Never what they compute, so a run resumes under another
     mixer_backend: Optional[str] = None
+    # every other setting of how the mixers run (models.base.execution_settings: scan, chunk_size, recompute, ...),
+    # attribute -> value, set on each mixer built: +trainer.mixer.scan=fla. Out of the config hash as mixer_backend
+    mixer: Dict[str, Any] = field(default_factory=dict)
     pack: str = "false"  # several examples per row (lra.train.packing): false | auto (where possible) | true (or fail)
     trim: bool = False  # cut each batch after its longest example (exact: padding never changes real outputs)
     profile_steps: int = 0  # torch.profiler over this many steps after timing_warmup: profile.txt in the run folder
@@ -174,6 +178,22 @@ class LoggerConfig:
 
 
 @dataclass
+class PretrainConfig:
+    """Self-pretraining on the task's own training split before the task's training (``pretrain=<objective>``,
+    ``conf/pretrain/``; ``lra.train.pretrain``). The masking rate is the task's (``conf/task/<task>.yaml``); each
+    setting of the schedule left null is the task's own (``schedule.*``, ``optim.*``)."""
+
+    objective: str = "none"  # none | mlm (masked tokens) | causal (the next token; causal mixers only)
+    mask_rate: Optional[float] = None  # mlm: the chance that each real token is masked (its task sets it)
+    steps: Optional[int] = None  # pretraining steps; null: schedule.steps
+    lr: Optional[float] = None  # null: optim.lr, under the task's optim.lr_schedule
+    warmup_steps: Optional[int] = None  # null: optim.warmup_steps
+    # end the pretraining at this step, its learning-rate schedule still spanning `steps` (as schedule.stop_at):
+    # the row says `stopped: at pretraining step N of M`; relaunched without it the pretraining resumes
+    stop_at: Optional[int] = None
+
+
+@dataclass
 class ResultsConfig:
     # runs.csv is appended here (the project's published rows: results.dir=results)
     dir: str = "${oc.env:LRA_RESULTS_DIR,outputs/results}"
@@ -197,6 +217,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     # the experiment's settings per task, per model and per task/model (conf/experiment/<name>.yaml), which compose
     # through ``register_protocols``; emptied by ``validate`` once checked
     protocol: Dict[str, Any] = field(default_factory=dict)
@@ -210,7 +231,8 @@ class BenchSettings:
     # the latest transformer row of the same shape in ``out``)
     models: Optional[List[str]] = None
     # more rows with model options changed, labelled by them: [{model: bigbird, block: 64}] -> bigbird(block=64);
-    # ``backend`` sets how a mixer runs ({model: synthesizer, backend: explicit}), on every layer
+    # how a mixer runs (``backend``, ``scan``, ...: models.base.execution_settings) is set the same way, on every
+    # layer: {model: synthesizer, backend: explicit}, {model: gla, scan: fla}
     variants: List[Dict[str, Any]] = field(default_factory=list)
     # attention dropout of every mixer: 0 = none for all (like with like: the kernel, low-rank and block-sparse mixers
     # have no attention matrix to drop); null = the task's (LRA's 0.1, which only the mixers with an attention matrix
@@ -224,6 +246,9 @@ class BenchSettings:
     steps: int = 20  # timed steps; steps/s = 1 / median step time, the 10th and 90th percentiles beside it
     compile: str = "auto"  # torch.compile the model: auto = on CUDA only
     compile_mode: str = "default"  # torch.compile's mode (trainer.compile_mode's choices)
+    # trainer.compile_check's, before a compiled case is timed: auto (on CUDA) | true | false. A model it rejects is
+    # timed eagerly, as training would run it (compiled False, compile_note why); with compile=true its row is an error
+    compile_check: str = "auto"
     precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU | bf16 | fp32
     vocab_size: int = 257  # byte ids 1..256, 0 = pad (never drawn: the inputs have no padding)
     # appended to; relative figures may use its earlier transformer rows
@@ -248,8 +273,9 @@ def execution_keys() -> list[str]:
         section = schema[name].default_factory if name in schema and is_dataclass(schema[name].default_factory) \
             else None
         keys += [name, *(f"{name}.{f.name}" for f in fields(section))] if section else [name]
-    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + \
-        [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE]
+    settings = sorted({key for name in list_models() for key in execution_settings(get_model_class(name))})
+    return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + [f"trainer.mixer.{key}" for key in settings] \
+        + [f"schedule.{name}" for name in NOT_HASHED_SCHEDULE] + [f"pretrain.{name}" for name in NOT_HASHED_PRETRAIN]
 
 
 def swept_keys(argv: list[str]) -> list[str]:
@@ -374,6 +400,8 @@ def check_protocol(cfg: DictConfig) -> None:
                               f"task/model (tasks: {', '.join(TASK_NAMES)}; models: python -m lra.taxonomy)")
     with open_dict(cfg):
         cfg.protocol = {}
+
+
 ConfigStore.instance().store(name="lra_bench_schema", node=BenchRunConfig)
 
 CHOICES = {
@@ -393,6 +421,7 @@ CHOICES = {
     "optim.lr_schedule": ("rsqrt", "cosine", "constant"),
     "logger.name": ("none", "wandb"),
     "logger.mode": ("online", "offline", "disabled"),
+    "pretrain.objective": ("none", "mlm", "causal"),
 }
 AT_LEAST_ONE = ("schedule.steps", "schedule.batch_size", "schedule.eval_every", "trainer.eval_batch_size",
                 "trainer.ckpt_every", "trainer.devices", "backbone.n_layers", "backbone.d_model", "backbone.n_heads",
@@ -552,6 +581,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     validate_embedding(cfg)
     validate_head(cfg)
     validate_model(cfg)
+    validate_pretrain(cfg)
     return cfg
 
 
@@ -590,9 +620,78 @@ def validate_model(cfg: DictConfig) -> None:
         get_model_class(cfg.model.name)
     except ValueError as e:
         raise ConfigError(f"model.name={cfg.model.name!r}: {e}") from None
+    cls = get_model_class(cfg.model.name)
+    for key in sorted(set(options) & set(execution_settings(cls))):  # an option that became a setting of how it runs
+        raise ConfigError(f"model.{key} is how {cfg.model.name} runs, not what it computes: set it with "
+                          f"+trainer.mixer.{key}={options[key]} (left out of the config hash)")
     error = invalid_options(cfg.model.name, options)
     if error:
         raise ConfigError(error)
+    given = mixer_settings(cfg)
+    if "trainer.mixer_backend" in given and "backend" in given.get("trainer.mixer", {}):
+        raise ConfigError("the backend is given twice: set trainer.mixer_backend or trainer.mixer.backend, not both")
+    for source, settings in given.items():
+        for key, value in settings.items():
+            try:
+                checked_setting(cls, key, value, cfg.model.name)
+            except ValueError as e:
+                name = source if source == "trainer.mixer_backend" else f"{source}.{key}"
+                raise ConfigError(f"{name}={value}: {e}") from None
+    why = task_mismatch(cfg.model.name, cfg.task.name)
+    if why:
+        raise ConfigError(f"model={cfg.model.name} task={cfg.task.name}: {why}")
+
+
+def mixer_settings(cfg: DictConfig) -> dict[str, dict]:
+    """The settings of how the model's mixers run, by the key that gives them: ``trainer.mixer_backend`` (the
+    ``backend``) and ``trainer.mixer`` (any of ``models.base.execution_settings``); a key left unset is left out."""
+    trainer = cfg.trainer
+    out = {}
+    if trainer.get("mixer_backend") is not None:
+        out["trainer.mixer_backend"] = {"backend": trainer.mixer_backend}
+    if trainer.get("mixer"):
+        out["trainer.mixer"] = OmegaConf.to_container(trainer.mixer, resolve=True)
+    return out
+
+
+def task_mismatch(model: str, task: str) -> str | None:
+    """Why registered ``model`` cannot take registered ``task``, or None if it can: a 2-D mixer (``needs_grid``)
+    mixes over the pixel grid, which only image tasks' sequences have. The runner refuses such a pair before any
+    data is read; the leaderboard names it in the cell instead of leaving it blank."""
+    if getattr(get_model_class(model), "needs_grid", False) and not get_task(task).image:
+        return (f"a 2-D mixer over the pixel grid takes image tasks only ({', '.join(image_tasks())}); "
+                f"{task}'s tokens form no grid")
+    return None
+
+
+def validate_pretrain(cfg: DictConfig) -> None:
+    """``pretrain.*``: a masking rate in (0, 1) for mlm, a schedule of positive values, and for causal a model whose
+    mixer has a causal form here (``supports_causal``: next-token targets through a bidirectional mixer would be
+    read off the input)."""
+    p = cfg.pretrain
+    if p.objective == "none":
+        return
+    if p.objective == "mlm" and (p.mask_rate is None or not 0.0 < p.mask_rate < 1.0):
+        raise ConfigError(f"pretrain.mask_rate={p.mask_rate} is not valid for pretrain=mlm: the chance that a token "
+                          f"is masked, in (0, 1) (conf/task/{cfg.task.name}.yaml sets the task's)")
+    for key in ("steps", "warmup_steps"):
+        if p[key] is not None and p[key] < (1 if key == "steps" else 0):
+            raise ConfigError(f"pretrain.{key}={p[key]} is not valid: it must be at least {int(key == 'steps')}, or "
+                              f"null for the task's")
+    if p.lr is not None and not p.lr > 0:
+        raise ConfigError(f"pretrain.lr={p.lr} is not valid: the learning rate must be positive, or null for the "
+                          f"task's optim.lr")
+    steps = p.steps if p.steps is not None else cfg.schedule.steps
+    if p.stop_at is not None and not 1 <= p.stop_at <= steps:
+        raise ConfigError(f"pretrain.stop_at={p.stop_at} is not valid: a step from 1 to the {steps} pretraining "
+                          f"steps, or null to run them all")
+    if p.objective == "causal":
+        model = get_model_class(cfg.model.name)
+        if not (model.taxonomy.decode and getattr(model, "supports_causal", False)):
+            able = [n for n in list_models()
+                    if get_model_class(n).taxonomy.decode and getattr(get_model_class(n), "supports_causal", False)]
+            raise ConfigError(f"pretrain=causal needs a causal mixer: model {cfg.model.name} has no causal form here "
+                              f"(models that have one: {', '.join(able)}); use pretrain=mlm")
 
 
 def register_model_configs() -> None:

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from .base import cumsum, pad_head_dim, upcast
 
 Scan = Literal["auto", "fla", "chunked", "recurrent"]
+SCANS = get_args(Scan)  # the values of a mixer's ``scan`` attribute (gla, mamba): how it runs, not what
 # Per-key decays inside a chunk are factorised, exp(G_i - G_j) = exp(G_i) * exp(-G_j), while a chunk's total log
 # decay stays within this bound: exp(40) = 2e17 leaves fp32 ample room for the products and their gradients.
 FACTOR_LIMIT = 40.0
@@ -203,8 +204,8 @@ def fla_ops():
             from fla.ops.simple_gla import chunk_simple_gla
         except ImportError as e:
             raise ImportError(
-                "model.scan=fla or auto runs the scan on CUDA through flash-linear-attention's Triton kernels: "
-                "`pip install lra[ssm]` (fla-core 0.6.0), or set model.scan=chunked for the pure-PyTorch form. "
+                "scan=fla or auto (trainer.mixer.scan) runs the scan on CUDA through flash-linear-attention's Triton "
+                "kernels: `pip install lra[ssm]` (fla-core 0.6.0), or set scan=chunked for the pure-PyTorch form. "
                 f"Import failed: {e}"
             ) from e
         FLA_OPS = chunk_simple_gla, chunk_gla
@@ -263,7 +264,7 @@ def fla_refusal(device_index: int, fall_back: bool = True) -> str | None:
     caller runs the chunked form instead, which is said once."""
     reason = fla_refused(device_index)
     if reason is not None and fall_back:
-        warn_once(f"{reason}: running the scan in its chunked PyTorch form (model.scan=chunked)")
+        warn_once(f"{reason}: running the scan in its chunked PyTorch form (scan=chunked)")
     return reason
 
 
@@ -272,19 +273,19 @@ def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0, reset: torch.
     deterministic mode), ``chunked`` elsewhere; "fla": fla's kernels or an error saying why they cannot run here;
     "chunked" / "recurrent": that form anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
     if mode not in get_args(Scan):
-        raise ValueError(f"model.scan must be one of {', '.join(get_args(Scan))}, got {mode!r}")
+        raise ValueError(f"scan must be one of {', '.join(get_args(Scan))}, got {mode!r}")
     # fla's Triton kernels are outside what torch's deterministic mode (trainer.deterministic) checks or replaces
     deterministic = torch.are_deterministic_algorithms_enabled()
     if mode == "fla" and deterministic:
-        raise ValueError("model.scan=fla runs flash-linear-attention's Triton kernels, which torch's deterministic "
-                         "mode (trainer.deterministic=true) does not cover: set model.scan=chunked")
+        raise ValueError("scan=fla (trainer.mixer.scan) runs flash-linear-attention's Triton kernels, which torch's "
+                         "deterministic mode (trainer.deterministic=true) does not cover: set scan=chunked")
     if mode == "fla":
         if not q.is_cuda:
-            raise ValueError("model.scan=fla runs flash-linear-attention's Triton kernels, on CUDA only: here set "
-                             "model.scan=auto or chunked")
+            raise ValueError("scan=fla (trainer.mixer.scan) runs flash-linear-attention's Triton kernels, on CUDA "
+                             "only: here set scan=auto or chunked")
         reason = fla_refusal(q.device.index or 0, fall_back=False)
         if reason is not None:
-            raise RuntimeError(f"model.scan=fla: {reason}; model.scan=auto runs the chunked form instead")
+            raise RuntimeError(f"scan=fla (trainer.mixer.scan): {reason}; scan=auto runs the chunked form instead")
         return fla(q, k, v, g, scale, reset)
     if mode == "auto" and q.is_cuda and not deterministic and fla_refusal(q.device.index or 0) is None:
         return fla(q, k, v, g, scale, reset)

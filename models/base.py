@@ -9,12 +9,17 @@ each example's positions are contiguous), and must compute every example's outpu
 positions alone, exactly as if it had its own row. ``attend`` then receives ``segments=`` too. Position-indexed
 mixers (a learned projection over positions, a fixed layout of blocks) cannot, and keep the default False.
 
+Causal form: a mixer that sets ``supports_causal = True`` reads a ``causal`` attribute, which the caller may set on
+an instance: True makes out_i depend on positions j <= i only (next-token pretraining, ``lra.train.pretrain``). It
+changes no parameter, so weights trained one way load into the other.
+
 Mixers that do not fit this shape (e.g. shared-QK Reformer, dense Synthesizer) subclass it anyway and override
 ``project`` or ``forward``.
 """
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +69,60 @@ def checked_backend(mixer, value: str, label: str | None = None) -> str:
 def chosen_backend(mixer) -> str:
     """A mixer's ``backend`` attribute, checked against its class's ``backends``."""
     return checked_backend(mixer, mixer.backend)
+
+
+class Count:
+    """The values of a setting that counts (positions per chunk, ...): any integer >= 1, and None where ``none``
+    says what None means. Tested with ``in``, as a tuple of values is."""
+
+    def __init__(self, none: str | None = None):
+        self.none = none
+
+    def __contains__(self, value) -> bool:
+        if value is None:
+            return self.none is not None
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    def __str__(self) -> str:
+        return "an integer >= 1" + (f", or null ({self.none})" if self.none is not None else "")
+
+
+def settings(**allowed) -> MappingProxyType:
+    """A mixer class's ``execution`` declaration: setting name -> its allowed values (a tuple, or a ``Count``), read
+    only, as a class attribute shared by every instance must be."""
+    return MappingProxyType(allowed)
+
+
+def execution_settings(mixer) -> dict:
+    """The attributes that choose how a mixer (an instance or its class) runs, never what it computes, each with
+    its allowed values: ``backend`` (its ``backends``) where it has one, and those of its ``execution`` declaration
+    (name -> a tuple of values or a ``Count``). The config hash leaves them out: a run sets them with
+    ``trainer.mixer``, the benches with their variants, and each is checked by ``checked_setting``."""
+    settings = {"backend": tuple(mixer.backends)} if hasattr(mixer, "backends") else {}
+    return {**settings, **getattr(mixer, "execution", {})}
+
+
+def _allowed_text(allowed) -> str:
+    return ", ".join(map(repr, allowed)) if isinstance(allowed, tuple) else str(allowed)
+
+
+def checked_setting(mixer, key: str, value, label: str | None = None):
+    """``value`` if the mixer (an instance or its class) declares ``key`` among its ``execution_settings`` and
+    ``value`` is one of its allowed values (a backend: as ``checked_backend`` checks it), else a ValueError naming
+    them, prefixed by ``label`` (default: the class name)."""
+    label = label or getattr(mixer, "__name__", type(mixer).__name__)
+    settings = execution_settings(mixer)
+    if key not in settings:
+        known = ", ".join(settings) or "none: it runs one way"
+        raise ValueError(f"{label}: {key} is not a setting of how it runs (its settings: {known})")
+    if key == "backend":
+        return checked_backend(mixer, value, label)
+    allowed = settings[key]
+    # a tuple's values compare by type too: 1 is not True, nor 0.0 the integer 0
+    ok = any(value == a and type(value) is type(a) for a in allowed) if isinstance(allowed, tuple) else value in allowed
+    if not ok:
+        raise ValueError(f"{label}: {key} must be {_allowed_text(allowed)}, got {value!r}")
+    return value
 
 
 def takes_fused_path(mixer, fused: str, on_cuda: bool) -> bool:
@@ -250,6 +309,9 @@ class MultiHeadMixer(nn.Module):
     accepts_no_mask = False
     # True when ``forward`` takes ``segments`` (several examples packed in one row) and keeps them apart exactly
     supports_segments = False
+    # True when the mixer has a ``causal`` attribute (False unless set): True makes each position's output a
+    # function of the positions at and before it only (next-token pretraining), with the same parameters
+    supports_causal = False
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__()

@@ -22,6 +22,10 @@ step by step (the reference). Why chunked by default: in the compiled layer it i
 and 16K, as for ``mamba``; at 1K, where the layer is bound by the host, fla's kernel is the faster, since the
 chunked form's choice of scores above breaks the graph (results/layer_bench.csv, rows ``lra gla(scan=chunked)``
 and ``lra gla(scan=fla)``, and the ``lra gla`` rows timed with them).
+``scan`` ("chunked", the default, | "fla" | "auto" | "recurrent") and ``chunk_size`` (an integer >= 1, default 64)
+are attributes, not constructor options (``execution``, models/base.py's ``execution_settings``): how the layer
+runs, never what it computes, so they stay out of a run's config hash; a run sets them with ``trainer.mixer``
+(``+trainer.mixer.scan=fla``), the benches with their variants.
 
 Bidirectional: a forward pass and a reversed pass (the same causal scan over the flipped sequence, flipped
 back), summed before the norm. Each direction has its own q, k and forget gate (what reads from and writes
@@ -54,6 +58,7 @@ from torch import nn
 
 from . import _scan
 from ._scan import orient, upcast
+from .base import Count, settings
 from .registry import Taxonomy, register_model
 
 
@@ -62,6 +67,7 @@ class GLA(nn.Module):
     taxonomy = Taxonomy("Yang et al. 2024, arXiv 2312.06635", "N", ("RC", "KR"), decode=True)
     accepts_no_mask = True  # mask=None: no masking multiplies
     supports_segments = True  # packed rows: each pass's state resets at every example's start
+    execution = settings(scan=_scan.SCANS, chunk_size=Count())  # how it runs (the module docstring)
 
     def __init__(
         self,
@@ -75,17 +81,17 @@ class GLA(nn.Module):
         expand_v: float = 1.0,
         gate_low_rank: int = 16,
         gate_logit_normalizer: float = 16.0,
-        chunk_size: int = 64,
-        scan: _scan.Scan = "chunked",
         norm_eps: float = 1e-5,
     ):
         super().__init__()
         d_k, d_v = int(d_qkv * expand_k), int(d_qkv * expand_v)
-        if d_k % n_heads or d_v % n_heads or d_k == 0 or chunk_size < 1:
+        if d_k % n_heads or d_v % n_heads or d_k == 0:
             raise ValueError(f"key width {d_k} and value width {d_v} must be positive multiples of n_heads "
-                             f"{n_heads}; chunk_size {chunk_size} must be >= 1")
+                             f"{n_heads}")
         self.n_heads, self.d_hk, self.d_hv = n_heads, d_k // n_heads, d_v // n_heads
-        self.tau, self.chunk_size, self.scan = gate_logit_normalizer, chunk_size, scan
+        self.tau = gate_logit_normalizer
+        self.scan: _scan.Scan = "chunked"  # the form of the scan (the module docstring)
+        self.chunk_size = 64  # steps per chunk of the chunked form
         self.qk = nn.Linear(d_model, 4 * d_k, bias=False)  # q, k of the forward pass, then of the reversed one
         self.forget = nn.ModuleList(  # low-rank gate logits, one per direction
             nn.Sequential(nn.Linear(d_model, gate_low_rank, bias=False), nn.Linear(gate_low_rank, d_k))

@@ -15,11 +15,15 @@ memory than autograd's form and than linear-attention-transformer's, in about th
 Causal (``causal: true``, paper Sec. 3.2): out_i uses only the prefix j <= i. ``attend`` computes it in
 parallel (chunked prefix sums: exact C x C causal products inside each chunk of ``chunk_size`` tokens plus an
 exclusive cumulative sum of per-chunk summaries across chunks, so no (N x Dh x Dh) prefix tensor is stored;
-``chunk_size: 1`` is the plain per-token cumsum); ``recurrent_step`` / ``step`` are the paper's RNN form for
+``chunk_size = 1`` is the plain per-token cumsum); ``recurrent_step`` / ``step`` are the paper's RNN form for
 token-by-token inference with an O(Dh^2) state.
 
 On CUDA the function runs through torch.compile (``compile_core``), which fuses the elementwise passes around
 the matmuls: faster than eager, in less peak memory.
+``chunk_size`` (an integer >= 1, default 64) and ``compile_core`` (True | False, default True) are attributes, not
+constructor options (``execution``, models/base.py's ``execution_settings``): how the layer runs, never what it
+computes (a chunk changes only the order of the causal form's additions), so they stay out of a run's config
+hash; a run sets them with ``trainer.mixer``, the benches with their variants.
 
 Complexity: O(N Dh^2) time and O(N Dh) memory per head (causal: O(N (C + Dh) Dh) time, O(N Dh + N C) memory).
 Precision: the feature maps, key sums and normaliser run in fp32 even under bf16 autocast (a bf16 key sum over
@@ -44,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import (
+    Count,
     MultiHeadMixer,
     compiled,
     cumsum,
@@ -53,6 +58,7 @@ from .base import (
     product_dtype,
     read_out,
     segment_members,
+    settings,
     upcast,
     with_ones,
 )
@@ -152,7 +158,8 @@ def linear_attention(
 @register_model
 class LinearAttention(MultiHeadMixer):
     taxonomy = Taxonomy("Katharopoulos et al. 2020, arXiv 2006.16236", "N", ("KR",), decode=True)
-    supports_segments = True  # the non-causal form; set per instance below
+    supports_causal = True  # ``causal``: the constructor's option, or set on an instance (it changes no parameter)
+    execution = settings(chunk_size=Count(), compile_core=(True, False))  # how it runs (the module docstring)
 
     def __init__(
         self,
@@ -163,14 +170,16 @@ class LinearAttention(MultiHeadMixer):
         max_len: int,
         *,
         causal: bool = False,
-        chunk_size: int = 64,
-        compile_core: bool = True,
     ):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        self.causal, self.chunk_size, self.compile_core = bool(causal), int(chunk_size), bool(compile_core)
-        self.supports_segments = not self.causal  # a causal prefix would run on into the next example
+        self.causal = bool(causal)
+        self.chunk_size = 64  # the causal form: tokens per chunk of its parallel prefix sums
+        self.compile_core = True  # CUDA: the core through torch.compile
+
+    @property
+    def supports_segments(self) -> bool:
+        """Packed rows in the non-causal form only: a causal prefix would run on into the next example."""
+        return not self.causal
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                segments: torch.Tensor | None = None) -> torch.Tensor:

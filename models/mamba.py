@@ -16,7 +16,7 @@ sequence (the reversed pass on the flipped sequence, flipped back), the two are 
 as Mamba-2 does, y = RMSNorm(y * silu(z)) (its gated RMSNorm with the norm after the gate, one group over
 d_inner), then projected back to d_model.
 
-Forms of the scan (option ``scan``): ``chunked`` (the default, every device), the chunked SSD form in plain
+Forms of the scan (``scan``): ``chunked`` (the default, every device), the chunked SSD form in plain
 PyTorch, vectorised over chunks of ``chunk_size`` (Mamba-2's ``ssd_minimal``), which torch.compile fuses with the
 layer around it; ``fla``, flash-linear-attention's Triton ``chunk_simple_gla`` (fla-core 0.6.0, ``pip install
 lra[ssm]``, CUDA); ``auto``, fla on CUDA where its kernels are not refused (``_scan``), else chunked;
@@ -28,6 +28,10 @@ dimension, a CUDA extension of its own) is not what runs: Mamba-2's scalar A per
 convolution is K shifted products in PyTorch (``causal_conv``), which Inductor fuses with the SiLU and their
 neighbours; fla's fused Triton convolution is slower in the compiled layer (results/layer_bench.csv: the
 ``lra mamba(conv=fla)`` rows time it).
+``scan`` ("chunked", the default, | "fla" | "auto" | "recurrent") and ``chunk_size`` (an integer >= 1, default 64)
+are attributes, not constructor options (``execution``, models/base.py's ``execution_settings``): how the layer
+runs, never what it computes, so they stay out of a run's config hash; a run sets them with ``trainer.mixer``
+(``+trainer.mixer.scan=fla``), the benches with their variants.
 
 Bidirectional, as Vision Mamba (Zhu et al. 2024, arXiv 2401.09417, Alg. 1) and Caduceus's BiMamba (Schiff et
 al. 2024, arXiv 2403.03234, which ties the in- and out-projections of its two directions): the in-projection of
@@ -75,6 +79,7 @@ from torch import nn
 
 from . import _scan
 from ._scan import orient, upcast
+from .base import Count, settings
 from .registry import Taxonomy, register_model
 
 
@@ -100,6 +105,7 @@ class Mamba(nn.Module):
                         decode=True)
     accepts_no_mask = True  # mask=None: no masking multiplies
     supports_segments = True  # packed rows: taps and states stay inside each example
+    execution = settings(scan=_scan.SCANS, chunk_size=Count())  # how it runs (the module docstring)
 
     def __init__(
         self,
@@ -113,17 +119,17 @@ class Mamba(nn.Module):
         expand: int = 2,
         d_conv: int = 4,
         headdim: int | None = None,
-        chunk_size: int = 64,
-        scan: _scan.Scan = "chunked",
         dt_min: float = 0.001,
         dt_max: float = 0.1,
     ):
         super().__init__()
-        self.d_inner, self.d_state, self.scan, self.chunk_size = expand * d_model, d_state, scan, chunk_size
+        self.d_inner, self.d_state = expand * d_model, d_state
+        self.scan: _scan.Scan = "chunked"  # the form of the scan (the module docstring)
+        self.chunk_size = 64  # steps per chunk of the chunked form, and the multiple a row is padded to
         self.headdim = headdim or self.d_inner // n_heads
-        if self.d_inner % self.headdim or chunk_size < 1 or d_conv < 1:
-            raise ValueError(f"d_inner {self.d_inner} must split into heads of {self.headdim}; chunk_size "
-                             f"{chunk_size} and d_conv {d_conv} must be >= 1")
+        if self.d_inner % self.headdim or d_conv < 1:
+            raise ValueError(f"d_inner {self.d_inner} must split into heads of {self.headdim}; d_conv {d_conv} "
+                             f"must be >= 1")
         self.n_heads = H = self.d_inner // self.headdim
         E, S = self.d_inner, d_state
         self.in_proj = nn.Linear(d_model, 2 * E + 2 * (2 * S + H), bias=False)  # z, x; per direction B, C, dt

@@ -32,11 +32,15 @@ Two executions of the softmax kernel (``backend``, an attribute: how it runs, ne
 * **torch** (the CPU, packed rows, or ``backend = "torch"``): ``models/_favor.py`` in PyTorch operations. On CUDA
   its backward is written by hand and recomputes the two feature maps instead of keeping them (``recompute``:
   2 x B H N m fp32 fewer saved per layer; the CPU path keeps them, faster there), and forward and backward run
-  through torch.compile (``compile_core``). ``chunk_size`` (null = whole sequence) walks the sequence in chunks
+  through torch.compile (``compile_core``). ``chunk_size`` (None = whole sequence) walks the sequence in chunks
   of that many positions, so the feature-map transients are O(B H chunk m) instead of O(B H N m), for a second
   key matmul in the forward (the key stabiliser needs every key before any feature is formed); the memory is
-  saved with the hand-written backward only. These three options serve this path alone.
+  saved with the hand-written backward only. These three serve this path alone.
 Measurements of both: ``results/layer_bench.csv``.
+``backend``, ``recompute`` (True | False, default True), ``compile_core`` (True | False, default True) and
+``chunk_size`` (an integer >= 1, or None, the default) are attributes, not constructor options (``execution``,
+models/base.py's ``execution_settings``): how the layer runs, never what it computes, so they stay out of a run's
+config hash; a run sets them with ``trainer.mixer``, the benches with their variants.
 
 Features come from a torch.Generator seeded with ``seed`` (draw j uses a seed derived from (seed, j)), so a
 layer's features are reproducible and survive a checkpoint (the matrix is a buffer; seed and counters are
@@ -78,7 +82,7 @@ from typing import Literal
 import torch
 
 from ._favor import FavorAttention, favor_attention, relu_attention, upcast
-from .base import MultiHeadMixer, compiled, segment_members, takes_fused_path
+from .base import Count, MultiHeadMixer, compiled, segment_members, settings, takes_fused_path
 from .registry import Taxonomy, register_model
 
 try:  # imported here, not in ``attend``, so that a compiled model traces no import
@@ -102,6 +106,8 @@ def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> torch.Ten
 class Performer(MultiHeadMixer):
     taxonomy = Taxonomy("Choromanski et al. 2021, arXiv 2009.14794", "N", ("KR",), decode=True)
     backends = ("auto", "triton", "torch")  # the values of ``backend`` (how it runs, not what it computes)
+    # how the torch path runs (the module docstring): attributes, set on a built mixer
+    execution = settings(recompute=(True, False), compile_core=(True, False), chunk_size=Count(none="no chunks"))
     supports_segments = True
 
     def __init__(
@@ -116,9 +122,6 @@ class Performer(MultiHeadMixer):
         kernel: Literal["softmax", "relu"] = "softmax",
         redraw_every: int = 1000,
         seed: int | None = None,
-        recompute: bool = True,
-        compile_core: bool = True,
-        chunk_size: int | None = None,
     ):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
         if kernel not in ("softmax", "relu"):
@@ -127,14 +130,13 @@ class Performer(MultiHeadMixer):
             raise ValueError(f"n_features must be >= 1, got {n_features}")
         if redraw_every < 0:
             raise ValueError(f"redraw_every must be >= 0 (0 = never), got {redraw_every}")
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1 (positions per chunk) or None (no chunks), got {chunk_size}")
         self.kernel, self.n_features, self.redraw_every = kernel, int(n_features), int(redraw_every)
         # null: a per-layer seed from torch's RNG (so layers differ, reproducibly under the run seed)
         self.seed = int(torch.randint(2**31, ())) if seed is None else int(seed)
-        self.recompute, self.compile_core = bool(recompute), bool(compile_core)
-        self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.backend = "auto"  # softmax kernel: "triton" | "torch" (models/_favor*.py); how it runs, not what
+        self.recompute = True  # the torch path on CUDA: the backward recomputes the feature maps
+        self.compile_core = True  # the torch path on CUDA: its bodies through torch.compile
+        self.chunk_size = None  # the torch path: positions per chunk; None = the whole sequence at once
         self.train_calls = 0  # training forward calls seen; drives the redraw schedule
         self.schedule_outside = False  # True: the model holding this mixer calls advance_schedule once per call
         self.draws = 0  # index of the current feature draw

@@ -16,7 +16,8 @@ without it) FlexAttention over the sorted sequence, whose band of two chunks per
 partial 128 x 128 tiles, so no chunk is copied into a window (without a padding mask the band depends on the length
 alone, and its tile lists are made once per length); otherwise ``scaled_dot_product_attention`` with
 chunks as heads and (chunk, 2 chunks) windows, since FlexAttention has no dropout. Both compute the same
-attention (tested). With several rounds it is computed explicitly in fp32, because the combination needs each
+attention (tested); ``backend`` ("auto" | "flex" | "sdpa", an attribute: how it runs, never what) names one. With
+several rounds it is computed explicitly in fp32, because the combination needs each
 round's logsumexp.
 
 Chunking: with ``bucket_size`` (default) the chunk is ``bucket_size`` positions and n_buckets =

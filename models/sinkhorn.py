@@ -7,9 +7,11 @@ The (padded) sequence is cut into NB = ceil(N / b) blocks of ``block_size`` b. P
 (one Linear, Dh -> NB_max logits, shared across heads as in LRA) reads each block's summary (the masked
 mean of its keys) and emits row i of an NB x NB logit matrix: where block i wants to draw from. Optional
 Gumbel noise (training only), division by ``temperature`` and ``sinkhorn_iters`` rounds of log-space
-row/column normalisation (in fp32; on CUDA through ``torch.compile`` unless ``compile_sinkhorn`` is
-false, since the eager loop's tiny kernels would dominate the layer) make it a soft permutation P
-(approximately doubly stochastic).
+row/column normalisation (in fp32; on CUDA through ``torch.compile`` unless the attribute ``compile_sinkhorn``
+is False, since the eager loop's tiny kernels would dominate the layer) make it a soft permutation P
+(approximately doubly stochastic). ``compile_sinkhorn`` (True | False, default True) is how the layer runs, never
+what it computes (``execution``, models/base.py's ``execution_settings``): not a constructor option, out of a run's
+config hash; a run sets it with ``trainer.mixer``, the benches with their variants.
 Sorted keys and values are P applied over blocks: K_sorted[i] = sum_j P[i, j] K[j]. Each query block
 then attends to its own block and, separately, to its sorted block, and the two outputs are summed
 (the paper's local + Sinkhorn mixture, and LRA's ``x + sorted_x``). Both are batched
@@ -47,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import MultiHeadMixer, compiled
+from .base import MultiHeadMixer, compiled, settings
 from .registry import Taxonomy, register_model
 
 MASKED_LOGIT = -1e9  # finite: each row keeps its own diagonal entry, so no row is all masked
@@ -76,10 +78,11 @@ def fused_sinkhorn(log_alpha: torch.Tensor, n_iters: int) -> torch.Tensor:
 class Sinkhorn(MultiHeadMixer):
     taxonomy = Taxonomy("Tay et al. 2020, arXiv 2002.11296", "N", ("LP",), decode=True)
     accepts_no_mask = True  # mask=None, whole blocks: both attentions unmasked
+    execution = settings(compile_sinkhorn=(True, False))  # how it runs (the module docstring)
 
     def __init__(
         self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int, *, block_size: int = 64,
-        sinkhorn_iters: int = 8, temperature: float = 0.75, gumbel_noise: bool = False, compile_sinkhorn: bool = True,
+        sinkhorn_iters: int = 8, temperature: float = 0.75, gumbel_noise: bool = False,
     ):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
         if block_size < 1:
@@ -88,7 +91,7 @@ class Sinkhorn(MultiHeadMixer):
             raise ValueError(f"sinkhorn: need sinkhorn_iters >= 1 and temperature > 0, got {sinkhorn_iters}, "
                              f"{temperature}")
         self.block, self.iters, self.temperature, self.gumbel = block_size, sinkhorn_iters, temperature, gumbel_noise
-        self.compile_sinkhorn = compile_sinkhorn
+        self.compile_sinkhorn = True  # CUDA: the normalisation loop through torch.compile
         self.max_blocks = math.ceil(max_len / block_size)
         self.sort_net = nn.Linear(self.d_head, self.max_blocks)  # block summary -> logits over source blocks
 

@@ -27,6 +27,10 @@ torch's RNG each call. "auto" takes SDPA everywhere: the kernels become its choi
 results/layer_bench.csv holds their rows beside SDPA's at those shapes (on the CPU they run only under Triton's
 interpreter, for the tests).
 
+Causal form (``causal = True``, set on an instance: next-token pretraining, ``lra.train.pretrain``): query i
+attends to keys j <= i, through SDPA on unpacked rows (``is_causal`` without padding, else the padding mask and the
+lower triangle as one (B, 1, N, N) mask).
+
 Complexity: O(N^2 d) time; O(N) extra memory with the fused kernels (the N x N scores are never stored); the
 small-head kernels keep O(N) per head for the backward (the output and one log-sum-exp per query).
 Deviation from LRA: none in the mechanism (LRA also masks padded queries, which only changes outputs at
@@ -56,12 +60,14 @@ class Transformer(MultiHeadMixer):
     backends = ("auto", "varlen", "jagged", "dense", "small_head")
     accepts_no_mask = True  # mask=None (no padding anywhere): SDPA's unmasked kernels, faster than its masked ones
     supports_segments = True
+    supports_causal = True  # ``causal``: query i attends to keys j <= i (unpacked rows, SDPA)
 
     def __init__(self, d_model: int, n_heads: int, d_qkv: int, dropout: float, max_len: int):
         super().__init__(d_model, n_heads, d_qkv, dropout, max_len)
         # packed rows: "varlen", "jagged" or "dense"; unpacked: "small_head" (models/_small_head.py) or SDPA; how it
         # runs, not what it computes
         self.backend = "auto"
+        self.causal = False  # True: the causal form (models/base.py), for next-token pretraining
 
     def takes_small_head(self, q: torch.Tensor, segments: torch.Tensor | None) -> bool:
         """Whether the small-head kernels run: when ``backend`` names them (unpacked rows, head size <= 32, CUDA or
@@ -94,6 +100,8 @@ class Transformer(MultiHeadMixer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                segments: torch.Tensor | None = None) -> torch.Tensor:
         d_head = q.shape[-1]
+        if self.causal:
+            return self.attend_causal(q, k, v, mask, segments)
         if self.takes_small_head(q, segments):  # no padding, no N x N scores, the cheap dropout hash
             return small_head_attention(q, k, v, mask, self.dropout_p)  # (B, H, N, d_head), a view of (B, N, H, d)
         # The fused CUDA kernels take head sizes in multiples of 8; off that SDPA falls back to the math kernel,
@@ -110,6 +118,24 @@ class Transformer(MultiHeadMixer):
                 key_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, N): the real keys
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=self.dropout_p,
                                                scale=d_head ** -0.5)
+        return o[..., :d_head]  # (B, H, N, d_head)
+
+    def attend_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      segments: torch.Tensor | None) -> torch.Tensor:
+        """The causal form through SDPA: query i sees the real keys j <= i. Padding follows an example's real
+        tokens, so every real query keeps at least its own key (no row of the mask is empty)."""
+        if segments is not None or chosen_backend(self) == "small_head":
+            raise ValueError("the causal form runs unpacked rows through SDPA: leave backend at auto, dense or "
+                             "varlen, and pack nothing")
+        d_head = q.shape[-1]
+        q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (B, H, N, multiple of 8), as ``attend``
+        if mask is None:  # SDPA's own causal kernels
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=True, scale=d_head ** -0.5)
+        else:
+            N = q.shape[-2]
+            past = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()  # (N, N): key j <= query i
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :] & past,
+                                               dropout_p=self.dropout_p, scale=d_head ** -0.5)  # mask (B, 1, N, N)
         return o[..., :d_head]  # (B, H, N, d_head)
 
 

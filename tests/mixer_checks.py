@@ -7,6 +7,21 @@ import itertools
 import torch
 
 
+def create(name: str, **options):
+    """``create_model(name, **options)``, where ``options`` may also name settings of how the mixer runs (its
+    ``execution_settings``: scan, chunk_size, recompute, backend, ...), set on the built mixer once checked, as a run
+    sets them (they are attributes, not constructor options)."""
+    from models import create_model, get_model_class
+    from models.base import checked_setting, execution_settings
+
+    known = execution_settings(get_model_class(name))
+    settings = {key: options.pop(key) for key in list(options) if key in known}
+    mixer = create_model(name, **options)
+    for key, value in settings.items():
+        setattr(mixer, key, checked_setting(mixer, key, value))
+    return mixer
+
+
 def lengths_mask(lengths: list[int], n: int) -> torch.Tensor:
     """(B, n) bool, True for the first ``lengths[b]`` positions of row b."""
     return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]

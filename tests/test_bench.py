@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lra.bench import bench
+from lra.config import BenchSettings
 from lra.report.results import BENCH_COLUMNS
 from lra.train import engine
 from models import registry
@@ -41,7 +42,8 @@ def mean_mixer(monkeypatch):
 
 def make_cfg(tmp_path, models, lengths, **bench_overrides):
     b = dict(models=models, lengths=lengths, batch_size=2, batch_sizes={}, warmup=1, steps=2, compile="auto",
-             precision="auto", vocab_size=257, out=str(tmp_path / "bench.csv"), progress=False)
+             compile_check=BenchSettings.compile_check, precision="auto", vocab_size=257,
+             out=str(tmp_path / "bench.csv"), progress=False)
     b.update(bench_overrides)
     return OmegaConf.create(dict(seed=0, device="cpu", task=dict(name="text", seq_len=1000),
                                  backbone=dict(TINY), bench=b, logger=dict(name="none")))
@@ -114,6 +116,53 @@ def test_compile_mode_is_passed_recorded_and_compared_within_its_mode(tmp_path, 
         bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="reduce-overhead"))
 
 
+class ScaledLogits(nn.Module):
+    """A stand-in for torch.compile whose model computes other numbers (logits x ``factor``: other gradients)."""
+
+    factor = 2.0
+
+    def __init__(self, model, **kwargs):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return self.factor * self.model(*args)
+
+
+def test_the_compile_check_decides_as_the_runner_and_the_row_says_so(tmp_path, monkeypatch, mean_mixer, caplog):
+    """bench.compile_check (as trainer.compile_check; true here, off the GPU): a compiled model whose gradients the
+    check rejects is timed eagerly, as training with compile=auto would run it: compiled False and compile_note the
+    finding (the parameter, both errors). With compile=true the row is an error, as the training run would stop;
+    right gradients leave it compiled."""
+    monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)  # compile=auto compiles here
+    monkeypatch.setattr(torch, "compile", ScaledLogits)
+    df = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile_check="true"))
+    row = df.iloc[0]
+    assert row["status"] == "ok" and not row["compiled"]  # the check's compile, none for the timing
+    note = row["compile_note"]
+    assert note.startswith("compile check: ") and "of its size off float64's compiled, " in note
+    assert "timing it eagerly" in caplog.text
+    stored = pd.read_csv(tmp_path / "bench.csv").iloc[-1]
+    assert not stored.compiled and stored.compile_note == note
+    refused = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_check="true")).iloc[0]
+    assert refused["status"].startswith("error: RuntimeError: torch.compile gives bench_mean other gradients")
+    assert "bench.compile=auto runs it eagerly instead" in caplog.text  # the row keeps a line, the log the rest
+    monkeypatch.setattr(ScaledLogits, "factor", 1.0)  # compiled to the same numbers
+    right = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile_check="true")).iloc[0]
+    assert right["status"] == "ok" and right["compiled"] and pd.isna(right["compile_note"])
+    with pytest.raises(ValueError, match="bench.compile_check='sometimes' is not valid"):
+        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile_check="sometimes"))
+
+
+def test_the_compile_check_runs_on_cuda_only_by_default(tmp_path, monkeypatch, mean_mixer):
+    """bench.compile_check=auto (its default): not on the CPU, where a compiled model is asked for, not chosen."""
+    calls = []
+    monkeypatch.setattr(engine, "compiled_gradient_check", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    row = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true")).iloc[0]
+    assert calls == [] and row["compiled"] and pd.isna(row["compile_note"])
+
+
 def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):
     """bench.variants benches a model with options changed, in rows named after them; a misspelt option fails
     before the sweep."""
@@ -138,23 +187,27 @@ def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):
 
 
 def test_a_variant_can_choose_how_a_mixer_runs(tmp_path, monkeypatch):
-    """bench.variants may set a mixer's ``backend`` (an attribute, not a constructor option) on every layer of the
-    model; a mixer with one execution gives an error row, and the sweep goes on."""
+    """bench.variants may set how a mixer runs (its ``backend``, or another of ``execution_settings``: attributes,
+    not constructor options) on every layer of the model; a setting the mixer lacks fails before the sweep."""
     seen = []
     real = bench.time_steps
 
     def spy(fn, *args, **kwargs):
-        seen.append([getattr(m, "backend", None) for m in fn.modules() if type(m).__name__ == "Synthesizer"])
+        seen.append([(getattr(m, "backend", None), getattr(m, "compile_sinkhorn", None)) for m in fn.modules()
+                     if type(m).__name__ in ("Synthesizer", "Sinkhorn")])
         return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(bench, "time_steps", spy)
-    variants = [{"model": "synthesizer", "backend": "explicit"}, {"model": "linformer", "backend": "torch"}]
+    variants = [{"model": "synthesizer", "backend": "explicit"}, {"model": "sinkhorn", "compile_sinkhorn": False}]
     cfg = make_cfg(tmp_path, ["synthesizer"], [128], compile=False, variants=variants)
     df = bench.run_bench(cfg)
-    assert list(df["model"]) == ["synthesizer", "synthesizer(backend=explicit)", "linformer(backend=torch)"]
-    assert seen == [["auto"] * TINY["n_layers"], ["explicit"] * TINY["n_layers"]]
-    assert list(df["status"][:2]) == ["ok", "ok"]
-    assert df["status"][2] == "error: ValueError: linformer has one execution, no backend to choose"
+    assert list(df["model"]) == ["synthesizer", "synthesizer(backend=explicit)", "sinkhorn(compile_sinkhorn=False)"]
+    layers = TINY["n_layers"]
+    assert seen == [[("auto", None)] * layers, [("explicit", None)] * layers, [(None, False)] * layers]
+    assert list(df["status"]) == ["ok", "ok", "ok"]
+    with pytest.raises(ValueError, match="linformer.*no option.*backend.*how it runs: none"):
+        bench.run_bench(make_cfg(tmp_path, ["synthesizer"], [128], compile=False,
+                                 variants=[{"model": "linformer", "backend": "torch"}]))
 
 
 def test_oom_and_errors_are_rows_and_the_sweep_goes_on(tmp_path, monkeypatch, mean_mixer, caplog):
@@ -252,7 +305,7 @@ def test_wandb_logging_offline(tmp_path, monkeypatch):
     assert len(runs) == 1
     media = list(runs[0].rglob("*.png"))
     names = sorted(p.name for p in media)  # both charts went up as images, named by their keys
-    assert len(names) == 2 and names[0].startswith("peak_mem_mb_vs_length") and names[1].startswith("steps_per_s")
+    assert len(names) == 2 and names[0].startswith("examples_per_s_vs_length") and names[1].startswith("peak_mem")
     assert list(runs[0].rglob("*.table.json"))
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
@@ -15,6 +16,7 @@ from omegaconf import OmegaConf, open_dict
 from lra.config import BenchRunConfig, RunConfig, eval_batch_size, experiment_protocols, validate
 from lra.data import list_tasks
 from lra.errors import ConfigError
+from lra.provenance import MOVED_TO_EXECUTION, config_hash
 from models import list_models, model_defaults
 from tests.conftest import CONF, ROOT, compose_cfg, finish_all, in_background, started
 
@@ -169,6 +171,7 @@ BAD_VALUES = [
     (["backbone.d_qkv=100"], "d_qkv=100.*multiple of backbone.n_heads=8"),
     (["device=gpu"], "device='gpu'"),
     (["resume=maybe"], "resume='maybe'"),
+    (["task=text", "model=axial"], "model=axial task=text: a 2-D mixer.*image tasks only"),
 ]
 
 
@@ -300,3 +303,58 @@ def test_every_documented_command_composes_and_validates(words):
             validate(compose_cfg([*fixed, *(f"{k}={v}" for k, v in job.items()), "run_dir=x"]))
     if not swept:
         validate(compose_cfg([*fixed, "run_dir=x"]))
+
+
+# Each model's config hash at its defaults (task=listops, experiment=lra), as the code before its execution options
+# became settings of how it runs (trainer.mixer) computed it. gla's and mamba's are those of their recorded runs,
+# which ran when their scan's default was auto; the code just before computed them with chunked instead.
+HASH_AT_DEFAULTS = {
+    "axial": "9422416ee3bf", "bigbird": "f8271434dc72", "compressive": "cfcbe42258a0", "cosformer": "b141883d49eb",
+    "deberta": "bd1ecde0eda0", "etc": "1fde945f7318", "fnet": "35d41d919073", "gla": "373984cd8183",
+    "image_local": "bd95ebbb25dd", "linear": "cc1a35d9fe0c", "linformer": "6683a55c4be4", "local": "9d4de8deebc5",
+    "longformer": "5fd392e9ee11", "mamba": "a28291d633aa", "memory_compressed": "aee5f2e7893c",
+    "nystromformer": "d90916567dc7", "performer": "c619b0c0d111", "reformer": "0e778d4f6183",
+    "routing": "360359b02ca4", "s4d": "ca4cac3f4034", "set_transformer": "3979560e79e3", "sinkhorn": "f3c246397af8",
+    "sparse": "dc557618cb23", "synthesizer": "d7bde5b09f4e", "transformer": "93aa70352b24",
+    "transformer_xl": "d396bae560de",
+}
+
+
+def hash_of(overrides: list[str]) -> str:
+    return config_hash(OmegaConf.to_container(compose_cfg([*overrides, "run_dir=x"]), resolve=True))
+
+
+def test_every_models_config_hash_at_its_defaults_is_the_one_recorded_before():
+    """Moving an option out of the constructor (into the settings of how a mixer runs) keeps every model's hash at
+    its defaults: runs recorded or checkpointed before are still recognised and resume. A model added since has no
+    entry yet; it gets one here."""
+    assert set(HASH_AT_DEFAULTS) <= set(MODELS)
+    assert {m: hash_of([f"model={m}"]) for m in HASH_AT_DEFAULTS} == HASH_AT_DEFAULTS
+
+
+def committed_rows(models) -> pd.DataFrame:
+    """The committed rows (runs.csv, ablation.csv) of ``models``, one per model, task and experiment."""
+    rows = pd.concat([pd.read_csv(ROOT / "results" / f"{name}.csv") for name in ("runs", "ablation")])
+    return rows[rows["model"].isin(models)].drop_duplicates(["model", "task", "experiment"])
+
+
+def test_the_committed_runs_of_the_models_whose_options_moved_keep_their_hashes():
+    """A recorded run of a model whose options became settings of how it runs (``MOVED_TO_EXECUTION``), composed
+    again from its row's overrides, has the hash its row holds."""
+    for row in committed_rows(MOVED_TO_EXECUTION).itertuples():
+        overrides = ["schedule." + o[len("train."):] if o.startswith("train.") else o  # the key's name before
+                     for o in str(row.overrides).split()]
+        overrides += [f"{k}={getattr(row, k)}" for k in ("task", "model", "seed", "experiment")
+                      if not any(o.startswith(f"{k}=") for o in overrides)]
+        assert hash_of(overrides) == row.config_hash, (row.model, row.task, row.overrides)
+
+
+@pytest.mark.parametrize("model", sorted(MOVED_TO_EXECUTION))
+def test_a_setting_of_how_a_mixer_runs_leaves_the_hash_and_its_old_option_says_where_it_went(model):
+    """Any value of such a setting hashes as the default (a run resumes under another); naming it as a model
+    option fails at start, saying to set it with trainer.mixer."""
+    key, value = next(iter(MOVED_TO_EXECUTION[model].items()))
+    other = {True: False, None: 16, 64: 16, "auto": "chunked"}[value]
+    assert hash_of([f"model={model}", f"+trainer.mixer.{key}={other}"]) == HASH_AT_DEFAULTS[model]
+    with pytest.raises(ConfigError, match=rf"model.{key} is how {model} runs.*\+trainer.mixer.{key}="):
+        validate(compose_cfg([f"model={model}", f"+model.{key}={other}", "run_dir=x"]))

@@ -154,7 +154,7 @@ def test_mixers_keep_off_backends_without_a_deterministic_backward(smoke_cfg, tm
 def test_a_scan_through_fla_is_refused_in_deterministic_mode():
     q = k = v = torch.zeros(1, 1, 4, 2)
     engine.set_deterministic(True)
-    with pytest.raises(ValueError, match="does not cover: set model.scan=chunked"):
+    with pytest.raises(ValueError, match="does not cover: set scan=chunked"):
         scan(q, k, v, torch.zeros(1, 1, 4, 1), mode="fla", chunk=2)
 
 

@@ -189,7 +189,8 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     table = layer_bench.main(["--models", "performer,transformer", "--out", str(out), *PEER_ARGS])
     rows = pd.read_csv(out)
     assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin", "compiled", "ms_p10",
-                                                          "ms_p90", "compile_mode", "triton"]  # at the end
+                                                          "ms_p90", "compile_mode", "triton",
+                                                          "compile_note"]  # at the end
     assert rows.implementation.isna().tolist() == [True, False, False, False, False]  # the old row is kept
     assert rows.triton.fillna("").astype(str).tolist() == [""] + [results.triton_version()] * 4
     new = rows.iloc[1:].set_index("implementation")
@@ -254,6 +255,41 @@ def test_compile_puts_every_timed_layer_through_torch_compile(tmp_path, monkeypa
     layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS[:-1]])
     last = pd.read_csv(out).iloc[-1]
     assert len(compiled) == 3 and not last.compiled and pd.isna(last.compile_mode)  # without the flag: eager
+
+
+class ScaledOutput(torch.nn.Module):
+    """A stand-in for torch.compile: the layer's output times ``factor`` (other gradients unless it is 1)."""
+
+    factor = 1.1
+
+    def __init__(self, layer, dynamic=None, mode=None):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.factor * self.layer(x)
+
+
+def test_the_compile_check_times_a_layer_it_rejects_eagerly_and_the_row_says_why(tmp_path, monkeypatch):
+    """--compile-check (as trainer.compile_check; auto: on CUDA, so true here): the layer's gradients compiled and
+    eager, each against a float64 copy's. Rejected: timed eagerly, compiled False, compile_note the finding (a
+    parameter of the mixer, both errors); right: compiled."""
+    monkeypatch.setattr(torch, "compile", ScaledOutput)
+    out = tmp_path / "layers.csv"
+    args = ["--models", "linear", "--shapes", "64x2", "--warmup", "0", "--steps", "1", "--device", "cpu",
+            "--out", str(out), "--compile"]
+    layer_bench.main([*args, "--compile-check", "true"])
+    row = pd.read_csv(out).iloc[-1]
+    assert row.status == "ok" and not row.compiled and row.compile_note.startswith("compile check: mixer.")
+    assert "of its size off float64's compiled, " in row.compile_note and " eager (bound 4 x eager" in row.compile_note
+    monkeypatch.setattr(ScaledOutput, "factor", 1.0)  # compiled to the same numbers
+    layer_bench.main([*args, "--compile-check", "true"])
+    row = pd.read_csv(out).iloc[-1]
+    assert row.status == "ok" and row.compiled and pd.isna(row.compile_note)
+    monkeypatch.setattr(ScaledOutput, "factor", 1.1)
+    layer_bench.main(args)  # auto: the check runs on CUDA only
+    row = pd.read_csv(out).iloc[-1]
+    assert row.compiled and pd.isna(row.compile_note)
 
 
 def test_compile_mode_compiles_every_layer_in_that_mode_and_says_so(tmp_path, monkeypatch, capsys):
@@ -379,18 +415,24 @@ def test_variants_are_rows_of_their_own_labelled_by_their_options(tmp_path):
     assert table.ours.tolist() == ["lra linear", "lra linear(chunk_size=16)"]
 
 
-def test_a_variant_may_choose_a_mixers_execution(monkeypatch):
-    """backend=<name> is set on the built mixer (how it runs, not a constructor option); a mixer with one
-    execution says so."""
-    assert layer_bench.parse_variants("performer:backend=torch") == [
-        ("performer(backend=torch)", "performer", {"backend": "torch"})]
+def test_a_variant_may_choose_how_a_mixer_runs(monkeypatch):
+    """backend=<name>, scan=<form>, recompute=..., chunk_size=... (models.base.execution_settings) are set on the
+    built mixer (how it runs, not constructor options); a setting the mixer lacks, or a value it does not allow,
+    fails before any timing, naming its settings."""
+    assert layer_bench.parse_variants("performer:backend=torch,recompute=false,chunk_size=16; gla:scan=recurrent") \
+        == [("performer(backend=torch,recompute=False,chunk_size=16)", "performer",
+             {"backend": "torch", "recompute": False, "chunk_size": 16}),
+            ("gla(scan=recurrent)", "gla", {"scan": "recurrent"})]
     built, create = [], layer_bench.create_model
     monkeypatch.setattr(layer_bench, "create_model", lambda *a, **k: built.append(create(*a, **k)) or built[-1])
     monkeypatch.setattr(layer_bench, "time_forward", lambda *args: layer_bench.Timing(1.0, None, 1.0, 1.0))
-    layer_bench.time_layer("performer", 64, 2, torch.device("cpu"), options={"backend": "torch"})
-    assert built[0].backend == "torch"
-    with pytest.raises(ValueError, match="linear has one execution"):
-        layer_bench.time_layer("linear", 64, 2, torch.device("cpu"), options={"backend": "torch"})
+    layer_bench.time_layer("performer", 64, 2, torch.device("cpu"),
+                           options={"backend": "torch", "recompute": False, "chunk_size": 16})
+    assert (built[0].backend, built[0].recompute, built[0].chunk_size) == ("torch", False, 16)
+    with pytest.raises(SystemExit, match="no option.*backend.*its settings of how it runs: chunk_size, compile_core"):
+        layer_bench.parse_variants("linear:backend=torch")
+    with pytest.raises(SystemExit, match="gla: scan must be 'auto', 'fla', 'chunked', 'recurrent', got 'fast'"):
+        layer_bench.parse_variants("gla:scan=fast")
 
 
 def test_a_variant_may_time_the_training_path_with_attention_dropout(monkeypatch):

@@ -357,3 +357,35 @@ def test_pathfinder_rows_on_an_older_generator_version_are_kept_apart():
         leaderboard.build_leaderboard(runs).set_index("task").at["pathfinder", "note"]
     assert cells.loc[("lra", "image"), "n_seeds"] == 2
     assert ("lra+superseded_data", "image") not in cells.index
+
+
+def test_rerun_spread_pools_repeats_of_one_seed_config_and_card_outside_deterministic_mode():
+    """Seed 0 twice (30, 34: variance 8 on 1 degree of freedom) and seed 1 twice (36, 36: 0 on 1) in default mode give
+    a pooled std of 2; a deterministic pair, a pair on two kinds of card and a pair of two configs are no reruns."""
+    def again(seed, test, config="a", device="H100", deterministic=False, ts="2026-01-01T00:00:00Z"):
+        return {**run("listops", "m", seed, test, test, ts=ts), "config_hash": config, "device": device,
+                "deterministic": deterministic}
+    rows = [again(0, 30.0), again(0, 34.0, ts="2026-01-02T00:00:00Z"), again(1, 36.0), again(1, 36.0),
+            again(2, 20.0, deterministic=True), again(2, 40.0, deterministic=True),
+            again(3, 20.0, device="H100"), again(3, 40.0, device="H200"),
+            again(4, 20.0, config="a"), again(4, 40.0, config="b")]
+    lb = leaderboard.build_leaderboard(pd.DataFrame(rows).reindex(columns=RUN_COLUMNS))
+    assert cell(lb, "m", "listops", "rerun_std") == pytest.approx(2.0)
+    assert cell(lb, "m", "listops", "n_reruns") == 2 and cell(lb, "m", "listops", "n_seeds") == 5
+    alone = leaderboard.build_leaderboard(pd.DataFrame(rows[6:]).reindex(columns=RUN_COLUMNS))
+    assert pd.isna(cell(alone, "m", "listops", "rerun_std")) and cell(alone, "m", "listops", "n_reruns") == 0
+
+
+def test_a_task_a_model_cannot_take_is_named_not_blank():
+    """axial mixes over the pixel grid: its ListOps, Text and Retrieval cells say why they are empty, in the CSV,
+    the console and the README table; its image cell is its own; a model with runs on every task gets no such cell."""
+    rows = [run("image", "axial", 0, 45.0, 44.0), run("image", "transformer", 0, 41.0, 40.0),
+            run("listops", "transformer", 0, 36.0, 35.0)]
+    lb = leaderboard.build_leaderboard(pd.DataFrame(rows).reindex(columns=RUN_COLUMNS))
+    for task in ("listops", "text", "retrieval"):
+        assert pd.isna(cell(lb, "axial", task)) and "2-D mixer" in cell(lb, "axial", task, "note")
+    assert cell(lb, "axial", "image") == pytest.approx(44.0)
+    assert not lb[(lb["model"] == "transformer") & lb["note"].str.startswith(leaderboard.NOT_TAKEN)].shape[0]
+    line = next(line for line in leaderboard.format_leaderboard(lb).splitlines() if line.startswith("axial "))
+    assert [c.strip() for c in line.split(leaderboard.CELL_SEPARATOR)][1:4] == ["n/a"] * 3
+    assert "| `axial` | n/a (2-D mixer) | n/a (2-D mixer) | **44.00** (1 seed) |" in leaderboard.readme_table(lb)

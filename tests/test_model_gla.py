@@ -18,6 +18,7 @@ from tests.mixer_checks import (
     assert_fast_scan_on_packed_rows_matches_chunked,
     assert_packed_rows_equal_each_example_alone,
     assert_reset_scan_equals_separate_pieces,
+    create,
 )
 
 BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len": 128}  # heads: Dk 4, Dv 8
@@ -25,7 +26,7 @@ BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len":
 
 def make(**options):
     torch.manual_seed(0)
-    m = create_model("gla", **BACKBONE, **options).double().eval()
+    m = create("gla", **BACKBONE, **options).double().eval()  # options may name how it runs (scan, ...)
     with torch.no_grad():  # gate logits spread over [-8, 3]: decays from ~1 down to ~0.6 per step
         for f in m.forget:
             f[1].bias.uniform_(-8.0, 3.0)

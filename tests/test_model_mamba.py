@@ -22,6 +22,7 @@ from tests.mixer_checks import (
     assert_fast_scan_on_packed_rows_matches_chunked,
     assert_packed_rows_equal_each_example_alone,
     assert_reset_scan_equals_separate_pieces,
+    create,
     packed_layout,
 )
 
@@ -30,7 +31,7 @@ BACKBONE = {"d_model": 16, "n_heads": 2, "d_qkv": 16, "dropout": 0.0, "max_len":
 
 def make(**options):
     torch.manual_seed(0)
-    m = create_model("mamba", **BACKBONE, **{"d_state": 8, **options}).double().eval()
+    m = create("mamba", **BACKBONE, **{"d_state": 8, **options}).double().eval()  # options may name scan, ...
     with torch.no_grad():  # spread dt, so the decays are far from 1 and mistakes in them show
         m.dt_bias.add_(torch.randn_like(m.dt_bias))
         m.D.normal_()
@@ -290,10 +291,10 @@ def test_scan_fla_off_cuda_and_a_misspelt_scan_are_refused():
     a name that is no scan (set on the built model, past the config's check) is an error too."""
     m = make(scan="fla")
     x, mask = torch.randn(1, 12, 16, dtype=torch.float64), torch.ones(1, 12, dtype=torch.bool)
-    with pytest.raises(ValueError, match="model.scan=fla .* CUDA only: here set model.scan=auto or chunked"):
+    with pytest.raises(ValueError, match=r"scan=fla \(trainer.mixer.scan\) .* CUDA only: here set scan=auto"):
         m(x, mask)
     m.scan = "chunkd"
-    with pytest.raises(ValueError, match="model.scan must be one of auto, fla, chunked, recurrent, got 'chunkd'"):
+    with pytest.raises(ValueError, match="scan must be one of auto, fla, chunked, recurrent, got 'chunkd'"):
         m(x, mask)
 
 
@@ -301,11 +302,11 @@ def test_scan_fla_off_cuda_and_a_misspelt_scan_are_refused():
 def test_scan_fla_on_cuda_runs_fla_or_says_why_it_cannot():
     """On a card where fla's kernels are refused (Hopper with Triton < 3.7.1) scan="fla" raises with the reason;
     elsewhere it runs them."""
-    m = create_model("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64, scan="fla").cuda()
+    m = create("mamba", d_model=32, n_heads=2, d_qkv=32, dropout=0.0, max_len=64, scan="fla").cuda()
     x, mask = torch.randn(2, 40, 32, device="cuda"), torch.ones(2, 40, dtype=torch.bool, device="cuda")
     reason = _scan.fla_refused(torch.cuda.current_device())
     if reason is not None:
-        with pytest.raises(RuntimeError, match="model.scan=fla: .*3.7.1"):
+        with pytest.raises(RuntimeError, match=r"scan=fla \(trainer.mixer.scan\): .*3.7.1"):
             m(x, mask)
     else:
         pytest.importorskip("fla.ops.simple_gla")
@@ -349,7 +350,7 @@ def test_the_refusal_is_said_once_and_is_a_constant_to_a_compiled_model(monkeypa
         _scan.warn_once.cache_clear()
     assert all(torch.equal(o, torch.full_like(o, 2.0)) for o in outs)  # the refused branch (x + 1)
     assert [str(w.message) for w in caught] == ["fla is wrong here: running the scan in its chunked PyTorch form "
-                                                "(model.scan=chunked)"]
+                                                "(scan=chunked)"]
 
 
 @pytest.mark.gpu
@@ -369,7 +370,7 @@ def test_on_cuda_the_gradients_where_steps_forget_fast_are_cpu_fp64s(scan, compi
     CPU execution (eager or compiled, fp32 or bf16) gave the exact ones. Here that state, made up: the mixer on
     CUDA in bf16 autocast, as training runs it, against CPU fp64, a CLS-like loss on the first position."""
     torch.manual_seed(0)
-    m = create_model("mamba", d_model=128, n_heads=8, d_qkv=128, dropout=0.0, max_len=1025, scan=scan)
+    m = create("mamba", d_model=128, n_heads=8, d_qkv=128, dropout=0.0, max_len=1025, scan=scan)
     with torch.no_grad():
         m.dt_bias[1].fill_(7.0)  # the reversed pass: dt = softplus(raw + 7) up to thousands with the rows below
         rows = m.in_proj.weight[-m.n_heads :]  # the reversed pass's dt rows (the last of in_proj's outputs)

@@ -10,14 +10,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.text import Text
 from PIL import Image
 
-from lra.report import plot
+from lra.report import labels, plot
 from lra.report.results import BENCH_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU, CPU = "NVIDIA H100 80GB HBM3", "cpu (x86_64, 2 cores)"
 TASKS4 = ["listops", "text", "image", "pathfinder"]
+BACKBONE = "L4 d256 drop0.1/0.0"  # the bench's default: attention dropout 0
 
 
 def bench_rows() -> pd.DataFrame:
@@ -31,14 +33,14 @@ def bench_rows() -> pd.DataFrame:
             ok = status == "ok"
             rows.append(dict(model=m, task="text", seq_len=L, batch_size=32, status=status, precision="bf16",
                              steps_per_s=s if ok else None, examples_per_s=32 * s if ok else None,
-                             peak_mem_mb=mem[m] * L / 4096 if ok else None, device=GPU,
-                             timestamp=f"2026-01-0{i + 1}T00:00:00Z"))
-    # an older, slower transformer row at 4K (superseded) and a CPU row (another device)
-    old = dict(model="transformer", task="text", seq_len=4096, status="ok")
+                             peak_mem_mb=mem[m] * L / 4096 if ok else None, device=GPU, compiled=True,
+                             backbone=BACKBONE, timestamp=f"2026-01-0{i + 1}T00:00:00Z"))
+    # an older, slower transformer row at 4K (superseded) and a CPU row (another device; the bench runs eager there)
+    old = dict(model="transformer", task="text", seq_len=4096, status="ok", backbone=BACKBONE)
     rows.append(dict(old, batch_size=32, steps_per_s=1.0, examples_per_s=32.0, peak_mem_mb=100.0, precision="bf16",
-                     device=GPU, timestamp="2025-01-01T00:00:00Z"))
+                     device=GPU, compiled=True, timestamp="2025-01-01T00:00:00Z"))
     rows.append(dict(old, batch_size=2, steps_per_s=0.1, examples_per_s=0.2, peak_mem_mb=500.0, precision="fp32",
-                     device=CPU, timestamp="2025-06-01T00:00:00Z"))
+                     device=CPU, compiled=False, timestamp="2025-06-01T00:00:00Z"))
     return pd.DataFrame(rows).reindex(columns=BENCH_COLUMNS)
 
 
@@ -87,8 +89,8 @@ def test_bubble_points_keep_the_latest_ok_row_when_a_later_one_failed():
 def test_bubble_points_take_the_papers_batch_over_a_later_row_at_another_batch():
     """The bench also runs 4K at batch 8 (for the exponents over 4K-16K); the bubble stays on the batch-32 row."""
     later = dict(model="transformer", task="text", seq_len=4096, batch_size=8, status="ok", steps_per_s=99.0,
-                 precision="bf16", examples_per_s=8 * 99.0, peak_mem_mb=1500.0, device=GPU,
-                 timestamp="2026-03-01T00:00:00Z")
+                 precision="bf16", examples_per_s=8 * 99.0, peak_mem_mb=1500.0, device=GPU, compiled=True,
+                 backbone=BACKBONE, timestamp="2026-03-01T00:00:00Z")
     only8 = dict(later, model="sinkhorn", steps_per_s=50.0, examples_per_s=400.0)  # no batch-32 row: its batch 8
     bench = pd.concat([bench_rows(), pd.DataFrame([later, only8])], ignore_index=True)
     ours, _ = plot.bubble_points(bench, leaderboard_rows())
@@ -241,19 +243,19 @@ BOUNDS = (0.0, 0.0, 400.0, 300.0)
 def test_labels_of_coinciding_bubbles_do_not_overlap_and_clear_every_bubble():
     bubbles = [(200.0, 150.0, 10.0), (203.0, 152.0, 8.0), (206.0, 149.0, 9.0)]  # the paper's linear-model cluster
     sizes = [(60.0, 9.0)] * 3
-    placed = boxes(bubbles, sizes, plot.place_labels(bubbles, sizes, BOUNDS))
+    placed = boxes(bubbles, sizes, labels.place_labels(bubbles, sizes, BOUNDS))
     assert not any(overlap(a, b) for a, b in itertools.combinations(placed, 2))
     assert not any(hits(box, bubble) for box in placed for bubble in bubbles)
     assert all(BOUNDS[0] <= b[0] and b[2] <= BOUNDS[2] and BOUNDS[1] <= b[1] and b[3] <= BOUNDS[3] for b in placed)
 
 
 def test_a_label_goes_below_its_bubble_unless_that_is_taken():
-    alone = plot.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS)
+    alone = labels.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS)
     assert alone == [(0.0, -(10.0 + 2.0 + 4.0))]  # just below: the paper's figure
-    assert plot.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS, centre_first=[True]) == [(0.0, 0.0)]
+    assert labels.place_labels([(100.0, 100.0, 10.0)], [(40.0, 8.0)], BOUNDS, centre_first=[True]) == [(0.0, 0.0)]
     below = [(100.0, 100.0, 10.0), (100.0, 80.0, 6.0)]  # a bubble where the label would go
-    assert plot.place_labels(below, [(40.0, 8.0)] * 2, BOUNDS)[0] == (0.0, 16.0)  # above instead
-    assert plot.place_labels([(100.0, 5.0, 10.0)], [(40.0, 8.0)], BOUNDS) == [(0.0, 16.0)]  # at the bottom edge
+    assert labels.place_labels(below, [(40.0, 8.0)] * 2, BOUNDS)[0] == (0.0, 16.0)  # above instead
+    assert labels.place_labels([(100.0, 5.0, 10.0)], [(40.0, 8.0)], BOUNDS) == [(0.0, 16.0)]  # at the bottom edge
 
 
 def test_drawn_labels_do_not_collide():
@@ -263,10 +265,109 @@ def test_drawn_labels_do_not_collide():
     ax = fig.axes[0]
     renderer = fig.canvas.get_renderer()
     fig.canvas.draw()
-    labels = [t for t in ax.texts if t.get_text()]
-    assert {"transformer", "performer (LRA)", "linformer (LRA)"} <= {t.get_text() for t in labels}
-    extents = [t.get_window_extent(renderer) for t in labels]
-    assert not [(a, b) for (a, ea), (b, eb) in itertools.combinations(zip(labels, extents), 2) if ea.overlaps(eb)]
+    texts = [t for t in ax.texts if t.get_text()]
+    assert {"transformer", "performer (LRA)", "linformer (LRA)"} <= {t.get_text() for t in texts}
+    extents = [text_extent(t, renderer) for t in texts]
+    assert not [(a, b) for (a, ea), (b, eb) in itertools.combinations(zip(texts, extents), 2) if ea.overlaps(eb)]
+
+
+def text_extent(text, renderer):
+    """A label's own box in display pixels: an annotation's extent would include its leader line."""
+    return Text.get_window_extent(text, renderer)
+
+
+def drawn_bubbles(fig, ours: pd.DataFrame, paper: pd.DataFrame) -> dict[str, tuple[np.ndarray, float]]:
+    """label text -> (centre, radius) in display pixels of the bubble it names, read off the drawn collections
+    (ours: gid ``ours``, labelled by model; the paper's: gid ``published``, "<model> (LRA)"), in points' order."""
+    ax, out = fig.axes[0], {}
+    for gid, points, fmt in (("ours", ours, "{}"), ("published", paper, "{} (LRA)")):
+        for coll in (c for c in ax.collections if c.get_gid() == gid):
+            centres = ax.transData.transform(coll.get_offsets())
+            radii = np.broadcast_to(np.sqrt(coll.get_sizes()) / 2 * fig.dpi / 72, len(centres))
+            out.update({fmt.format(m): (c, r) for m, c, r in zip(points["model"], centres, radii, strict=True)})
+    return out
+
+
+def misplaced_labels(fig, ours: pd.DataFrame, paper: pd.DataFrame) -> list[str]:
+    """Each drawn label that does not name its own bubble: one nearer another bubble's edge (or as near), or further
+    from its own than one and a half label heights; a label with a leader line instead, where the line does not end
+    nearer its own bubble's centre than any other's."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bubbles = drawn_bubbles(fig, ours, paper)
+
+    def gap(box, bubble):
+        (x, y), r = bubble
+        return math.hypot(min(max(x, box.x0), box.x1) - x, min(max(y, box.y0), box.y1) - y) - r
+
+    wrong = []
+    texts = [t for t in fig.axes[0].texts if t.get_text() in bubbles]
+    assert sorted(t.get_text() for t in texts) == sorted(bubbles)  # one label per bubble
+    for t in texts:
+        name, box = t.get_text(), text_extent(t, renderer)
+        if t.arrow_patch is not None:  # drawn in display pixels: where the leader line ends
+            end = t.arrow_patch.get_path().vertices[-1]
+            nearest = min(bubbles, key=lambda o: np.hypot(*(bubbles[o][0] - end)))
+            wrong += [f"{name}: its line ends at {nearest}"] if nearest != name else []
+            continue
+        own = gap(box, bubbles[name])
+        closer = [o for o, b in bubbles.items() if o != name and gap(box, b) <= own]
+        if closer or own > 1.5 * box.height:
+            wrong.append(f"{name}: {own:.1f} px from its bubble, no nearer than {closer}")
+    return wrong
+
+
+def committed_bubble_charts():
+    """The bubble charts of the committed results (5, 4 and 2 tasks), as ``python -m lra.plot`` draws them, each
+    with the points it draws."""
+    bench, board, runs = (pd.read_csv(ROOT / "results" / f"{n}.csv") for n in ("bench", "leaderboard", "runs"))
+    for tasks in (None, TASKS4, ["listops", "image"]):
+        ours, missing = plot.bubble_points(bench, board, 4096, None, tasks)
+        device, attrs = ours.attrs["device"], ours.attrs
+        ours = ours.merge(plot.average_spread(runs, tasks), on="model", how="left")
+        ours.attrs = attrs
+        paper = plot.paper_points(published(), 4096, tasks)
+        fig = plot.draw_bubbles(ours, paper, missing, length=4096, device=device, tasks=tasks,
+                                x_range=plot.speed_range(bench, 4096, device, published()))
+        yield tasks, fig, ours, paper
+
+
+def test_every_label_of_the_committed_bubble_charts_names_its_own_bubble():
+    """Read back from the drawn charts: each label is nearer its own bubble than any other (the paper's transformer
+    label once sat on the synthesizer's circle, our longformer's away from its bubble), or draws a line to it."""
+    for tasks, fig, ours, paper in committed_bubble_charts():
+        assert not misplaced_labels(fig, ours, paper), tasks
+
+
+def test_every_label_of_a_crowded_bubble_chart_names_its_own_bubble():
+    """A cluster of ours of several sizes (near-equal speeds and scores, as the linear models' at 4K) beside the
+    paper's points: no label nearer another bubble, none over another label."""
+    speeds = {"a": 1000, "bb": 1040, "ccc": 1090, "dddd": 1010, "eeeee": 1150, "f": 700, "gg": 1300, "hhh": 980}
+    scores = {"a": 36.0, "bb": 36.3, "ccc": 35.8, "dddd": 35.5, "eeeee": 36.1, "f": 36.2, "gg": 35.9, "hhh": 36.6}
+    ours = pd.DataFrame([dict(model=m, x=x, y=scores[m], mem_gb=1 + i % 4) for i, (m, x) in enumerate(speeds.items())])
+    paper = plot.paper_points(published())
+    fig = plot.draw_bubbles(ours, paper, length=4096)
+    assert not misplaced_labels(fig, ours, paper)
+    renderer = fig.canvas.get_renderer()
+    extents = [text_extent(t, renderer) for t in fig.axes[0].texts if t.get_text()]
+    assert not [(a, b) for a, b in itertools.combinations(extents, 2) if a.overlaps(b)]
+
+
+def test_each_row_label_of_the_accuracy_chart_sits_on_its_own_row():
+    """The accuracy chart's labels are its y tick labels: each one's centre is nearer its own row's marker than any
+    other row's, in the committed leaderboard's chart."""
+    board, runs = (pd.read_csv(ROOT / "results" / f"{n}.csv") for n in ("leaderboard", "runs"))
+    points = plot.accuracy_points(board, "listops", runs)
+    fig = plot.draw_accuracy(points, "listops")
+    fig.canvas.draw()
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    rows = {m: ax.transData.transform((mean, y))[1]
+            for m, mean, y in zip(points["model"], points["mean"], ax.get_yticks(), strict=True)}
+    for tick in ax.get_yticklabels():
+        model = tick.get_text().split("\n")[0]
+        box = tick.get_window_extent(renderer)
+        centre = (box.y0 + box.y1) / 2
+        assert min(rows, key=lambda m: abs(rows[m] - centre)) == model
 
 
 # --- the bubble chart drawn -----------------------------------------------------------------------------------
@@ -380,29 +481,122 @@ def test_accuracy_chart_draws_and_saves(tmp_path):
 # --- speed and memory against length -------------------------------------------------------------------------
 
 
+def latest_rows(bench: pd.DataFrame, device: str = GPU) -> pd.DataFrame:
+    """The test's own reading of the rule: the latest ok row per model, length and batch on ``device``."""
+    rows = bench[(bench["status"] == "ok") & (bench["device"] == device)].sort_values("timestamp", kind="stable")
+    return rows.drop_duplicates(["model", "seq_len", "batch_size"], keep="last").set_index(
+        ["model", "seq_len", "batch_size"])
+
+
+def drawn_lines(fig) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """panel title -> model -> (x, y) of the line drawn for it (its gid), read back from the figure."""
+    return {ax.get_title(): {line.get_gid(): (np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float))
+                             for line in ax.get_lines() if line.get_gid() and "(" not in line.get_gid()}
+            for ax in fig.axes if ax.get_title()}
+
+
 def test_length_points_are_the_latest_ok_rows():
-    points = plot.length_points(bench_rows(), "steps_per_s")
-    assert list(points.columns) == ["model", "batch_size", "seq_len", "value", "x"]
+    """Each point drawn is a row of the CSV: its model's latest ok row at that length on the card, its value that
+    row's examples/s; the superseded 4K row, the failed one and the CPU's are not drawn."""
+    bench = bench_rows()
+    points = plot.length_points(bench, "examples_per_s")
+    assert list(points.columns) == ["model", "family", "batch_size", "seq_len", "value", "x"]
+    latest = latest_rows(bench)
+    assert len(points) == len(latest)  # every such row once, no other
+    for p in points.itertuples():
+        assert p.value == pytest.approx(latest.at[(p.model, p.seq_len, p.batch_size), "examples_per_s"])
     by_model = {m: g for m, g in points.groupby("model")}
-    assert set(by_model) == {"transformer", "local", "linear", "performer", "reformer"}
-    assert list(by_model["transformer"]["seq_len"]) == [1024, 2048, 4096]
-    assert list(by_model["transformer"]["value"]) == pytest.approx([26.5 * 4, 26.5 * 2, 26.5])  # not the old row
-    assert len(by_model["reformer"]) == 2  # its 4K OOM has no point
-    assert (points["x"] == points["seq_len"]).all()  # no two speed series coincide: nothing is shifted
+    assert list(by_model["transformer"]["value"]) == pytest.approx([32 * 26.5 * 4, 32 * 26.5 * 2, 32 * 26.5])
+    assert list(by_model["reformer"]["seq_len"]) == [1024, 2048]  # its 4K OOM has no point
+    assert (points["x"] == points["seq_len"]).all()  # no two speed series of a panel coincide: nothing is shifted
+    assert dict(zip(points["model"], points["family"])) == {
+        "linear": "kernels", "local": "fixed patterns", "performer": "kernels",
+        "reformer": "memory, learnable patterns", "transformer": "exact attention"}  # the registry's taxonomy
 
 
-def test_equal_memory_series_are_drawn_side_by_side():
-    """transformer and local use the same memory at every length: one would hide the other, so they are shifted
-    apart in x by the same small step at every length; the other series keep their x."""
-    points = plot.length_points(bench_rows(), "peak_mem_mb")
-    assert plot.coinciding_groups(points) == [["local", "transformer"]]
+def test_one_point_per_model_and_length_the_batch_32_row_at_4k():
+    """LRA's protocol runs 4K at batch 32 and the exponents' sweep at batch 8: the chart draws one 4K point per
+    model, the batch-32 row where both exist, else the batch-8 one; memory is per example (peak / batch)."""
+    rows = bench_rows()
+    at8 = [dict(model=m, task="text", seq_len=n, batch_size=8, status="ok", precision="bf16", steps_per_s=v,
+                examples_per_s=8 * v, peak_mem_mb=1000.0 * n / 4096, device=GPU, compiled=True, backbone=BACKBONE,
+                timestamp="2026-02-01T00:00:00Z")
+           for m, v in (("transformer", 90.0), ("sinkhorn", 80.0)) for n in (4096, 16384)]
+    bench = pd.concat([rows, pd.DataFrame(at8)], ignore_index=True)
+    for metric, column in (("examples_per_s", "examples_per_s"), ("peak_mem_mb", "peak_mem_mb")):
+        points = plot.length_points(bench, metric)
+        assert not points.duplicated(["model", "seq_len"]).any()
+        at = points.set_index(["model", "seq_len"])
+        assert at.at[("transformer", 4096), "batch_size"] == 32 and at.at[("sinkhorn", 4096), "batch_size"] == 8
+        assert at.at[("transformer", 16384), "batch_size"] == 8
+        latest = latest_rows(bench)
+        for p in points.itertuples():
+            row = latest.loc[(p.model, p.seq_len, p.batch_size)]
+            per_example = row[column] / (p.batch_size if column == "peak_mem_mb" else 1)
+            assert p.value == pytest.approx(per_example)
+    fig = plot.length_chart(bench, "examples_per_s")
+    assert "(batch 32 at 1K-4K, 8 at 4K-16K, hollow markers batch 8)" in fig.get_suptitle()
+    x, y = drawn_lines(fig)["exact attention"]["transformer"]
+    assert list(x) == [1024, 2048, 4096, 16384] and y[2] == pytest.approx(32 * 26.5)  # 4K once, batch 32's
+
+
+def test_length_charts_draw_the_benchs_own_protocol_only():
+    """Rows timed another way (eager on a GPU, attention dropout, another compile mode) and a model's variant are
+    not drawn, however late; on the CPU, where the bench runs eager, the eager rows are."""
+    base = dict(task="text", seq_len=1024, batch_size=32, status="ok", precision="bf16", steps_per_s=500.0,
+                examples_per_s=16000.0, peak_mem_mb=10.0, device=GPU, compiled=True, backbone=BACKBONE,
+                timestamp="2026-03-01T00:00:00Z")
+    others = [dict(base, model="local", compiled=False), dict(base, model="linear", backbone="L4 d256 drop0.1/0.1"),
+              dict(base, model="performer", compile_mode="reduce-overhead"),
+              dict(base, model="local(window=64)")]
+    points = plot.length_points(pd.concat([bench_rows(), pd.DataFrame(others)], ignore_index=True), "examples_per_s")
+    assert 16000.0 not in set(points["value"]) and "local(window=64)" not in set(points["model"])
+    cpu = plot.length_points(bench_rows(), "examples_per_s", device=CPU)
+    assert list(zip(cpu["model"], cpu["seq_len"], cpu["value"])) == [("transformer", 4096, 0.2)]
+
+
+def test_a_row_contradicted_by_a_later_one_on_another_card_is_not_drawn():
+    """An H100 row of one model (its speed a thirtieth of the transformer's) that a later H200 row of the same
+    model, shape and protocol contradicts (four tenths of the H200's transformer): the H100's chart leaves it out,
+    as do the tables. Within a factor of CONTRADICTS a row stands, and a later row is never dropped for an earlier
+    one (at 2K the H100's row is the later: the H200's gives way)."""
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+    def row(model, device, speed, rel, ts, n=1024):
+        return dict(model=model, task="text", seq_len=n, batch_size=32, status="ok", precision="bf16",
+                    steps_per_s=speed, examples_per_s=32 * speed, peak_mem_mb=3000.0, rel_speed=rel, device=device,
+                    compiled=True, backbone=BACKBONE, timestamp=ts)
+    bench = pd.DataFrame([row("transformer", h100, 90.0, 1.0, "2026-01-01T00:00:00Z"),
+                          row("deberta", h100, 2.1, 2.1 / 90, "2026-01-01T00:01:00Z"),
+                          row("linear", h100, 60.0, 60 / 90, "2026-01-01T00:02:00Z"),
+                          row("transformer", h200, 100.0, 1.0, "2026-01-02T00:00:00Z"),
+                          row("deberta", h200, 38.0, 0.38, "2026-01-02T00:01:00Z"),
+                          row("linear", h200, 150.0, 1.5, "2026-01-02T00:02:00Z"),  # 2.25x apart: stands
+                          row("deberta", h100, 2.0, 2.0 / 90, "2026-01-01T00:03:00Z", n=2048),
+                          row("deberta", h200, 30.0, 0.3, "2025-12-01T00:00:00Z", n=2048)])  # earlier: no say
+    points = plot.length_points(bench, "examples_per_s", device=h100)
+    assert set(zip(points["model"], points["seq_len"])) == {("transformer", 1024), ("linear", 1024),
+                                                             ("deberta", 2048)}
+    from lra.report.leaderboard import bench_table, latest_bench_rows
+
+    dropped = bench.drop(latest_bench_rows(bench).index)
+    assert set(zip(dropped["device"], dropped["seq_len"])) == {(h100, 1024), (h200, 2048)}  # the later row stands
+    assert "| deberta | – | 2.0 (0.02x) |" in bench_table(bench, device=h100)
+
+
+def test_equal_memory_series_of_a_panel_are_drawn_side_by_side():
+    """local and sparse (one panel: fixed patterns) use the same memory at every length: one would hide the other,
+    so they are shifted apart in x by the same small step at every length; the other series keep their x, the
+    transformer too (its memory is theirs, but it is drawn in its own panel and beneath as the reference)."""
+    rows = bench_rows()
+    sparse = rows[(rows.model == "local") & (rows.device == GPU)].assign(
+        model="sparse", steps_per_s=lambda d: d.steps_per_s / 2, examples_per_s=lambda d: d.examples_per_s / 2)
+    points = plot.length_points(pd.concat([rows, sparse], ignore_index=True), "peak_mem_mb")
+    assert plot.coinciding_groups(points[points.family == "fixed patterns"]) == [["local", "sparse"]]
     octaves = np.log2(points["x"] / points["seq_len"]).groupby(points["model"]).agg(["min", "max"])
     assert octaves.loc["local"].tolist() == pytest.approx([-0.025, -0.025])
-    assert octaves.loc["transformer"].tolist() == pytest.approx([0.025, 0.025])
-    assert (octaves.loc[["linear", "performer", "reformer"]] == 0).all().all()
-    fig = plot.length_chart(bench_rows(), "peak_mem_mb")
-    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-    assert lines["transformer"].get_zorder() < lines["local"].get_zorder()  # the baseline beneath
+    assert octaves.loc["sparse"].tolist() == pytest.approx([0.025, 0.025])
+    assert (octaves.loc[["linear", "performer", "reformer", "transformer"]] == 0).all().all()
 
 
 def test_log_axes_label_enough_ticks():
@@ -413,27 +607,74 @@ def test_log_axes_label_enough_ticks():
     ax = plot.length_chart(bench_rows(), "peak_mem_mb").axes[0]
     lo, hi = ax.get_ylim()
     assert ax.get_yscale() == "log" and len([v for v in ax.get_yticks() if lo <= v <= hi]) >= 3
-    assert "10,000" in [t.get_text() for t in ax.get_yticklabels()]
+    assert "100" in [t.get_text() for t in ax.get_yticklabels()]
 
 
-def test_length_chart_with_two_batch_sizes():
-    """LRA's protocol changes the batch beyond 4K: one colour, marker and legend entry per model, one segment per
-    batch size, and the title says which batch ran where."""
+def test_the_length_chart_draws_its_points_one_panel_per_family():
+    """Read back from the figure: one panel per family of the drawn models, each model's line in its family's panel
+    through its points (hollow markers at the smaller batch), no two lines of a panel in one colour, the transformer
+    a reference in every other panel, and every legend inside the figure, over no other panel."""
     rows = bench_rows()
     long = rows[(rows.seq_len == 4096) & rows.model.isin(["transformer", "local"]) & (rows.device == GPU)]
     long = long.drop_duplicates("model", keep="last").assign(seq_len=16384, batch_size=8,
                                                              timestamp="2026-02-01T00:00:00Z")
     bench = pd.concat([rows, long])
-    points = plot.length_points(bench, "steps_per_s")
-    assert points[points.model == "local"].groupby("batch_size")["seq_len"].apply(list).to_dict() == {
-        8: [16384], 32: [1024, 2048, 4096]}
-    ax = plot.length_chart(bench, "steps_per_s").axes[0]
-    (local,) = [line for line in ax.get_lines() if line.get_label() == "local"]
-    segments = [line for line in ax.get_lines() if line.get_color() == local.get_color()]
-    assert len(ax.get_lines()) == 7 and len(segments) == 2 and segments[0].get_marker() == segments[1].get_marker()
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["linear", "local", "performer", "reformer",
-                                                                   "transformer"]
-    assert "batch 32 at 1K-4K, 8 at 16K" in ax.get_title()
+    points = plot.length_points(bench, "examples_per_s")
+    fig = plot.length_chart(bench, "examples_per_s")
+    lines = drawn_lines(fig)
+    assert list(lines) == ["exact attention", "fixed patterns", "memory, learnable patterns", "kernels"]
+    for panel, models in lines.items():
+        own = points[points["family"] == panel]
+        assert set(models) - {"reference"} == set(own["model"])
+        for model, (x, y) in models.items():
+            g = points[points["model"] == ("transformer" if model == "reference" else model)]
+            assert list(x) == pytest.approx(list(g["x"])) and list(y) == pytest.approx(list(g["value"]))
+        assert ("reference" in models) == (panel != "exact attention")
+    for ax in fig.axes:
+        colours = [line.get_color() for line in ax.get_lines() if line.get_gid() and "(" not in line.get_gid()]
+        assert len(set(map(str, colours))) == len(colours)
+        hollow = [line for line in ax.get_lines() if str(line.get_gid()).endswith("(smaller batch)")]
+        assert all(len(line.get_xdata()) == (line.get_gid().startswith(("local", "transformer"))) for line in hollow)
+    assert not misfit_legends(fig)
+
+
+def misfit_legends(fig) -> list[str]:
+    """Each panel's legend that leaves the figure or lies over another panel, measured after the draw."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    page = fig.bbox
+    wrong = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        if not (page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1):
+            wrong.append(f"{ax.get_title()}: outside the figure")
+        wrong += [f"{ax.get_title()}: over {other.get_title()}" for other in fig.axes
+                  if other is not ax and other.axison and box.overlaps(other.get_window_extent(renderer))]
+    return wrong
+
+
+def test_the_committed_length_charts_draw_the_latest_rows_with_legends_that_fit():
+    """The charts of the committed bench, as ``python -m lra.plot`` draws them: every point a latest row of the CSV
+    under the bench's protocol, one per model and length, distinct colours within a panel, legends that fit."""
+    from lra.report.leaderboard import headline_bench_rows
+
+    bench = pd.read_csv(ROOT / "results" / "bench.csv")
+    for metric in ("examples_per_s", "peak_mem_mb"):
+        points = plot.length_points(bench, metric)
+        assert len(points) and not points.duplicated(["model", "seq_len"]).any()
+        rows = headline_bench_rows(bench)
+        card = plot.pick_device(rows)
+        rows = rows[rows["device"] == card].set_index(["model", "seq_len", "batch_size"])
+        assert points.set_index(["model", "seq_len", "batch_size"]).index.isin(rows.index).all()
+        fig = plot.length_chart(bench, metric)
+        assert not misfit_legends(fig)
+        for ax in fig.axes:
+            colours = [str(line.get_color()) for line in ax.get_lines()
+                       if line.get_gid() and "(" not in line.get_gid()]
+            assert len(set(colours)) == len(colours), ax.get_title()
 
 
 # --- the command line and the files ---------------------------------------------------------------------------

@@ -218,3 +218,19 @@ def test_every_preset_builds_and_runs_on_a_32x32_image(task, model):
     with torch.no_grad():
         logits = net(tokens)
     assert logits.shape == (1, 10) and torch.isfinite(logits).all()
+
+
+# experiment=trainable: LRA's protocol and these changes alone (conf/experiment/trainable.yaml, docs/protocol.md)
+TRAINABLE = {"listops": {"backbone.pooling": "mean"}, "pathfinder": {"backbone.positions": "learned"},
+             "listops/performer": {"model.n_features": 256, "model.redraw_every": 1000}}
+
+
+@pytest.mark.parametrize("task", ["listops", "text", "image", "pathfinder"])
+def test_trainable_is_lra_with_only_its_named_changes(task):
+    for model in LRA_MODELS:
+        lra = flat(OmegaConf.to_container(composed(task, model)))
+        trainable = flat(OmegaConf.to_container(composed(task, model, "trainable")))
+        changed = {key: value for key, value in trainable.items() if lra.get(key) != value}
+        want = {"experiment": "trainable", **TRAINABLE.get(task, {}), **TRAINABLE.get(f"{task}/{model}", {})}
+        assert changed == {k: v for k, v in want.items() if lra.get(k) != v}, model
+        assert set(trainable) == set(lra), model

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch
 import lra.train.run as runner
 from lra.data import Split
 from lra.errors import ConfigError, DataError
+from lra.provenance import departures
 from lra.report.results import RUN_COLUMNS, curve_path
 from lra.train import engine
 from lra.train.checkpoint import RunFiles
@@ -566,49 +568,34 @@ class Scaled(torch.nn.Module):
         return 2.0 * self.model(*args, **kw)
 
 
-def test_gradient_disagreement_is_rounding_for_a_compiled_model_and_large_for_a_wrong_one():
-    """The compile check's measure: a model through torch.compile (here Inductor's CPU code) has its eager gradients
-    to rounding; a model whose compiled numbers are wrong is named with the parameter that differs most."""
-    from lra.train.encoder import Classifier, Encoder
-
-    torch.manual_seed(0)
-    enc = Encoder("transformer", {}, vocab_size=20, seq_len=32, n_layers=1, d_model=16, n_heads=2, d_qkv=16,
-                  d_ff=16, dropout=0.1, attn_dropout=0.1, positions="learned", cls_token=True)
-    model = Classifier(enc, 16, 16, 3, "cls").train()
-    tokens, labels = torch.randint(1, 20, (4, 32)), torch.tensor([0, 1, 2, 1])
-    torch._dynamo.reset()
-    name, error, got, want = engine.gradient_disagreement(model, torch.compile(model), (tokens,), labels)
-    assert error < 1e-4 and model.training and all(p.grad is None for p in model.parameters())  # left as found
-    name, error, got, want = engine.gradient_disagreement(model, Scaled(model), (tokens,), labels)
-    assert error > engine.GRADIENT_TOLERANCE and got != want and name in dict(model.named_parameters())
-
-
 def test_a_model_compiled_to_other_gradients_trains_eagerly_with_auto_and_stops_with_true(smoke_cfg, monkeypatch,
                                                                                             caplog):
-    """trainer.compile_check: before the first step, the compiled model's gradients against the eager model's.
-    Wrong ones (as Inductor's CUDA code gave Mamba) make a compile=auto run train eagerly, saying so, and stop a
-    compile=true run with the parameter and the way out; right ones leave the run compiled."""
+    """trainer.compile_check: before the first step, the compiled model's gradients and the eager model's, each
+    against float64's. Wrong ones (as Inductor's CUDA code gave Mamba) make a compile=auto run train eagerly, naming
+    the parameter and both errors, and stop a compile=true run with the way out; right ones leave the run compiled."""
     monkeypatch.setattr(engine, "resolve_compile", lambda flag, device: True)
     monkeypatch.setattr(torch, "compile", Scaled)
     args = (*TINY, "schedule.steps=2", "schedule.eval_every=2", "trainer.compile_check=true")
     row = runner.run(smoke_cfg(*args, "trainer.compile=auto"))
     assert row["status"] == "ok" and row["compiled"] is False
     assert "other gradients than the eager model" in caplog.text and "training it eagerly" in caplog.text
-    assert "compile check: torch.compile gives" in (Path(row["run_dir"]) / "compile_error.txt").read_text()
-    with pytest.raises(RuntimeError, match="other gradients .* trainer.compile=auto trains eagerly instead"):
+    trace = (Path(row["run_dir"]) / "compile_error.txt").read_text()
+    assert "compile check: torch.compile gives" in trace and "of its size off float64's compiled, " in trace
+    assert re.search(r"compiled, \S+ eager \(bound 4 x eager \+ 2\.0e-03 = \S+\) in fp32, on 4 training rows", trace)
+    with pytest.raises(RuntimeError, match="other gradients .* trainer.compile=auto runs it eagerly instead"):
         runner.run(smoke_cfg(*args, "trainer.compile=true", "resume=false"))
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # compiled to the same numbers
     caplog.clear()
     caplog.set_level(logging.INFO)
     row = runner.run(smoke_cfg(*args, "trainer.compile=true", "resume=false"))
-    assert row["compiled"] is True and "the compiled gradients are the eager ones" in caplog.text
+    assert row["compiled"] is True and "the compiled gradients are the model's" in caplog.text
 
 
 def test_the_check_runs_under_the_runs_bf16_where_its_fp32_graphs_do_not_compile(smoke_cfg, monkeypatch, caplog):
     """DeBERTa's fp32 graphs fail to compile for CUDA where its bf16 training graphs compile: the check then runs
-    under the run's autocast, with bf16's tolerance, and decides as in fp32; where nothing compiles it says the
-    gradients are unchecked."""
-    sign = {"logits": -1.0}  # negated logits: other gradients by far more than bf16's tolerance
+    under the run's autocast, compiled bf16 and eager bf16 each against float64 (bf16's floor), and decides as in
+    fp32; where nothing compiles it says the gradients are unchecked."""
+    sign = {"logits": -1.0}  # negated logits: other gradients by far more than bf16's rounding
 
     class CompilesUnderAutocastOnly(torch.nn.Module):
         def __init__(self, model, **kwargs):
@@ -626,11 +613,12 @@ def test_the_check_runs_under_the_runs_bf16_where_its_fp32_graphs_do_not_compile
     args = (*TINY, "schedule.steps=2", "schedule.eval_every=2", "trainer.compile_check=true", "trainer.compile=auto")
     row = runner.run(smoke_cfg(*args, "trainer.precision=bf16"))
     assert row["compiled"] is False and "compile check: torch.compile failed on it in fp32" in caplog.text
-    assert "training rows in bf16" in (Path(row["run_dir"]) / "compile_error.txt").read_text()
-    sign["logits"] = 1.1  # off by more than fp32's tolerance, within bf16's rounding
+    assert ") in bf16, on 4 training rows" in (Path(row["run_dir"]) / "compile_error.txt").read_text()
+    sign["logits"] = 1.01  # off by more than fp32's floor, within bf16's
     caplog.clear()
     row = runner.run(smoke_cfg(*args, "trainer.precision=bf16", "resume=false"))
-    assert row["compiled"] is True and "the compiled gradients are the eager ones in bf16" in caplog.text
+    assert row["compiled"] is True and "the compiled gradients are the model's" in caplog.text
+    assert "in bf16)" in caplog.text
     caplog.clear()
     runner.run(smoke_cfg(*args, "trainer.precision=fp32", "resume=false"))  # compiles nowhere: training falls back
     assert "the compiled gradients are unchecked" in caplog.text
@@ -769,9 +757,34 @@ def test_mixer_backend_sets_how_every_mixer_runs_and_leaves_the_config_hash(smok
     rows = len(pd.read_csv(tmp_path / "results" / "runs.csv"))
     with pytest.raises(ConfigError, match="trainer.mixer_backend=fused: etc: backend must be one of auto, explicit"):
         runner.run(smoke_cfg(*base, "trainer.mixer_backend=fused", "resume=false"))
-    with pytest.raises(ConfigError, match="linear has one execution"):
+    with pytest.raises(ConfigError, match="trainer.mixer_backend=flex: linear: backend is not a setting of how it "
+                                          "runs \\(its settings: chunk_size, compile_core\\)"):
         runner.run(smoke_cfg(*TINY, "model=linear", "schedule.steps=2", "trainer.mixer_backend=flex"))
     assert len(pd.read_csv(tmp_path / "results" / "runs.csv")) == rows  # no row for either
+
+
+def test_trainer_mixer_sets_any_setting_of_how_the_mixers_run_and_leaves_the_config_hash(smoke_cfg, monkeypatch):
+    """``+trainer.mixer.<setting>=<value>`` sets that attribute (``models.base.execution_settings``) on every mixer
+    built, as trainer.mixer_backend sets the backend: the row's hash is the default's (a run resumes under another
+    setting) and its overrides change nothing the preset computes. A value the mixer does not allow, a setting it
+    lacks, or the backend given twice, stops the run before it starts."""
+    built = []
+    build = engine.build_model
+    monkeypatch.setattr(engine, "build_model", lambda *args: built.append(build(*args)) or built[-1])
+    base = (*TINY, "model=gla", "schedule.steps=2", "schedule.eval_every=2")
+    row = runner.run(smoke_cfg(*base, "+trainer.mixer.scan=recurrent", "+trainer.mixer.chunk_size=8"))
+    mixers = [m for m in built[0].modules() if type(m).__name__ == "GLA"]
+    assert mixers and {(m.scan, m.chunk_size) for m in mixers} == {("recurrent", 8)} and row["status"] == "ok"
+    assert row["config_hash"] == runner.run(smoke_cfg(*base, "resume=false"))["config_hash"]
+    assert departures("model=gla +trainer.mixer.scan=fla +trainer.mixer={scan:fla}") == []
+    for bad, message in (("+trainer.mixer.scan=fast", "trainer.mixer.scan=fast: gla: scan must be 'auto'"),
+                         ("+trainer.mixer.recompute=false", "trainer.mixer.recompute=False: gla: recompute is not a "
+                                                            "setting of how it runs"),
+                         ("+trainer.mixer.backend=dense", "gla: backend is not a setting")):
+        with pytest.raises(ConfigError, match=message):
+            runner.run(smoke_cfg(*base, bad, "resume=false"))
+    with pytest.raises(ConfigError, match="the backend is given twice"):
+        runner.run(smoke_cfg(*TINY, "model=etc", "trainer.mixer_backend=sdpa", "+trainer.mixer.backend=flex"))
 
 
 def test_a_run_shorter_than_its_timing_warm_up_says_its_speed_was_not_timed(smoke_cfg, caplog):

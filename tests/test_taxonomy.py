@@ -1,5 +1,6 @@
-"""python -m lra.taxonomy: the survey's table from the registry, with exponents fitted from the bench; the README's
-copy is the generated one."""
+"""python -m lra.taxonomy: the survey's table from the registry, with exponents fitted from the layer bench over the
+lengths where a layer is compute-bound (the bench's whole step by the same rule); the README's copy is the generated
+one."""
 from __future__ import annotations
 
 import math
@@ -27,6 +28,63 @@ def bench(model, ms, lengths=(4096, 8192, 16384), batch=8, device="GPU", status=
                  device=device, timestamp=f"2026-01-01T00:00:{i:02d}Z") for i, (n, m) in enumerate(zip(lengths, ms))]
 
 
+def layer(model, ms, shapes=((1024, 32), (4096, 32), (16384, 8)), device="GPU", implementation=None, compiled=True,
+          sha="a", mb=None):
+    """``layer_bench.csv`` rows of one sweep: ``ms`` per call at each (N, batch), memory ``mb`` (default 10 x ms)."""
+    mb = mb or [m * 10 for m in ms]
+    return [dict(model=model, seq_len=n, batch_size=b, status="ok", ms_fwd_bwd=m, peak_mb=v, precision="bf16",
+                 device=device, git_sha=sha, implementation=implementation or f"lra {model}", compiled=compiled,
+                 timestamp=f"2026-01-01T00:00:{i:02d}Z") for i, ((n, b), m, v) in enumerate(zip(shapes, ms, mb))]
+
+
+def test_a_launch_bound_start_is_left_out_and_a_quadratic_layer_reads_2():
+    """Flat times at short N (the layer waits on its launches: its time per token falls as 1/N), quadratic beyond:
+    the fit starts where the time per token stops falling and recovers 2, where a fit over every length would not."""
+    lengths = [1024, 2048, 4096, 8192, 16384, 32768]
+    ms = [max(3.0, 3.0 * (n / 8192) ** 2) for n in lengths]  # launch-bound up to 8K, then c N^2
+    rows = pd.DataFrame(bench("transformer", ms, lengths=lengths))
+    exps = taxonomy.measured_exponents(rows)
+    assert exps["transformer"].time == pytest.approx(2.0) and exps["transformer"].lengths == (8192, 32768)
+    assert taxonomy.slope(lengths, ms) < 1.5  # what the launch-bound lengths would have made of it
+    # the layer bench's shapes (batch 32 to 4K, 8 at 16K): per example, the 1K row launch-bound
+    quad = pd.DataFrame(layer("transformer", [5.0, 5.0, 20.0]))
+    assert taxonomy.measured_exponents(quad, source=taxonomy.LAYER)["transformer"].time == pytest.approx(2.0)
+
+
+def test_fixed_costs_leave_a_linear_layer_near_1_and_a_launch_bound_one_without_an_exponent():
+    """A linear layer with a fixed cost (F + b x tokens): the fit starts once the fixed cost is amortised and reads
+    near 1; a layer whose time never grows (launch-bound at every length) has no exponent, not one near 0, nor does
+    one with a single compute-bound length."""
+    lengths = [1024, 2048, 4096, 8192, 16384]
+    ms = [2.0 + 3.0 * n / 1024 for n in lengths]  # a fixed 2 ms, and 3 ms of work per 1K positions
+    exps = taxonomy.measured_exponents(pd.DataFrame(bench("linear", ms, lengths=lengths)))
+    assert exps["linear"].lengths == (4096, 16384) and exps["linear"].time == pytest.approx(1.0, abs=0.1)
+    flat = pd.DataFrame(bench("axial", [2.0, 2.0, 2.1], lengths=(4096, 8192, 16384)))
+    assert "axial" not in taxonomy.measured_exponents(flat)
+    # the layer bench's shapes: a layer whose time falls from 4K x 32 to 16K x 8 (the same positions a call) is
+    # still amortising fixed costs at 4K, and has one compute-bound length
+    table = taxonomy.taxonomy_table(pd.DataFrame(layer("cosformer", [2.0, 4.0, 3.4])
+                                                 + layer("linear", [2.0, 4.0, 4.0])))
+    text = taxonomy.markdown(table)
+    assert "| N |  | yes |" in text.split("| `cosformer` |")[1].split("\n")[0]
+    assert "| N | 1.00 / 1.00 (4K-16K) |" in text.split("| `linear` |")[1].split("\n")[0]
+    assert "time per token falls by less than 10% from each length to the next" in text
+
+
+def test_the_table_reads_our_compiled_layers_only():
+    """The packages' layers, bare SDPA, a variant's options, eager rows and another compile mode are other layers:
+    the table's exponent is the registry model's own, compiled as lra trains it."""
+    rows = (layer("linear", [2.0, 4.0, 4.0])
+            + layer("linear", [2.0, 4.0, 64.0], implementation="linear-attention-transformer 0.19.1", sha="b")
+            + layer("linear", [2.0, 4.0, 64.0], implementation="lra linear(feature=elu)", sha="c")
+            + layer("linear", [2.0, 4.0, 64.0], compiled=False, sha="d")
+            + layer("transformer", [2.0, 4.0, 64.0], implementation="SDPA exact (cuDNN flash)", sha="e"))
+    mode = [dict(r, compile_mode="reduce-overhead", git_sha="f") for r in layer("linear", [2.0, 4.0, 64.0])]
+    table = taxonomy.taxonomy_table(pd.DataFrame(rows + mode)).set_index("model")
+    assert table.at["linear", "time_exponent"] == pytest.approx(1.0)
+    assert pd.isna(table.at["transformer", "time_exponent"])
+
+
 def test_measured_exponents_use_one_batch_size_from_4k_up():
     rows = pd.DataFrame(bench("transformer", [1.0, 4.0, 16.0]) + bench("linear", [1.0, 2.0, 4.0])
                         + bench("linear", [50.0], lengths=(1024,)) + bench("local", [1.0, 2.0], batch=32)
@@ -46,16 +104,23 @@ def test_each_model_is_fitted_on_one_card_the_main_one_first_and_the_table_says_
                         + bench("transformer", [1.0, 2.0, 4.0], device="H200") + bench("fnet", [1.0, 3.0, 9.0],
                                                                                       device="H200"))
     exps = taxonomy.measured_exponents(rows)
-    assert exps["transformer"] == (pytest.approx(2.0), pytest.approx(2.0), "H100")
+    assert exps["transformer"][:3] == (pytest.approx(2.0), pytest.approx(2.0), "H100")
     assert exps["fnet"][0] == pytest.approx(math.log(3, 2)) and exps["fnet"][2] == "H200"
     assert taxonomy.measured_exponents(rows, device="H200")["transformer"][2] == "H200"
-    text = taxonomy.markdown(taxonomy.taxonomy_table(rows))
+    shapes = ((4096, 8), (8192, 8), (16384, 8))
+    layers = pd.DataFrame(layer("transformer", [1.0, 4.0, 16.0], shapes, "H100")
+                          + layer("linear", [1.0, 2.0, 4.0], shapes, "H100")
+                          + layer("local", [1.0, 2.0, 4.0], shapes, "H100")
+                          + layer("transformer", [1.0, 2.0, 4.0], shapes, "H200")
+                          + layer("fnet", [1.0, 3.0, 9.0], shapes, "H200"))
+    text = taxonomy.markdown(taxonomy.taxonomy_table(layers))
     assert text.endswith("Exponents timed on the H100, except fnet on the H200.")
 
 
 def test_the_table_covers_the_registry_and_the_readme_holds_the_generated_one():
     results = ROOT / "results"
-    table = taxonomy.taxonomy_table(pd.read_csv(results / "bench.csv"), pd.read_csv(results / "leaderboard.csv"))
+    table = taxonomy.taxonomy_table(pd.read_csv(results / "layer_bench.csv"),
+                                    pd.read_csv(results / "leaderboard.csv"))
     assert list(table.model) == list_models() and set(table.complexity) <= set(COMPLEXITIES)
     readme = (ROOT / "README.md").read_text()
     block = readme.split(taxonomy.BEGIN, 1)[1].split(taxonomy.END, 1)[0].strip()

@@ -13,7 +13,8 @@ training precision: ``warmup`` untimed steps, then ``steps`` timed ones, each be
 transients excluded) on a GPU, less what was still allocated before the model was built (an earlier case's
 leftovers: ``engine.release_leftovers``), the process's peak RSS on CPU. The last warm-up step runs under the
 profiler to record which SDPA kernel ran (cudnn, flash, efficient, math, flash_cpu; blank when the model calls
-none).
+none). A case to be compiled (``bench.compile``) first meets the runner's compile decision (``bench.compile_check``,
+on CUDA by default: ``checked_compile``), so its row says what training would run: compiled, or eager and why.
 
 Differences from LRA: one GPU instead of a 4x4 TPU v3 slice (their memory is per device); the model is built
 for each bench length (position table and mixer ``max_len`` = N); an OOM or a failure is a row, not a crash.
@@ -49,10 +50,11 @@ from lra.report.results import (
     git_sha,
     now_iso,
 )
-from lra.report.taxonomy import measured_exponents
+from lra.report.taxonomy import STEP, length_range, measured_exponents
 from lra.train import engine
 from lra.train.encoder import Classifier
 from models import get_model_class, list_models
+from models.base import checked_setting, execution_settings
 from models.registry import unknown_options
 
 log = logging.getLogger("lra.bench")
@@ -83,30 +85,34 @@ def bench_model(name: str, cfg: DictConfig, seq_len: int, options: dict | None =
     return engine.build_model(name, dict(options or {}), cfg.backbone, shape)
 
 
-MIXER_ATTRIBUTES = ("backend",)  # how a mixer runs (models/base.py): set on the built mixers, not constructor options
-
-
-def split_attributes(options: dict | None) -> tuple[dict, dict]:
-    """A variant's options -> (constructor options, ``MIXER_ATTRIBUTES`` to set on the built mixers)."""
+def split_attributes(name: str, options: dict | None) -> tuple[dict, dict]:
+    """A variant's options for model ``name`` -> (constructor options, the settings of how its mixers run: those
+    ``models.base.execution_settings`` lists, e.g. ``backend``, ``scan``, set on the built mixers by
+    ``engine.set_mixer_attributes``)."""
     options = dict(options or {})
-    return options, {k: options.pop(k) for k in MIXER_ATTRIBUTES if k in options}
+    settings = execution_settings(get_model_class(name))
+    return options, {k: options.pop(k) for k in list(options) if k in settings}
 
 
 def variant_cases(variants, also: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """``bench.variants`` ([{model: bigbird, block: 64}, ...]) -> (label, model, options), the label naming the
-    changed options as the rows' ``model``: ``bigbird(block=64)``. ``MIXER_ATTRIBUTES`` are not constructor
-    options but set on the built mixers (``engine.set_mixer_attributes`` checks them); ``also``: more keys the caller
-    takes (layer_bench's ``dropout``)."""
+    changed options as the rows' ``model``: ``bigbird(block=64)``. How a mixer runs (``backend``, ``scan``, ...:
+    ``split_attributes``) is not a constructor option but set on the built mixers, each value checked here;
+    ``also``: more keys the caller takes (layer_bench's ``dropout``)."""
     cases = []
     for variant in variants or []:
         options = dict(variant)
         if "model" not in options:
             raise ValueError(f"bench.variants entry {options} names no model: write {{model: <name>, <option>: ...}}")
         name = options.pop("model")
-        checked = {k: v for k, v in split_attributes(options)[0].items() if k not in also}
+        constructor, settings = split_attributes(name, options)
+        checked = {k: v for k, v in constructor.items() if k not in also}
         error = unknown_options(name, checked, backbone=False)
         if error:
-            raise ValueError(f"bench.variants: {error}")
+            how = ", ".join(execution_settings(get_model_class(name))) or "none (it runs one way)"
+            raise ValueError(f"bench.variants: {error}; its settings of how it runs: {how}")
+        for key, value in settings.items():
+            checked_setting(get_model_class(name), key, value, f"bench.variants: {name}")
         label = f"{name}({','.join(f'{k}={v}' for k, v in options.items())})"
         cases.append((label, name, options))
     return cases
@@ -185,22 +191,47 @@ def time_steps(model, tokens: torch.Tensor, labels: torch.Tensor, *, precision: 
     return out
 
 
+def checked_compile(cfg: DictConfig, row: BenchRow, model: torch.nn.Module, tokens: torch.Tensor,
+                    labels: torch.Tensor, device: torch.device, precision: str) -> bool:
+    """The runner's compile decision for this case (``bench.compile_check``): the compile check on the batch's first
+    ``engine.COMPILE_CHECK_ROWS`` rows (``engine.compiled_gradient_check``, under the bench's autocast where its fp32
+    graphs do not compile). Returns whether the case runs compiled: False where the check rejects the compiled model
+    (``row.compile_note`` says why), as training with ``compile=auto`` would; with ``bench.compile=true`` the
+    rejection is raised (``engine.refuse_compiled``: the row is an error, as the training run would stop)."""
+    rows = slice(0, engine.COMPILE_CHECK_ROWS)
+    bf16 = engine.autocast(precision, device) if precision == "bf16" else None
+    check = engine.compiled_gradient_check(model, (tokens[rows],), labels[rows], bf16)
+    for note in check.notes():
+        log.info("%s at N=%d, compile check: %s", row.model, row.seq_len, note)
+    if not check.rejected:
+        return True
+    report = (f"torch.compile gives {row.model} other gradients than the eager model: {check.describe()}, on "
+              f"{len(labels[rows])} rows")
+    engine.refuse_compiled(report, cfg.bench.compile, "bench")
+    log.warning("%s at N=%d: %s; timing it eagerly", row.model, row.seq_len, report)
+    row.compile_note = f"compile check: {check.describe()}"
+    return False
+
+
 def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, precision: str, compile_: bool,
                options: dict | None = None) -> None:
     """Fill ``row`` with one (model, length) measurement; raises on OOM or failure (``params`` set first)."""
     b = cfg.bench
     leftover_mb = engine.release_leftovers(device)  # allocated before the model exists: not this row's memory
     torch.manual_seed(cfg.get("seed", 0))
-    options, attributes = split_attributes(options)
+    options, attributes = split_attributes(name, options)
     model = bench_model(name, cfg, row.seq_len, options)
     engine.set_mixer_attributes(model, name, attributes)
     row.params = sum(p.numel() for p in model.parameters())
     model = model.to(device).train()
     tokens = torch.randint(1, b.vocab_size, (row.batch_size, row.seq_len), device=device)  # (B, N), no padding
     labels = torch.randint(0, get_task(cfg.task.name).n_classes, (row.batch_size,), device=device)  # (B,)
+    mode = b.get("compile_mode", "default")
+    if compile_ and engine.compile_check_due(b.compile_check, compile_, device):
+        compile_ = checked_compile(cfg, row, model, tokens, labels, device, precision)
+        row.compiled, row.compile_mode = compile_, engine.recorded_compile_mode(compile_, mode)
     if compile_:
         torch._dynamo.reset()  # one graph per case; otherwise the cache limit silently drops to eager
-    mode = b.get("compile_mode", "default")
     fn = torch.compile(model, dynamic=False, mode=mode) if compile_ else model
     cuda_graphs = engine.replays_cuda_graphs(compile_, device, mode)
     m = time_steps(fn, tokens, labels, precision=precision, warmup=b.warmup, steps=b.steps, params=model.parameters(),
@@ -231,6 +262,9 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     if mode not in CHOICES["trainer.compile_mode"]:
         raise ValueError(f"bench.compile_mode={mode!r} is not valid: choose one of "
                          f"{', '.join(CHOICES['trainer.compile_mode'])}")
+    if b.compile_check not in CHOICES["trainer.compile_check"]:
+        raise ValueError(f"bench.compile_check={b.compile_check!r} is not valid: choose one of "
+                         f"{', '.join(CHOICES['trainer.compile_check'])}")
     engine.check_graph_warmup(mode, b.warmup, "bench.warmup")
     if b.get("attn_dropout", 0.0) is not None:  # one dropout setting for every mixer; the rows' backbone tag says which
         cfg = copy.deepcopy(cfg)
@@ -347,7 +381,7 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
                   "bench/table": wandb.Html(f"<pre>{html.escape(format_table(df))}</pre>")}
         ok = df[df["status"] == "ok"]
         if not ok.empty:
-            for metric in ("steps_per_s", "peak_mem_mb"):
+            for metric in ("examples_per_s", "peak_mem_mb"):
                 fig = plot.length_chart(ok, metric)
                 png, _ = plot.save(fig, Path(tmp), f"bench_{metric}")
                 logged[f"bench/{metric}_vs_length"] = wandb.Image(str(png))
@@ -359,16 +393,19 @@ def log_to_wandb(cfg: DictConfig, df: pd.DataFrame) -> None:
 
 
 def format_exponents(df: pd.DataFrame) -> str:
-    """The measured growth of each model's step time and memory in N (log-log slope over N >= 4K at one batch size)
-    beside the complexity it declares; empty when the sweep has fewer than two such lengths."""
-    exps = measured_exponents(df.assign(device=df["device"].astype(str)))
+    """The measured growth of each model's step time and memory per example in N (``measured_exponents`` of the
+    whole step, ``STEP``: the log-log slope over the lengths where the step's time per token has stopped falling)
+    beside the complexity it declares; empty when no sweep has two such lengths."""
+    exps = measured_exponents(df.assign(device=df["device"].astype(str)), source=STEP)
     if not exps:
         return ""
-    lines = ["Measured exponent in N (time / memory, N >= 4K at one batch) vs the declared complexity"]
-    for label, (time_exp, mem_exp, _card) in sorted(exps.items()):
+    lines = ["Measured exponent in N (time / memory per example, over the compute-bound lengths) vs the declared "
+             "complexity"]
+    for label, e in sorted(exps.items()):
         name = label.split("(")[0]
         declared = get_model_class(name).taxonomy.complexity if name in list_models() else "?"
-        lines.append(f"{label:<28}{time_exp:6.2f} / {mem_exp:4.2f}   declared {declared}")
+        lines.append(f"{label:<28}{e.time:6.2f} / {e.memory:4.2f}   declared {declared}   "
+                     f"(N {length_range(e.lengths)})")
     return "\n".join(lines)
 
 

@@ -19,12 +19,14 @@ sets ours beside them. Without it, the packages' numbers are the stored ``peers_
 ``results/published.csv`` (timed on the card and torch their rows name, not this one, so their ms compare only
 roughly).
 ``--compile`` puts every timed layer (ours, the packages', SDPA's) through ``torch.compile`` first, as the runner
-compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. ``--compile-mode`` picks
-torch.compile's mode (``trainer.compile_mode``'s choices; it implies ``--compile``, and rows say ``compile_mode``):
-``reduce-overhead`` replays each layer's graphs as CUDA graphs, which times a layer whose small kernels leave the
-GPU waiting on their launches (at batch 8, say) by its device time, as a run with that mode trains. ``--out``
-appends rows (device, torch, commit, implementation) to a CSV. 2-D mixers run at square lengths only (their grid is
-the square).
+compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. Before that, on CUDA
+(``--compile-check``, as ``trainer.compile_check``), the runner's compile check: the layer's gradients compiled and
+eager, each against a float64 copy's; a layer it rejects is timed eagerly (``compiled`` False, ``compile_note``
+why). ``--compile-mode`` picks torch.compile's mode (``trainer.compile_mode``'s choices; it implies ``--compile``,
+and rows say ``compile_mode``): ``reduce-overhead`` replays each layer's graphs as CUDA graphs, which times a layer
+whose small kernels leave the GPU waiting on their launches (at batch 8, say) by its device time, as a run with
+that mode trains. ``--out`` appends rows (device, torch, commit, implementation) to a CSV. 2-D mixers run at square
+lengths only (their grid is the square).
 """
 from __future__ import annotations
 
@@ -54,18 +56,59 @@ COLUMNS = LAYER_BENCH_COLUMNS
 
 class Timing(NamedTuple):
     """One row's measurement, named as its columns: ms of one forward + backward (the median of the timed calls and
-    their 10th and 90th percentiles) and the peak MB (None off CUDA)."""
+    their 10th and 90th percentiles), the peak MB (None off CUDA), whether the layer ran through torch.compile and,
+    where the compile check kept it from that, why."""
     ms_fwd_bwd: float
     peak_mb: float | None
     ms_p10: float
     ms_p90: float
+    compiled: bool = False
+    compile_note: str | None = None
 
 
-def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: int, device: torch.device,
+class MixerCall(torch.nn.Module):
+    """Our mixer as a layer of one input: ``mixer(x, mask, **extra)``, the mask (all true; None where the mixer takes
+    none) cut to x's rows where x has fewer (the compile check runs on a few of the timed rows)."""
+
+    def __init__(self, mixer: torch.nn.Module, mask: torch.Tensor | None, extra: dict):
+        super().__init__()
+        self.mixer, self.mask, self.extra = mixer, mask, extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.mask
+        if mask is not None and mask.shape[0] != x.shape[0]:
+            mask = mask[: x.shape[0]]
+        return self.mixer(x, mask, **self.extra)
+
+
+def layer_loss(y: torch.Tensor, _labels=None) -> torch.Tensor:
+    """What a timed call backpropagates: the mean square of the layer's output, in fp32 (float64 for the compile
+    check's float64 copy)."""
+    return engine.full_precision(y).square().mean()
+
+
+def checked_compile(layer: torch.nn.Module, x: torch.Tensor, device: torch.device) -> str | None:
+    """The compile check of the runner and the bench (``engine.compiled_gradient_check``) for one layer: its
+    parameters' gradients of ``layer_loss`` on the first ``engine.COMPILE_CHECK_ROWS`` rows of ``x``, compiled and
+    eager each against a float64 copy's, in fp32 (under the row's autocast where the fp32 graphs do not compile).
+    Returns why the layer is to run eagerly (the row's ``compile_note``), None where it may run compiled."""
+    rows = x[: engine.COMPILE_CHECK_ROWS].detach()
+    precision = engine.resolve_precision("auto", device)
+    bf16 = engine.autocast(precision, device) if precision == "bf16" else None
+    check = engine.compiled_gradient_check(layer, (rows,), None, bf16, loss_fn=layer_loss)
+    for note in check.notes():
+        print(f"compile check: {note}", flush=True)
+    return f"compile check: {check.describe()}" if check.rejected else None
+
+
+def time_forward(layer: torch.nn.Module, n: int, batch: int, device: torch.device,
                  warmup: int = 3, steps: int = 20, compile_layer: bool = False,
-                 profile_dir: Path | None = None, compile_mode: str = "default", parameters=()) -> Timing:
+                 profile_dir: Path | None = None, compile_mode: str = "default", parameters=(),
+                 compile_check: bool = False) -> Timing:
     """The ``Timing`` of ``layer``'s forward + backward on a (batch, n, D) input,
-    through ``torch.compile`` with ``compile_layer`` (compiled during the warm-up, in ``compile_mode``: a mode of
+    through ``torch.compile`` with ``compile_layer``, unless ``compile_check`` is set and the compile check rejects
+    the compiled layer (``checked_compile``; then eagerly, the Timing saying why), (compiled during the warm-up, in
+    ``compile_mode``: a mode of
     ``engine.CUDA_GRAPH_MODES`` records CUDA graphs then, and the timed calls replay them; each call then drops the
     gradients of the input and of ``parameters``, the layer's, as the runner's step does, since a gradient kept
     from the last call lives in the graphs' memory, which the next replay overwrites). The one timing loop of this
@@ -74,10 +117,12 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
     and our own functions by host time) and trace go there; the timing does not include them. The peak is the timed
     calls', or under CUDA graphs the warm-up's and theirs: a replay allocates nothing, its memory is the graphs' pool,
     allocated when they were recorded (the timed calls' peak alone would be the inputs' and the weights')."""
+    x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
+    note = checked_compile(layer, x, device) if compile_layer and compile_check else None
+    compile_layer = compile_layer and note is None
     if compile_layer:  # a fresh, static graph per row, as a training run (one shape) compiles: otherwise the cache
         torch._dynamo.reset()  # of an earlier row's shape makes Dynamo compile this one with dynamic shapes
         layer = torch.compile(layer, dynamic=False, mode=compile_mode)
-    x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
     autocast = engine.autocast(engine.resolve_precision("auto", device), device)
     cuda_graphs = engine.replays_cuda_graphs(compile_layer, device, compile_mode)
     leaves = [x, *parameters]
@@ -89,7 +134,7 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
                 leaf.grad = None
         with autocast():
             y = layer(x)  # (B, N, D)
-        y.float().square().mean().backward()
+        layer_loss(y).backward()
 
     if cuda_graphs:  # the graphs' memory is allocated as they are recorded (warm-up): replays allocate none
         engine.reset_peak_memory(device)
@@ -112,16 +157,16 @@ def time_forward(layer: Callable[[torch.Tensor], torch.Tensor], n: int, batch: i
             step()
             profiler.after_step(done + 1)
     median, p10, p90 = engine.median_and_spread(times)
-    return Timing(median, peak, p10, p90)
+    return Timing(median, peak, p10, p90, compile_layer, note)
 
 
 def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 20,
                options: dict | None = None, compile_layer: bool = False,
-               profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
+               profile_dir: Path | None = None, compile_mode: str = "default", compile_check: bool = False) -> Timing:
     """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n). Attention
     dropout is 0 unless ``options`` names one (``dropout``: a variant that times the training path with it)."""
     torch.manual_seed(0)
-    options, attributes = split_attributes(options)  # backend: how a mixer runs, set on it once built
+    options, attributes = split_attributes(name, options)  # backend, scan, ...: how it runs, set once built
     dropout = options.pop("dropout", 0.0)
     mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=dropout, max_len=n,
                          **options).to(device).train()
@@ -133,18 +178,18 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
         if side * side != n:
             raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
         extra["grid"] = Grid(side, side)
-    return time_forward(lambda x: mixer(x, mask, **extra), n, batch, device, warmup, steps, compile_layer,
-                        profile_dir, compile_mode, list(mixer.parameters()))
+    return time_forward(MixerCall(mixer, mask, extra), n, batch, device, warmup, steps, compile_layer,
+                        profile_dir, compile_mode, list(mixer.parameters()), compile_check)
 
 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
               steps: int = 20, compile_layer: bool = False,
-              profile_dir: Path | None = None, compile_mode: str = "default") -> Timing:
+              profile_dir: Path | None = None, compile_mode: str = "default", compile_check: bool = False) -> Timing:
     """``time_forward`` of a public package's layer (lra/bench/peers.py), built for length n, at (batch, n)."""
     torch.manual_seed(0)
     layer = peer.build(n).to(device).train()
     return time_forward(layer, n, batch, device, warmup, steps, compile_layer, profile_dir, compile_mode,
-                        list(layer.parameters()))
+                        list(layer.parameters()), compile_check)
 
 
 def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -> Path | None:
@@ -163,6 +208,8 @@ def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
     try:
         timing = timer()
         row.update(timing._asdict())
+        if not timing.compiled:  # eager: asked so, or kept from compiling by the compile check
+            row["compile_mode"] = engine.recorded_compile_mode(False, "default")
         if timing.peak_mb is not None:
             row["peak_mb"] = timing.peak_mb - leftover_mb  # the allocator's peak counts whatever else is alive
         row["status"] = "ok"
@@ -244,7 +291,7 @@ def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
         options = {k.strip(): yaml.safe_load(v) for k, v in (a.split("=", 1) for a in assignments.split(","))}
         variants.append({"model": name, **options})
     try:
-        return variant_cases(variants, also=("dropout",))  # backend, how a mixer runs: checked when built
+        return variant_cases(variants, also=("dropout",))
     except ValueError as error:  # a misspelt option: before the sweep, in one line
         raise SystemExit(f"--variants: {error}") from None
 
@@ -259,13 +306,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
     parser.add_argument("--variants", default="", help="more rows of our mixers with options changed, e.g. "
                         "'performer:chunk_size=1024;reformer:n_hashes=4' (rows 'lra performer(chunk_size=1024)', ...); "
-                        "backend=<name> picks a mixer's execution (e.g. 'performer:backend=torch')")
+                        "how a mixer runs is set the same way (e.g. 'performer:backend=torch,recompute=false', "
+                        "'gla:scan=fla')")
     parser.add_argument("--peers", action="store_true",
                         help="also time the public packages of these models and a bare SDPA layer, here and now")
     parser.add_argument("--compile", action="store_true",
                         help="time every layer (ours, the packages', SDPA's) through torch.compile, as lra trains")
     parser.add_argument("--compile-mode", choices=CHOICES["trainer.compile_mode"], default=None,
                         help="torch.compile's mode (implies --compile): reduce-overhead replays CUDA graphs")
+    parser.add_argument("--compile-check", choices=CHOICES["trainer.compile_check"], default="auto",
+                        help="before a layer is timed compiled, its compiled gradients against float64's, as the "
+                             "runner checks (auto: on CUDA); a layer it rejects is timed eagerly, its row saying why")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="after each row's timing, profile as many calls into DIR/<implementation>_<N>x<B>/ "
                              "(profile.txt: kernels by device time, operators and functions by host time)")
@@ -278,6 +329,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         parser.error(str(error))
     device = engine.resolve_device(args.device)
     engine.configure(device)
+    check = engine.compile_check_due(args.compile_check, args.compile, device)
     models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
@@ -288,12 +340,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for n, batch in shapes:  # shape by shape, so ours and the packages at one shape are timed minutes apart at most
         ours += [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
                          lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile,
-                                            profile_folder(args.profile, f"lra {label}", n, batch), mode),
+                                            profile_folder(args.profile, f"lra {label}", n, batch), mode, check),
                          device, args.out)
                  for label, name, options in cases]
         theirs += [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
                            lambda: time_peer(peer, n, batch, device, args.warmup, args.steps, args.compile,
-                                             profile_folder(args.profile, peer.name(), n, batch), mode),
+                                             profile_folder(args.profile, peer.name(), n, batch), mode, check),
                            device, args.out)
                    for peer in (for_models(models) if args.peers else [])]
     ours, theirs = frame(ours), frame(theirs)

@@ -4,8 +4,9 @@ Tay et al. 2021, "Long Range Arena: A Benchmark for Efficient Transformers" (htt
 Table 1. Rules:
 
 * runs of the chosen experiments only (default ``lra``: LRA's protocol; smoke runs never count); other
-  experiments (recipes, variants) are separate rows, labelled by their ``experiment``; so are runs on Pathfinder
-  images of an older generator version (``<experiment>+superseded_data``);
+  experiments (recipes, variants) are separate rows, labelled by their ``experiment``; so are self-pretrained runs
+  (``<experiment>+pretrain_mlm``, ``+pretrain_causal``) and runs on Pathfinder images of an older generator version
+  (``<experiment>+superseded_data``);
 * only ``status == ok`` rows carry a result; ``diverged``, ``oom`` and ``error`` runs are counted (``n_failed``)
   while their seed has no ok run, and never averaged; a run ended early by ``schedule.stop_at`` or
   ``trainer.time_limit`` (``stopped: at step N of M``, a recipe longer than the device time it got) is named in the
@@ -20,6 +21,8 @@ Table 1. Rules:
   test is beside it);
 * per (experiment, model, task) the mean and sample std over seeds of the best-validation checkpoint's test
   accuracy (``test_acc``) and of the final weights' (``final_test_acc``, LRA's own protocol), and ``n_seeds``;
+  beside the seeds' spread, the same command's: ``rerun_std`` pools the spread of runs repeating one seed and config
+  on one kind of card outside deterministic mode, over ``n_reruns`` such repeats (``rerun_spread``);
 * where the validation split is the test set (a row's ``val_is_test``: Text, whose IMDb has no validation set, as
   in LRA), choosing by validation would choose on test: the latest ok run of each seed counts, and the headline
   ``test_acc`` is the final weights' (``headline = final``; elsewhere ``best_val``);
@@ -74,7 +77,8 @@ PUBLISHED_SOURCE = "lra_table1"
 # the model name in that source's rows)
 RECIPE_PAPERS = {"s4d_lra": ("s4d_2022", {"s4d": "s4d_legs"})}
 DEFAULT_RESULTS = os.environ.get("LRA_RESULTS_DIR", "outputs/results")
-LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "n_failed", "n_stalled",
+LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "rerun_std", "n_reruns",
+                       "n_failed", "n_stalled",
                        "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "headline", "published", "diff",
                        *rank.RANK_COLUMNS, "note"]
 PRIOR_COLUMNS = ["val_majority", "val_baseline"]  # what a run that learned nothing scores
@@ -126,8 +130,10 @@ def stall_baselines(runs: pd.DataFrame, baselines: pd.DataFrame | None = None) -
 
 
 def normalise(runs: pd.DataFrame) -> pd.DataFrame:
-    """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A run with
-    length-grouped batches did not follow its preset's protocol: its experiment reads ``<preset>+length_grouped``,
+    """Percentages; ``status`` and ``experiment`` present (a row without a status is read as ok). A self-pretrained
+    run (its ``pretrain``: mlm or causal) reads ``<preset>+pretrain_<objective>``, beside the preset's runs from
+    scratch. A run with length-grouped batches did not follow its preset's protocol: its experiment reads
+    ``<preset>+length_grouped``,
     so it is never averaged with the preset's own runs; nor is one whose command line changed what the preset
     computes (``lra.provenance.departures``, e.g. ``backbone.n_layers=2``): ``<preset>+modified``; nor one trained
     on Pathfinder images of an older generator version (``superseded_data``): ``<preset>+superseded_data``."""
@@ -140,6 +146,10 @@ def normalise(runs: pd.DataFrame) -> pd.DataFrame:
     if "batching" in runs:
         grouped = runs["batching"].astype(str) == "length_grouped"
         runs.loc[grouped, "experiment"] = runs.loc[grouped, "experiment"] + "+length_grouped"
+    if "pretrain" in runs:  # self-pretrained first (pretrain=mlm|causal): another protocol than from scratch
+        objective = runs["pretrain"].fillna("").astype(str)
+        pretrained = objective != ""
+        runs.loc[pretrained, "experiment"] = runs.loc[pretrained, "experiment"] + "+pretrain_" + objective[pretrained]
     if "data" in runs:  # images of an older generator are another dataset
         stale = superseded_data(runs)
         runs.loc[stale, "experiment"] = runs.loc[stale, "experiment"] + SUPERSEDED
@@ -229,6 +239,26 @@ def seed_accuracies(runs: pd.DataFrame, experiment: str | None = "lra") -> pd.Da
     return best[["experiment", "model", "task", "seed"]].assign(test_acc=headline(best)).reset_index(drop=True)
 
 
+def rerun_spread(g: pd.DataFrame) -> tuple[float | None, int]:
+    """The default mode's run-to-run spread in one cell: the pooled sample std of the headline accuracy over runs
+    that repeat one seed with one config (``config_hash``) on one kind of card, outside deterministic mode
+    (``trainer.deterministic``, where repeats agree by construction); and how many (seed, config, card) were run
+    more than once. ``None, 0`` where nothing was repeated. Beside ``test_std`` it says how much of the seeds'
+    spread the same command alone would give."""
+    ok = g[(g["status"] == "ok") & g["test_acc"].notna()]
+    if "deterministic" in ok:
+        ok = ok[~as_bool(ok["deterministic"]).fillna(False).astype(bool)]
+    keys = [c for c in ("seed", "config_hash", "device") if c in ok]
+    if "config_hash" not in keys:
+        return None, 0
+    groups = [v for _, v in ok.assign(value=headline(ok)).groupby(keys, dropna=False)["value"] if len(v) > 1]
+    if not groups:
+        return None, 0
+    squares = sum(((v - v.mean()) ** 2).sum() for v in groups)
+    dof = sum(len(v) - 1 for v in groups)
+    return float(np.sqrt(squares / dof)), len(groups)
+
+
 def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     best = g[g["best"]]
     n = len(best)
@@ -237,8 +267,10 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     stopped = ended_early & open_seed  # schedule.stop_at, trainer.time_limit
     unresolved = (g["status"] != "ok") & ~ended_early & open_seed
     failed = int(unresolved.sum())
-    row = dict(experiment=experiment, model=model, task=task, n_seeds=n, n_failed=failed,
-               n_stalled=int(best["stalled"].sum()), stall_baseline=best["stall_baseline"].max(), note="")
+    rerun_std, n_reruns = rerun_spread(g)
+    row = dict(experiment=experiment, model=model, task=task, n_seeds=n, rerun_std=rerun_std, n_reruns=n_reruns,
+               n_failed=failed, n_stalled=int(best["stalled"].sum()), stall_baseline=best["stall_baseline"].max(),
+               note="")
     notes = []
     if n:
         final, values = bool(best["val_is_test"].all()), headline(best)
@@ -251,7 +283,8 @@ def _cell(experiment, model, task, g: pd.DataFrame) -> dict:
     latest = g[stopped].drop_duplicates("seed", keep="last")  # the furthest-trained is the latest
     for (_, run), so_far in zip(latest.iterrows(), headline(latest), strict=True):  # Text: its weights at the stop
         where = run["status"].replace(": ", " ", 1)  # stopped at step N of M
-        notes.append(f"seed {run['seed']} {where}, test {so_far:.2f} so far (not averaged)")
+        test = "no test yet" if pd.isna(so_far) else f"test {so_far:.2f} so far"  # stopped in pretraining: none
+        notes.append(f"seed {run['seed']} {where}, {test} (not averaged)")
     if failed:
         kinds = g.loc[unresolved, "status"].str.split(":").str[0].value_counts()
         notes.append("failed: " + ", ".join(f"{c} {k}" for k, c in kinds.items()))
@@ -287,6 +320,27 @@ def _averages(cells: pd.DataFrame) -> list[dict]:
     return rows
 
 
+NOT_TAKEN = "not applicable: "  # the note of a cell whose task the model cannot take
+
+
+def not_taken(cells: list[dict]) -> list[dict]:
+    """A cell for each task of LRA's five that a model of ``cells`` cannot take (``lra.config.task_mismatch``: a
+    2-D mixer on a 1-D task), its note saying why, so that the tables say so instead of leaving it blank. Models
+    the registry does not know (a plugin no longer installed) get none."""
+    from lra.config import task_mismatch  # the registries (torch): only where a leaderboard is built
+    from models import list_models
+
+    known, have = set(list_models()), {(c["experiment"], c["model"], c["task"]) for c in cells}
+    out = []
+    for experiment, model in dict.fromkeys((c["experiment"], c["model"]) for c in cells):
+        for task in TASKS5 if model in known else ():
+            why = (experiment, model, task) not in have and task_mismatch(model, task)
+            if why:
+                out.append(dict(experiment=experiment, model=model, task=task, n_seeds=0, n_reruns=0, n_failed=0,
+                                n_stalled=0, note=NOT_TAKEN + why))
+    return out
+
+
 def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
                       experiment: str | None = "lra", baselines: pd.DataFrame | None = None) -> pd.DataFrame:
     """Long format: one row per (experiment, model, task) and per average; columns ``LEADERBOARD_COLUMNS``.
@@ -299,6 +353,7 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
         if n := set_apart.get((row["experiment"], row["model"], row["task"])):
             left_out = f"{n} run(s) on an older Pathfinder generator version left out ({row['experiment']}{SUPERSEDED})"
             row["note"] = "; ".join(x for x in (row["note"], left_out) if x)
+    rows += not_taken(rows)
     cells = pd.DataFrame(rows, columns=LEADERBOARD_COLUMNS)
     lb = pd.DataFrame(rows + _averages(cells), columns=LEADERBOARD_COLUMNS)
     pub = {experiment: published_cells(published, experiment) for experiment in lb["experiment"].unique()}
@@ -309,10 +364,10 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
         if value is None and note.startswith("FAIL"):
             lb.at[i, "note"] = "; ".join(x for x in (r["note"], "LRA Table 1: FAIL") if x)
     lb = add_ranks(lb, runs[runs["best"]])
-    for c in ["test_acc", "test_std", "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "published",
-              "diff", "test_lo", "test_hi", "p_best"]:
+    for c in ["test_acc", "test_std", "rerun_std", "stall_baseline", "val_acc", "final_test_acc", "final_test_std",
+              "published", "diff", "test_lo", "test_hi", "p_best"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce")
-    for c in ["n_seeds", "n_failed", "n_stalled", "rank", "rank_lo", "rank_hi"]:
+    for c in ["n_seeds", "n_reruns", "n_failed", "n_stalled", "rank", "rank_lo", "rank_hi"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce").astype("Int64")
     lb["best_group"] = lb["best_group"].astype("boolean")
     return sort_leaderboard(lb)
@@ -407,7 +462,8 @@ def wide(lb: pd.DataFrame, value: str = "test_acc") -> pd.DataFrame:
 def format_cell(r) -> str:
     """A console cell: its fields apart, so that a count never runs into a number (``36.00 +-2.00 [3] (-0.37) ~1``)."""
     if pd.isna(r["test_acc"]):
-        return f"failed x{int(r['n_failed'])}" if r["n_failed"] else "-"
+        return "n/a" if str(r["note"]).startswith(NOT_TAKEN) else f"failed x{int(r['n_failed'])}" if r["n_failed"] \
+            else "-"
     fields = [f"{r['test_acc']:.2f}"]
     if pd.notna(r["test_std"]):
         fields.append(f"+-{r['test_std']:.2f}")
@@ -483,6 +539,8 @@ def in_best_group(flag) -> bool:
 def _readme_cell(r) -> str:
     """One task of one model in the README's table: mean +- std, seeds and stalled ones; bold in the best group."""
     if pd.isna(r.test_acc):
+        if str(r.note).startswith(NOT_TAKEN):
+            return "n/a (2-D mixer)"
         return f"failed x{int(r.n_failed)}" if pd.notna(r.n_failed) and r.n_failed else "-"
     value = f"{r.test_acc:.2f}" + (f" ± {r.test_std:.2f}" if pd.notna(r.test_std) else "")
     value = f"**{value}**" if in_best_group(r.best_group) else value
@@ -507,7 +565,7 @@ def readme_table(lb: pd.DataFrame, experiment: str = "lra") -> str:
         else:
             best = in_best_group(avg.best_group)
             row += [f"{avg.test_acc:.2f} ({avg.test_lo:.2f}-{avg.test_hi:.2f})",
-                    ("**{}**" if best else "{}").format(f"{avg['rank']} ({avg.rank_lo}-{avg.rank_hi})"),
+                    ("**{}**" if best else "{}").format(f"{avg['rank']:.0f} ({avg.rank_lo:.0f}-{avg.rank_hi:.0f})"),
                     "-" if pd.isna(avg.published) else f"{avg.published:.2f}"]
         lines.append(f"| `{model}` | " + " | ".join(row) + " |")
     stall = lb[lb["task"].isin(TASKS4)].groupby("task")["stall_baseline"].max().reindex(TASKS4)
@@ -526,17 +584,80 @@ def readme_table(lb: pd.DataFrame, experiment: str = "lra") -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 
+BENCH_NUMBERS = ("seq_len", "batch_size", "steps_per_s", "examples_per_s", "ms_per_step", "peak_mem_mb", "rel_speed",
+                 "rel_mem")
+# A card scales every model's speed by much the same factor, so a model's speed relative to the transformer of its
+# own card and shape (``rel_speed``) is the code's: two rows of one model, shape and protocol on two cards whose
+# relative speeds differ by more than this factor did not time the same thing (the model's code changed between
+# them, or a call was disturbed), and the later one stands.
+CONTRADICTS = 3.0
+
+
+def contradicted_bench_rows(rows: pd.DataFrame) -> pd.Series:
+    """Whether each of ``rows`` (ok bench rows) is contradicted by a later one: a row of the same model, length,
+    batch and protocol (``BENCH_PROTOCOL``) on another card whose ``rel_speed`` is more than ``CONTRADICTS`` times
+    this row's, or less than its 1 / ``CONTRADICTS``. Rows without a timestamp or ``rel_speed`` are never."""
+    from lra.report.results import BENCH_PROTOCOL, as_text  # results brings torch: only where bench rows are read
+
+    if rows.empty or not {"timestamp", "rel_speed"} <= set(rows):
+        return pd.Series(False, index=rows.index)
+    frame = pd.DataFrame({"key": as_text(rows, ("model", "seq_len", "batch_size", *BENCH_PROTOCOL)).agg(
+                              "|".join, axis=1),
+                          "device": rows["device"].astype(str), "when": rows["timestamp"].astype(str),
+                          "rel": pd.to_numeric(rows["rel_speed"], errors="coerce")}, index=rows.index)
+    frame = frame[frame["rel"] > 0].rename_axis("row").reset_index()
+    pairs = frame.merge(frame, on="key", suffixes=("", "_later"))
+    apart = np.abs(np.log(pairs["rel"] / pairs["rel_later"])) > np.log(CONTRADICTS)
+    hit = pairs[(pairs["device"] != pairs["device_later"]) & (pairs["when_later"] > pairs["when"]) & apart]
+    return pd.Series(rows.index.isin(hit["row"]), index=rows.index)
+
+
+def latest_bench_rows(bench: pd.DataFrame) -> pd.DataFrame:
+    """The bench rows every table and chart reads: each model's latest ok row per card, shape (``seq_len``,
+    ``batch_size``) and protocol (``BENCH_PROTOCOL``), oldest first. A later ok row of the same supersedes an earlier
+    one, which stays in the append-only file but is neither tabled nor drawn; so does a later row on another card
+    that contradicts it (``contradicted_bench_rows``). A later failed row does not (the last measurement stands, and
+    the failure is reported apart). Lengths, batches and measurements as numbers."""
+    from lra.report.results import BENCH_PROTOCOL, as_text  # as in contradicted_bench_rows
+
+    rows = bench.copy()
+    for column in BENCH_NUMBERS:
+        if column in rows:
+            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    rows = rows[rows["status"].astype(str) == "ok"]
+    if "timestamp" in rows:
+        rows = rows.sort_values("timestamp", kind="stable")
+    rows = rows[~contradicted_bench_rows(rows)]
+    keys = as_text(rows, ("device", "model", "seq_len", "batch_size", *BENCH_PROTOCOL))
+    return rows[~keys.duplicated(keep="last")]
+
+
+def on_cpu(devices: pd.Series) -> pd.Series:
+    """Whether each bench row's ``device`` is the CPU (``lra.report.results.device_name``: ``cpu (...)``)."""
+    return devices.astype(str).str.lower().str.startswith("cpu")
+
+
+def headline_bench_rows(bench: pd.DataFrame) -> pd.DataFrame:
+    """``latest_bench_rows`` under the bench's own protocol, the one its tables and length charts show: its defaults
+    (``BenchSettings``), i.e. compiled on a GPU and eager on the CPU (``bench.compile=auto``), in torch.compile's
+    default mode, attention dropout 0 (``bench.attn_dropout``), registry models only (a variant's ``model`` names
+    its options, ``bigbird(block=64)``)."""
+    rows = latest_bench_rows(bench)
+    compiled = rows["compiled"].astype(str).str.lower().eq("true")
+    keep = ((compiled != on_cpu(rows["device"])) & rows["backbone"].astype(str).str.endswith("/0.0")
+            & ~rows["model"].astype(str).str.contains("(", regex=False))
+    if "compile_mode" in rows:
+        keep &= rows["compile_mode"].isna() | rows["compile_mode"].astype(str).eq("")
+    return rows[keep]
+
+
 def bench_table(bench: pd.DataFrame, device: str | None = None) -> str:
     """The bench's headline: steps/s (and speed relative to the transformer's row of that shape) of every model's
-    latest ok, compiled, unvaried row at ``BENCH_SHAPES`` on one card (``pick_device``), attention dropout 0 (the
-    bench's default), then peak GB at 4K (batch 32, else 8) and at 16K."""
-    rows = bench[(bench["status"].astype(str) == "ok") & bench["compiled"].astype(str).str.lower().eq("true")
-                 & ~bench["model"].astype(str).str.contains("(", regex=False)
-                 & bench["backbone"].astype(str).str.endswith("/0.0")]
-    if "compile_mode" in rows:
-        rows = rows[rows["compile_mode"].isna()]
+    latest row under the bench's own protocol (``headline_bench_rows``: compiled, unvaried, attention dropout 0) at
+    ``BENCH_SHAPES`` on one card (``pick_device``), then peak GB at 4K (batch 32, else 8) and at 16K."""
+    rows = headline_bench_rows(bench)  # the length charts read the same rows (lra.report.plot)
     card = pick_device(rows, device)
-    rows = rows[rows["device"] == card].sort_values("timestamp", kind="stable")
+    rows = rows[rows["device"] == card]
     latest = rows.drop_duplicates(["model", "seq_len", "batch_size"], keep="last").set_index(
         ["model", "seq_len", "batch_size"])
     names = [f"{n // 1024}K" + ("" if b == 32 else f" (batch {b})") for n, b in BENCH_SHAPES]
@@ -563,8 +684,10 @@ def bench_table(bench: pd.DataFrame, device: str | None = None) -> str:
     for model in ranked.index:
         lines.append(f"| {model} | " + " | ".join([*(cell(model, n, b) for n, b in BENCH_SHAPES),
                                                   gb(model, [(4096, 32), (4096, 8)]), gb(model, [(16384, 8)])]) + " |")
-    note = (f"Training steps/s of the LRA Table 2 protocol (`bench.csv`: the byte-level Text backbone, bf16, "
-            f"compiled, attention dropout 0) on the {card}, each model's latest row; in brackets, relative to the "
+    precision = ", ".join(sorted(rows["precision"].astype(str).unique())) if "precision" in rows else ""
+    compiled = "eager" if on_cpu(pd.Series([card])).all() else "compiled"
+    note = (f"Training steps/s of the LRA Table 2 protocol (`bench.csv`: the byte-level Text backbone, {precision}, "
+            f"{compiled}, attention dropout 0) on the {card}, each model's latest row; in brackets, relative to the "
             f"transformer's row of that shape; peak memory in GB. `python -m lra.bench` measures them.")
     return "\n".join(lines) + "\n\n" + note
 

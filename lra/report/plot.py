@@ -13,7 +13,9 @@ each of our bubbles whose score rests on several seeds of some task spans the sc
 leaderboard's bootstrap over seeds and test examples (``average_spread``, ``lra.rank``).
 (b) The accuracy chart of one task: our mean test accuracy per model with the std over seeds as error bars, LRA
 Table 1's value beside. ``accuracy_points``, ``draw_accuracy``.
-(c) Steps/s or peak memory against N, one line per model, log-log. ``length_points``, ``draw_lengths``.
+(c) Training examples/s or peak memory per example against N, one line per model, log-log, one panel per family of
+the survey's taxonomy (``FAMILIES``): the bench table's rows (each model's latest under the bench's own protocol),
+one point per model and length. ``length_points``, ``draw_lengths``.
 
 Only the leaderboard's ``experiment == lra`` rows count (LRA's protocol; a leaderboard without the column is all
 ``lra``). Figures are plain ``matplotlib.figure.Figure`` objects on the Agg canvas (no pyplot, no display needed).
@@ -37,19 +39,22 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from lra.errors import DataError
-from lra.report import rank
+from lra.report import labels, rank
 from lra.report.leaderboard import (
     DEFAULT_RESULTS,
     PUBLISHED,
     TASKS5,
     average_replicates,
     cell_replicates,
+    headline_bench_rows,
+    latest_bench_rows,
     pick_device,
     read_reference,
     seed_accuracies,
     select_runs,
 )
 from lra.report.results import BENCH_PROTOCOL, as_text
+from models import get_model_class, list_models
 
 matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt, not random: same chart, same bytes
 
@@ -57,7 +62,7 @@ MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 
 NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
 METRIC_LABELS = {"steps_per_s": "training steps/s", "examples_per_s": "training examples/s",
-                 "peak_mem_mb": "peak memory (MB)", "rel_speed": "speed relative to transformer"}
+                 "peak_mem_mb": "peak memory per example (MB)", "rel_speed": "speed relative to transformer"}
 POINT_COLUMNS = ["model", "x", "y", "mem_gb"]
 ACCURACY_COLUMNS = ["model", "mean", "std", "n_seeds", "n_stalled", "paper", "headline", "seeds"]
 
@@ -87,15 +92,10 @@ def _on_device(bench: pd.DataFrame, device: str | None) -> pd.DataFrame:
 
 
 def _ok_rows(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
-    """The ok rows of one device, oldest first."""
-    rows = _on_device(bench, device)
-    return rows[rows["status"].astype(str) == "ok"]
-
-
-def latest_ok(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
-    """The latest ok row per (model, seq_len, batch_size) on one device."""
-    latest = _ok_rows(bench, device).drop_duplicates(["model", "seq_len", "batch_size"], keep="last")
-    return latest.reset_index(drop=True)
+    """Each model's latest ok row per shape and protocol on one device (``latest_bench_rows`` over every card, as the
+    bench table reads them: a superseded or contradicted row is not drawn), oldest first."""
+    rows = latest_bench_rows(bench)
+    return rows[rows["device"].astype(str) == pick_device(_numeric(bench), device)]
 
 
 def length_label(n: int) -> str:
@@ -321,67 +321,6 @@ def axis_scale(lo: float, hi: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Label placement: pure geometry in points, no matplotlib
-
-# Directions tried in order: below first (the paper's figure), then above, beside, and the diagonals.
-DIRECTIONS = [(0, -1), (0, 1), (1, 0), (-1, 0), (1, -1), (-1, -1), (1, 1), (-1, 1)]
-
-
-def _candidates(r: float, w: float, h: float, gap: float, centre_first: bool) -> list[tuple[float, float]]:
-    """Offsets of a w x h label's centre from its bubble's: just outside the bubble (radius r) in each direction,
-    then one label height further out."""
-    out = [(0.0, 0.0)] if centre_first else []
-    for ring in (0, 1):
-        d = r + gap + ring * (h + gap)
-        for dx, dy in DIRECTIONS:
-            k = math.sqrt(0.5) if dx and dy else 1.0  # a diagonal puts the label's corner at distance d
-            out.append((dx * (d * k + w / 2), dy * (d * k + h / 2)))
-    return out
-
-
-def _boxes_overlap(a: tuple, b: tuple) -> bool:
-    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
-
-
-def _box_hits_circle(box: tuple, circle: tuple) -> bool:
-    x, y, r = circle
-    nearest_x, nearest_y = min(max(x, box[0]), box[2]), min(max(y, box[1]), box[3])
-    return (nearest_x - x) ** 2 + (nearest_y - y) ** 2 < r * r
-
-
-def _label_box(x: float, y: float, size: tuple[float, float], offset: tuple[float, float]) -> tuple:
-    """(x0, y0, x1, y1) of a label of ``size`` whose centre is ``offset`` away from (x, y)."""
-    cx, cy, (w, h) = x + offset[0], y + offset[1], size
-    return (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)
-
-
-def _collisions(box: tuple, labels: list[tuple], bubbles: list[tuple], bounds: tuple) -> int:
-    """How badly a label box sits: over a label counts most, then outside the axes, then over a bubble."""
-    outside = box[0] < bounds[0] or box[1] < bounds[1] or box[2] > bounds[2] or box[3] > bounds[3]
-    return (4 * sum(_boxes_overlap(box, b) for b in labels) + 2 * outside
-            + sum(_box_hits_circle(box, c) for c in bubbles))
-
-
-def place_labels(bubbles: list[tuple[float, float, float]], sizes: list[tuple[float, float]],
-                 bounds: tuple[float, float, float, float], centre_first: list[bool] | None = None,
-                 gap: float = 2.0) -> list[tuple[float, float]]:
-    """Greedy placement of one label per bubble, all in points: ``bubbles`` are (x, y, radius), ``sizes`` the labels'
-    (width, height), ``bounds`` the axes (x0, y0, x1, y1). In order, each label takes the first candidate offset
-    (its bubble's centre when ``centre_first``, then around the bubble) that overlaps no label placed before, no other
-    bubble and stays inside ``bounds``; when none does, the candidate with the fewest collisions. Returns the offset
-    of each label's centre from its bubble's centre."""
-    centre_first = centre_first or [False] * len(bubbles)
-    placed, offsets = [], []
-    for i, ((x, y, r), size) in enumerate(zip(bubbles, sizes)):
-        others = bubbles[:i] + bubbles[i + 1:]
-        options = [(o, _label_box(x, y, size, o)) for o in _candidates(r, *size, gap, centre_first[i])]
-        offset, box = min(options, key=lambda ob: _collisions(ob[1], placed, others, bounds))  # first of the best
-        offsets.append(offset)
-        placed.append(box)
-    return offsets
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # (a) The bubble chart: drawing
 
 
@@ -478,26 +417,30 @@ def _bubble_texts(fig: Figure, ax, ours: pd.DataFrame, missing: dict, length: in
 
 
 def _label_bubbles(fig: Figure, ax, groups: list[tuple[pd.DataFrame, float, dict, bool]]) -> None:
-    """Labels placed by ``place_labels`` once the layout is final: ``groups`` = (points, points^2 per GB, text style,
-    label inside the bubble first). Labels stay out of the layout, so placing them does not move the axes."""
+    """Labels placed by ``labels.place_labels`` once the layout is final: ``groups`` = (points, points^2 per GB, text
+    style, label inside the bubble first). A label that ``labels.leaders`` names gets a line to its bubble's centre.
+    Labels stay out of the layout, so placing them does not move the axes."""
     fig.canvas.draw()  # runs the layout: data -> points is final from here
     renderer = fig.canvas.get_renderer()
     to_pt = 72.0 / fig.dpi
     texts, bubbles, sizes, centre_first = [], [], [], []
     for points, scale, style, inside in groups:
         for r in points.itertuples():
-            text = ax.annotate(style["fmt"].format(r.model), (r.x, r.y), xytext=(0, 0), textcoords="offset points",
-                               ha="center", va="center", fontsize=style["fontsize"], color=style["color"])
-            text.set_in_layout(False)
-            extent = text.get_window_extent(renderer)
+            text = dict(text=style["fmt"].format(r.model), xy=(r.x, r.y), textcoords="offset points", ha="center",
+                        va="center", fontsize=style["fontsize"], color=style["color"])
+            probe = ax.annotate(**text, xytext=(0, 0))  # measured, then drawn again where it goes
+            extent = probe.get_window_extent(renderer)
+            probe.remove()
             cx, cy = ax.transData.transform((r.x, r.y)) * to_pt
             texts.append(text)
             bubbles.append((cx, cy, math.sqrt(r.mem_gb * scale) / 2 + 1))  # + the edge line
             sizes.append((extent.width * to_pt + 2, extent.height * to_pt))
             centre_first.append(inside)
     bounds = tuple(np.asarray(ax.bbox.extents) * to_pt)
-    for text, offset in zip(texts, place_labels(bubbles, sizes, bounds, centre_first)):
-        text.xyann = offset
+    offsets = labels.place_labels(bubbles, sizes, bounds, centre_first)
+    for text, offset, leader in zip(texts, offsets, labels.leaders(bubbles, sizes, offsets), strict=True):
+        arrow = dict(arrowstyle="-", color=text["color"], linewidth=0.6, shrinkA=0, shrinkB=0)  # to the centre
+        ax.annotate(**text, xytext=offset, arrowprops=arrow if leader else None).set_in_layout(False)
 
 
 OURS_STYLE = dict(alpha=0.55, color="tab:blue", edgecolors="black", linewidths=0.8, label="ours")
@@ -675,74 +618,149 @@ def _dodges(points: pd.DataFrame) -> dict[str, float]:
     return shift
 
 
-def length_points(bench: pd.DataFrame, metric: str = "steps_per_s", device: str | None = None) -> pd.DataFrame:
-    """What the length chart draws: ``model, batch_size, seq_len, value, x`` per latest ok bench row on one device,
-    sorted; ``x`` = ``seq_len``, shifted a little (``_dodges``) for series that would hide one another."""
-    ok = latest_ok(bench, device)
-    points = ok[["model", "batch_size", "seq_len", metric]].rename(columns={metric: "value"}).dropna(subset=["value"])
-    shift = _dodges(points)
+def length_rows(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
+    """The rows of the length charts: the bench table's (``headline_bench_rows``: each model's latest row under the
+    bench's own protocol) on one card (``pick_device`` of those rows unless given), one per model and length: at 4K,
+    where LRA's protocol has both, the batch-32 row (``_latest_at``'s rule)."""
+    rows = headline_bench_rows(bench)
+    if rows.empty:
+        return rows
+    rows = rows[rows["device"].astype(str) == pick_device(rows, device)]
+    lengths = sorted(rows["seq_len"].dropna().astype(int).unique())
+    return pd.concat([_latest_at(rows, n) for n in lengths] or [rows.iloc[:0]], ignore_index=True)
+
+
+def per_example(rows: pd.DataFrame, metric: str) -> pd.Series:
+    """``metric`` of each row per training example, so that batch 32 (to 4K) and batch 8 (beyond) share one axis:
+    examples/s as measured, peak memory divided by the batch (its activations grow with the batch; the weights
+    and optimiser state, a few tens of MB here, are shared)."""
+    if metric == "examples_per_s":
+        return rows["examples_per_s"]
+    if metric == "peak_mem_mb":
+        return rows["peak_mem_mb"] / rows["batch_size"]
+    raise ValueError(f"length charts draw examples_per_s or peak_mem_mb, not {metric!r}")
+
+
+# The taxonomy's classes (models.registry.CLASSES) grouped into one panel each: few enough lines to tell apart.
+FAMILIES = (("exact attention", ("exact",)), ("fixed patterns", ("FP",)),
+            ("memory, learnable patterns", ("M", "LP")), ("low rank", ("LR",)), ("kernels", ("KR",)),
+            ("recurrence, state space, Fourier", ("RC", "SSM", "FT", "DS")))
+OTHER_FAMILY = "other"
+
+
+def family_of(model: str) -> str:
+    """The panel of ``model``: its first taxonomy class's family; a model not registered here, ``OTHER_FAMILY``."""
+    name = model.split("(")[0]
+    if name not in list_models():
+        return OTHER_FAMILY
+    first = (get_model_class(name).taxonomy.classes or ("exact",))[0]
+    return next((family for family, classes in FAMILIES if first in classes), OTHER_FAMILY)
+
+
+def length_points(bench: pd.DataFrame, metric: str = "examples_per_s", device: str | None = None) -> pd.DataFrame:
+    """What the length chart draws: ``model, family, batch_size, seq_len, value, x``, one row per model and length
+    (``length_rows``), ``value`` per example (``per_example``), sorted; ``x`` = ``seq_len``, shifted a little
+    (``_dodges``) for series of one panel (``family``) that would hide one another."""
+    rows = length_rows(bench, device)
+    points = rows[["model", "batch_size", "seq_len"]].assign(value=per_example(rows, metric)).dropna(subset=["value"])
+    points.insert(1, "family", [family_of(m) for m in points["model"]])
+    shift = {m: octaves for _, panel in points.groupby("family") for m, octaves in _dodges(panel).items()}
     points["x"] = points["seq_len"] * 2.0 ** np.array([shift.get(m, 0.0) for m in points["model"]], dtype=float)
-    return points.sort_values(["model", "batch_size", "seq_len"], kind="stable").reset_index(drop=True)
+    return points.sort_values(["model", "seq_len"], kind="stable").reset_index(drop=True)
 
 
-def _line_styles(models: list[str]) -> dict[str, tuple]:
-    """model -> (colour, marker): a distinct pair each; the transformer baseline black."""
-    pairs = matplotlib.colormaps["tab20"].colors  # (dark, light) pairs: all the dark ones first
-    colours = pairs[0::2] + pairs[1::2]
-    others = [m for m in models if m != "transformer"]
-    style = {m: (colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i, m in enumerate(others)}
-    style["transformer"] = ("black", "o")
+def _panel_palette() -> list[tuple]:
+    """Colours for the lines of one panel, all distinct: tab10's, then tab20's lighter shades, grey left out (the
+    transformer's reference line is grey)."""
+    tab20 = matplotlib.colormaps["tab20"].colors  # (dark, light) pairs; the dark ones are tab10's
+    grey = 7
+    return [tab20[2 * i] for i in range(10) if i != grey] + [tab20[2 * i + 1] for i in range(10) if i != grey]
+
+
+def _line_styles(points: pd.DataFrame) -> dict[str, tuple[tuple, str, str]]:
+    """model -> (colour, marker, linestyle): the models of a panel (``family``), by name, take the palette's colours
+    and ``MARKERS`` in turn, so that no two lines of a panel share a colour; the transformer, the baseline, black
+    and dashed."""
+    palette, style = _panel_palette(), {}
+    for _, panel in points.groupby("family"):
+        others = sorted(set(panel["model"]) - {"transformer"})
+        style.update({m: (palette[i % len(palette)], MARKERS[i % len(MARKERS)], "-") for i, m in enumerate(others)})
+    style["transformer"] = ((0.0, 0.0, 0.0), "o", "--")
     return style
 
 
-def _length_title(ok: pd.DataFrame, metric: str, device: str) -> str:
-    """The metric, precision and which batch ran at which lengths (LRA's protocol: 32 to 4K, 8 beyond)."""
-    precision = ", ".join(sorted(ok["precision"].astype(str).unique())) if "precision" in ok else ""
+def _length_title(points: pd.DataFrame, metric: str, device: str, protocol: str) -> str:
+    """The metric, the protocol and which batch ran at which lengths (LRA's protocol: 32 to 4K, 8 beyond)."""
     batches = []
-    for batch, g in ok.groupby("batch_size", sort=False):
+    for batch, g in points.groupby("batch_size", sort=False):
         lo, hi = int(g["seq_len"].min()), int(g["seq_len"].max())
         span = length_label(lo) if lo == hi else f"{length_label(lo)}-{length_label(hi)}"
         batches.append((lo, f"{int(batch)} at {span}"))
-    batch = ", batch " + ", ".join(text for _, text in sorted(batches)) if batches else ""
-    return f"{METRIC_LABELS.get(metric, metric)} vs length ({precision}{batch})\n{device}"
+    batch = "batch " + ", ".join(text for _, text in sorted(batches)) if batches else ""
+    smaller = f", hollow markers batch {int(points['batch_size'].min())}" if points["batch_size"].nunique() > 1 else ""
+    return f"{METRIC_LABELS.get(metric, metric)} vs length ({batch}{smaller})\n{device}; bench {protocol}"
+
+
+LENGTH_PANEL_COLUMNS = 3
 
 
 def draw_lengths(points: pd.DataFrame, metric: str, title: str) -> Figure:
-    """``length_points`` as one colour and marker per model, one segment per batch size; the transformer (dashed)
-    beneath the rest, so a series equal to it stays visible."""
-    fig = _new_figure(8.5, 5)
-    ax = fig.add_subplot()
-    style = _line_styles(sorted(points["model"].unique()))
-    for (model, _batch), g in points.groupby(["model", "batch_size"], sort=True):
-        colour, marker = style[model]
-        label = model if model not in [line.get_label() for line in ax.get_lines()] else "_nolegend_"
-        base = model == "transformer"
-        ax.plot(g["x"], g["value"], marker=marker, color=colour, label=label, linestyle="--" if base else "-",
-                zorder=1.5 if base else 2.0, markersize=5)
-    ax.set_xscale("log", base=2)
+    """``length_points``, one panel per family (``FAMILIES``) on shared axes: each model one line in its own
+    colour and marker (``_line_styles``), filled at the largest batch and hollow at a smaller one; the transformer
+    in every panel (in the others a grey dashed reference, beneath), each panel's legend under it."""
+    families = [f for f, _ in FAMILIES if f in set(points["family"])]
+    families += [OTHER_FAMILY] if OTHER_FAMILY in set(points["family"]) else []
+    columns = min(LENGTH_PANEL_COLUMNS, max(len(families), 1))
+    rows = -(-max(len(families), 1) // columns)
+    fig = _new_figure(4.6 * columns, 1.4 + 3.6 * rows)
+    axes = fig.subplots(rows, columns, sharex=True, sharey=True, squeeze=False).ravel()
+    style = _line_styles(points)
+    largest = points["batch_size"].max()
+    base = points[points["model"] == "transformer"]
+    for ax, family in zip(axes, families):
+        if family != "exact attention" and len(base):
+            ax.plot(base["x"], base["value"], color="0.6", linestyle="--", linewidth=1.0, zorder=1.0,
+                    label="transformer (reference)", gid="reference")
+        for model, g in points[points["family"] == family].groupby("model", sort=True):
+            colour, marker, line = style[model]
+            ax.plot(g["x"], g["value"], marker=marker, color=colour, linestyle=line, label=model, markersize=5,
+                    zorder=1.5 if model == "transformer" else 2.0, gid=model)
+            small = g[g["batch_size"] < largest]
+            ax.plot(small["x"], small["value"], marker=marker, color=colour, mfc="white", linestyle="none",
+                    markersize=5, zorder=2.5, label="_smaller batch", gid=f"{model} (smaller batch)")
+        ax.set_title(family, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=2, frameon=False)
+    for ax in axes[len(families):]:
+        ax.set_axis_off()
     lengths = sorted(points["seq_len"].dropna().astype(int).unique())
-    ax.set_xticks(lengths, [length_label(n) for n in lengths])
-    ax.xaxis.set_minor_locator(NullLocator())
-    dodged = bool((points["x"] != points["seq_len"]).any())
-    ax.set_xlabel("sequence length N" + (" (equal series drawn side by side)" if dodged else ""))
+    axes[0].set_xscale("log", base=2)
+    if lengths:
+        axes[0].set_xticks(lengths, [length_label(n) for n in lengths])
+    for ax in axes:
+        ax.xaxis.set_minor_locator(NullLocator())
     if len(points):
         lo, hi = points["value"].min(), points["value"].max()
-        ax.set_yscale(axis_scale(lo, hi))
-        if ax.get_yscale() == "log":
-            _label_log_axis(ax.yaxis, *ax.get_ylim())
-    ax.set_ylabel(METRIC_LABELS.get(metric, metric))
-    ax.set_title(title, fontsize=11)
-    ax.grid(alpha=0.3)
-    if len(points):
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+        axes[0].set_yscale(axis_scale(lo, hi))
+        if axes[0].get_yscale() == "log":
+            _label_log_axis(axes[0].yaxis, *axes[0].get_ylim())
+    dodged = bool((points["x"] != points["seq_len"]).any())
+    fig.supxlabel("sequence length N" + (" (equal series drawn side by side)" if dodged else ""), fontsize=10)
+    fig.supylabel(METRIC_LABELS.get(metric, metric), fontsize=10)
+    fig.suptitle(title, fontsize=11)
     return fig
 
 
-def length_chart(bench: pd.DataFrame, metric: str = "steps_per_s", device: str | None = None) -> Figure:
-    """``metric`` against sequence length on one device: ``length_points`` drawn by ``draw_lengths``."""
-    device = pick_device(_numeric(bench), device)
-    return draw_lengths(length_points(bench, metric, device), metric,
-                        _length_title(latest_ok(bench, device), metric, device))
+def length_chart(bench: pd.DataFrame, metric: str = "examples_per_s", device: str | None = None) -> Figure:
+    """``metric`` per example against sequence length on one card: ``length_points`` drawn by ``draw_lengths``."""
+    rows = headline_bench_rows(bench)
+    device = pick_device(rows, device) if len(rows) or device else None
+    points = length_points(bench, metric, device)
+    protocol = _protocols(length_rows(bench, device)).drop_duplicates()
+    label = protocol_label(protocol.iloc[0].to_dict()) if len(protocol) == 1 else "several protocols"
+    if points.empty:
+        device, label = device or "no card", "no ok row under the bench's own protocol (bench defaults)"
+    return draw_lengths(points, metric, _length_title(points, metric, device, label))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -826,7 +844,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         written += _leaderboard_charts(args, bench, pd.read_csv(lb_path), tasks)
     else:
         print(f"no leaderboard at {lb_path} (`python -m lra.leaderboard`): skipping the bubble and accuracy charts")
-    written += save(length_chart(bench, "steps_per_s", args.device), args.out, "speed_vs_length")
+    written += save(length_chart(bench, "examples_per_s", args.device), args.out, "speed_vs_length")
     written += save(length_chart(bench, "peak_mem_mb", args.device), args.out, "memory_vs_length")
     for p in written:
         print(p)

@@ -7,7 +7,9 @@ Every row has a ``status``: ``ok``, ``diverged`` (a non-finite loss stopped the 
 recipe run as far as device time allowed). Only ``ok`` and ``stopped`` rows carry accuracies or timings; only ``ok``
 rows are ever averaged.
 Each row's validation curve goes beside ``runs.csv``: ``curves/<task>_<model>_<experiment>_seed<seed>_<config
-hash>_<timestamp>.csv`` (``CURVE_COLUMNS``; ``curve_path``), the evaluations of the run up to that row.
+hash>_<timestamp>.csv`` (``CURVE_COLUMNS``; ``curve_path``), the evaluations of the run up to that row; a
+self-pretrained run's pretraining curve beside it as ``curves/pretrain_..._<pretrain_hash>_<timestamp>.csv``
+(``PRETRAIN_CURVE_COLUMNS``).
 """
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ class RunRow:
     batching: str | None = None  # random (LRA's) | length_grouped (schedule.batching)
     val_is_test: bool | None = None  # validation is the test set (Text, as LRA): the final weights are the result
     deterministic: bool | None = None  # trained in torch's deterministic mode (trainer.deterministic); not hashed
+    pretrain: str | None = None  # self-pretrained first on the training split: mlm | causal (blank: from scratch)
+    pretrain_hash: str | None = None  # the config hash of that pretraining phase (its folder: run_dir/pretrain)
 
 
 @dataclass
@@ -104,6 +108,7 @@ class BenchRow:
     git_sha: str | None = None
     timestamp: str | None = None
     compile_mode: str | None = None  # torch.compile's mode where it is not the default (reduce-overhead, ...)
+    compile_note: str | None = None  # why a case asked to compile ran eagerly: the compile check's finding
 
 
 RUN_COLUMNS = [f.name for f in fields(RunRow)]
@@ -111,10 +116,11 @@ BENCH_COLUMNS = [f.name for f in fields(BenchRow)]
 # ``python -m lra.layer_bench``'s rows (layer_bench.csv). implementation: "lra <model>" for ours (blank in rows
 # written before it existed), the package's name for theirs; package / pin: the distribution installed and the one
 # the protocol pins (blank for ours and for SDPA); ms_p10, ms_p90: the spread of the timed calls; triton: the Triton
-# that compiled the kernels (blank where none was installed, and in rows older than the column)
+# that compiled the kernels (blank where none was installed, and in rows older than the column); compile_note: why a
+# layer asked to compile ran eagerly (the compile check's finding; blank otherwise and in older rows)
 LAYER_BENCH_COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device",
                        "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled", "ms_p10",
-                       "ms_p90", "compile_mode", "triton"]
+                       "ms_p90", "compile_mode", "triton", "compile_note"]
 SCHEMAS = {"runs.csv": RUN_COLUMNS, "bench.csv": BENCH_COLUMNS, "layer_bench.csv": LAYER_BENCH_COLUMNS}
 # What a bench row's speed depends on besides the model, the length, the batch and the device: rows that differ in any
 # of these were timed under different protocols (say, the whole model eager with attention dropout, or compiled
@@ -179,25 +185,31 @@ def append_row(path: str | Path, row: dict, columns: list[str]) -> None:
 
 
 CURVE_COLUMNS = ["step", "train_loss", "val_acc", "lr"]  # one row per evaluation; train loss averaged since the last
+# a pretraining phase's curve: its loss and the share of predicted tokens its argmax got right, both over the training
+# steps since the last row
+PRETRAIN_CURVE_COLUMNS = ["step", "train_loss", "token_acc", "lr"]
 
 
 def curve_path(results_dir: str | Path, row: dict) -> Path:
     """Where the validation curve of ``row`` (a runs.csv row) lives: named by what ran and when it was recorded,
-    so a run stopped early and later finished keeps both curves."""
+    so a run stopped early and later finished keeps both curves. A pretraining phase's record (its ``phase`` is
+    ``pretrain``, its ``config_hash`` the phase's: a row's ``pretrain_hash``) names its curve ``pretrain_...``."""
     when = str(row["timestamp"]).replace("-", "").replace(":", "")
-    name = f"{row['task']}_{row['model']}_{row['experiment']}_seed{row['seed']}_{row['config_hash']}_{when}.csv"
+    phase = f"{row['phase']}_" if row.get("phase") else ""
+    name = f"{phase}{row['task']}_{row['model']}_{row['experiment']}_seed{row['seed']}_{row['config_hash']}_{when}.csv"
     return Path(results_dir) / "curves" / name
 
 
-def write_curve(results_dir: str | Path, row: dict, history: list[dict]) -> Path | None:
-    """The run's evaluations (``history``: dicts of ``CURVE_COLUMNS``) as a CSV beside runs.csv, written
-    atomically; nothing for a run that never evaluated."""
+def write_curve(results_dir: str | Path, row: dict, history: list[dict],
+                columns: list[str] = CURVE_COLUMNS) -> Path | None:
+    """The run's evaluations (``history``: dicts of ``columns``) as a CSV beside runs.csv, written atomically;
+    nothing for a run that never evaluated."""
     if not history:
         return None
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CURVE_COLUMNS, lineterminator="\n", extrasaction="ignore")
+    w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n", extrasaction="ignore")
     w.writeheader()
-    w.writerows({k: _fmt(h.get(k)) for k in CURVE_COLUMNS} for h in history)
+    w.writerows({k: _fmt(h.get(k)) for k in columns} for h in history)
     path = curve_path(results_dir, row)
     atomic_write_text(path, buf.getvalue())
     return path

@@ -195,6 +195,14 @@ class Encoder(nn.Module):
         # a registered mixer need not subclass MultiHeadMixer: without the attribute it gets a mask
         self.mixers_accept_no_mask = all(getattr(block.mixer, "accepts_no_mask", False) for block in self.blocks)
 
+    def set_causal(self, causal: bool) -> None:
+        """Every mixer in its causal form (``causal=True``: each output from the positions at and before it) or not;
+        a ValueError for a mixer without one (``supports_causal``, models/base.py)."""
+        for block in self.blocks:
+            if not getattr(block.mixer, "supports_causal", False):
+                raise ValueError(f"{type(block.mixer).__name__} has no causal form (supports_causal)")
+            block.mixer.causal = bool(causal)
+
     @property
     def supports_segments(self) -> bool:
         """Whether packed rows (:mod:`lra.train.packing`) give every example exactly its own outputs: every mixer keeps
@@ -207,10 +215,15 @@ class Encoder(nn.Module):
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if segments is not None:
             return self.forward_packed(tokens, segments, positions)
-        B = tokens.shape[0]
+        return self.encode(self.embed_tokens(tokens), mask)  # embed_tokens: (B, N) -> (B, N, D)
+
+    def encode(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embedded tokens (B, N, D) and their (B, N) mask (None: no padding) -> (B, N', D) hidden states and their
+        mask: ``forward`` after the token embedding, which a caller may change first (masked-token pretraining puts
+        its mask vector in, ``lra.train.pretrain``)."""
+        B, N = x.shape[:2]
         if mask is None and not self.mixers_accept_no_mask:
-            mask = torch.ones_like(tokens, dtype=torch.bool)  # (B, N)
-        x = self.embed_tokens(tokens)  # (B, N, D)
+            mask = torch.ones(B, N, dtype=torch.bool, device=x.device)  # (B, N)
         if self.cls_token:
             x = torch.cat([self.cls.expand(B, -1, -1), x], dim=1)  # (B, N + 1, D)
             if mask is not None:
@@ -289,6 +302,16 @@ def pool_packed(h: torch.Tensor, segments: torch.Tensor, starts: torch.Tensor, m
     return (sums[1:] / counts[1:, None].clamp_min(1.0)).to(h.dtype)  # (B, D): row 0 gathered the padding
 
 
+def scheduled_mixers(encoder: Encoder) -> list[nn.Module]:
+    """The encoder's mixers with host-side bookkeeping per training call (the performer's feature redraws), told
+    that the model around them advances it (``schedule_outside``): once per call, first, where the graph break it
+    costs a compiled model splits nothing; in each layer it would split the model's graph in three there."""
+    scheduled = [block.mixer for block in encoder.blocks if hasattr(block.mixer, "advance_schedule")]
+    for mixer in scheduled:
+        mixer.schedule_outside = True
+    return scheduled
+
+
 class Classifier(nn.Module):
     """Encoder + pooling + head. ``pair=True`` takes (B, 2, N) tokens and classifies the pair.
     ``padded=False`` promises that no token is 0 (pixel tasks): the padding mask is dropped, which lets the
@@ -307,12 +330,7 @@ class Classifier(nn.Module):
             raise ValueError("head='linear' is for single sequences: a pair task (retrieval) combines its two "
                              "documents through the MLP head (backbone.head=mlp)")
         self.encoder, self.pooling, self.pair, self.padded = encoder, pooling, pair, padded
-        # Mixers with host-side bookkeeping per training call (the performer's feature redraws): the model advances
-        # them once per call, first, where the graph break it costs a compiled model splits nothing; in each layer
-        # it would split the model's graph in three there.
-        self.scheduled = [block.mixer for block in encoder.blocks if hasattr(block.mixer, "advance_schedule")]
-        for mixer in self.scheduled:
-            mixer.schedule_outside = True
+        self.scheduled = scheduled_mixers(encoder)  # advanced once per training call (advance_schedules)
         if head == "linear":
             self.head = nn.Linear(d_model, n_classes)
         elif pair:

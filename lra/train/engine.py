@@ -4,6 +4,7 @@ synchronised timing and peak memory. What one measures the other measures identi
 """
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import math
@@ -13,7 +14,7 @@ import resource
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from lra.errors import ConfigError
 from lra.train.encoder import Classifier, build_classifier
 from models import get_model_class
-from models.base import checked_backend
+from models.base import checked_setting
 
 
 def resolve_device(name: str) -> torch.device:
@@ -156,47 +157,163 @@ def configure(device: torch.device, threads: int | None = None, deterministic: b
         torch._functorch.config.enable_autograd_cache = False
 
 
+def full_precision(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or as it is where it is float64 (the compile check's reference keeps its precision)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in fp32 whatever the autocast dtype of the logits."""
-    return F.cross_entropy(logits.float(), labels)
+    """Cross-entropy in fp32 whatever the autocast dtype of the logits (in float64 for float64 logits)."""
+    return F.cross_entropy(full_precision(logits), labels)
 
 
-# How far a compiled model's gradients may stray from the eager model's: TF32 products and another order of the
-# reductions move them by ~1e-3 of their size. Inductor's CUDA code can be wrong by orders of magnitude where eager
-# CUDA, aot_eager and the CPU are exact (Mamba's dt gradients at an odd length, torch 2.11: models/mamba.py).
-GRADIENT_TOLERANCE = 2e-2
-# The same under bf16 autocast, where each execution rounds its own way: a rightly compiled Mamba stays within 0.1
-# of fp64 there, a wrongly compiled one is off by 7 times the gradient's size.
-GRADIENT_TOLERANCE_BF16 = 0.3
+COMPILE_CHECK_ROWS = 4  # examples whose gradients check a compiled model (the runner's first training rows)
+
+# The compile check's rule (compiled_gradient_check). The gradients of the compiled model and of the eager model are
+# each measured against the eager model's in float64 (a copy of it: the same weights, buffers and inputs), per
+# parameter: e = |g - g64| / |g64|. The compiled model is accepted where for every parameter
+#     e_compiled <= COMPILE_ERROR_FACTOR * e_eager + COMPILE_ERROR_FLOOR[precision].
+# Against float64 and not against each other: eager fp32 is itself off the exact gradient by its rounding, and in a
+# model of long sums of large cancelling terms (random features, many layers) by percents; two executions in other
+# summation orders are then as far from each other as each is from float64, and a bound on their difference rejects
+# a compiled model no worse than the eager one.
+# The factor: a right compilation computes the same products in the same precision (TF32 or not is set for the
+# process, so for both) in other orders and fusions, so its rounding error is a draw of the same size as eager's; over
+# a gradient of k elements the error's norm varies between such draws by about 1/sqrt(k) of itself, and 4x lies far
+# outside that spread. A wrong kernel is off by orders of magnitude more than rounding (models/mamba.py: Inductor's
+# code for Mamba's dt gradients at an odd length).
+# The floor: for a gradient of few elements (a bias, a scalar) the ratio of two rounding errors is unbounded (for one
+# element, the ratio of two Gaussians), so an error below the floor passes whatever eager's. fp32: 2^-9 of the
+# gradient's size, 4 units of TF32's rounding (2^-11) and half a unit of bf16's (2^-8): training under bf16 autocast
+# rounds every product's inputs by more, and a minibatch gradient's sampling noise is larger still. bf16: 2^-5, 8
+# units of bf16's rounding: each product of the forward and the backward rounds its inputs to 8 bits, so a right
+# gradient is already several units off.
+COMPILE_ERROR_FACTOR = 4.0
+COMPILE_ERROR_FLOOR = {"fp32": 2.0**-9, "bf16": 2.0**-5}
+# Where the model does not run in float64 (a kernel without float64, such as a Triton or FlexAttention path; tensors
+# of two dtypes meeting inside the model; float64 not fitting in memory), compiled against eager directly, as a
+# fraction of the eager gradient's size: TF32 products and another order of the reductions move them by ~1e-3 of
+# it; under bf16 autocast each execution rounds its own way (a rightly compiled Mamba stays within 0.1 of float64
+# there, a wrongly compiled one is off by 7 times the gradient's size).
+PAIRWISE_TOLERANCE = {"fp32": 2e-2, "bf16": 0.3}
 
 
-def gradient_disagreement(model: torch.nn.Module, compiled, inputs: tuple[torch.Tensor, ...],
-                          labels: torch.Tensor, autocast=None) -> tuple[str, float, float, float]:
-    """The parameter whose loss gradient differs most between ``model`` run eagerly and ``compiled`` (the same model
-    through torch.compile): (its name, |g_compiled - g_eager| / |g_eager|, |g_compiled|, |g_eager|), the norm below
-    floored at 1e-3 of the largest eager gradient's (a gradient near 0 is all rounding). One batch, in eval mode
-    (nothing random differs between the two calls), without autocast unless given one (a factory of contexts, as
-    ``autocast`` returns); the model is left as it was found, its gradients cleared."""
-    was_training = model.training
-    model.eval()
-    grads = []
+def loss_gradients(model: torch.nn.Module, fn, inputs: tuple[torch.Tensor, ...], labels, autocast=None,
+                   loss_fn=classification_loss) -> dict[str, torch.Tensor]:
+    """The gradients of ``loss_fn(fn(*inputs), labels)`` on ``model``'s parameters, by name (``fn``: ``model``, or it
+    through torch.compile), under ``autocast`` (a factory of contexts, as ``autocast`` returns; None: autocast off).
+    The parameters' ``.grad`` are left cleared."""
     if autocast is None:
         autocast = lambda: torch.autocast(inputs[0].device.type, enabled=False)
+    model.zero_grad(set_to_none=True)
     try:
-        for fn in (model, compiled):
-            model.zero_grad(set_to_none=True)
-            with autocast():
-                classification_loss(fn(*inputs), labels).backward()
-            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        with autocast():
+            loss_fn(fn(*inputs), labels).backward()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     finally:
         model.zero_grad(set_to_none=True)
-        model.train(was_training)
-    eager, other = grads
-    floor = 1e-3 * max(g.norm() for g in eager.values())
-    zero = torch.zeros((), device=inputs[0].device)
-    errors = {n: ((other.get(n, zero) - g).norm() / torch.maximum(g.norm(), floor)).item() for n, g in eager.items()}
-    worst = max(errors, key=errors.get)
-    return worst, errors[worst], other.get(worst, zero).norm().item(), eager[worst].norm().item()
+
+
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.double() if t.is_floating_point() else t  # ids and masks as they are
+
+
+def float64_gradients(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels,
+                      loss_fn=classification_loss) -> dict[str, torch.Tensor]:
+    """``loss_gradients`` of a copy of ``model`` in float64: the module copied, not rebuilt (its random features,
+    masks and other buffers are the same numbers), its parameters and buffers widened (complex ones to complex128),
+    in eval mode (nothing random is drawn), on ``inputs`` widened alike, with float64 the default dtype meanwhile (for
+    tensors the model creates). Raises where the model does not run in float64 or its gradients are not finite."""
+    twin = copy.deepcopy(model)._apply(_widen).eval()
+    wide = tuple(_widen(t) if isinstance(t, torch.Tensor) else t for t in inputs)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        grads = loss_gradients(twin, twin, wide, labels, None, loss_fn)
+    finally:
+        torch.set_default_dtype(default)
+    for name, g in grads.items():
+        if not torch.isfinite(g).all():
+            raise FloatingPointError(f"{name}'s float64 gradient is not finite")
+    return grads
+
+
+def _as64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
+def relative_errors(grads: dict, reference: dict, names) -> dict[str, float]:
+    """|g - g_ref| / |g_ref| for each of ``names`` (a gradient missing from either is zero), |g_ref| floored at 1e-3
+    of the largest reference gradient's (a gradient near 0 is all rounding); in float64; inf where not finite."""
+    sizes = {n: _as64(reference[n]).norm().item() if n in reference else 0.0 for n in names}
+    floor = max(1e-3 * max(sizes.values(), default=0.0), torch.finfo(torch.float64).tiny)
+    errors = {}
+    for n in names:
+        g, ref = grads.get(n), reference.get(n)
+        diff = (_as64(g) if g is not None else 0.0) - (_as64(ref) if ref is not None else 0.0)
+        error = torch.as_tensor(diff).norm().item() / max(sizes[n], floor)
+        errors[n] = error if math.isfinite(error) else math.inf
+    return errors
+
+
+@dataclass
+class GradientCheck:
+    """What ``compiled_gradient_check`` found. ``precision``: the attempt whose graphs compiled (fp32, else bf16); None
+    where none did. ``failed``: [(precision, error type)] of the attempts that did not compile. ``name``: the
+    parameter nearest its bound (or furthest past it), ``compiled_error`` and ``eager_error`` its gradients' distances
+    from float64's (``relative_errors``), ``bound`` what the compiled one may be (COMPILE_ERROR_FACTOR x eager's +
+    COMPILE_ERROR_FLOOR). ``no_float64``: why the model has no float64 reference; then ``compiled_error`` is the
+    distance from the eager gradient, ``eager_error`` None and ``bound`` PAIRWISE_TOLERANCE."""
+
+    precision: str | None = None
+    name: str | None = None
+    compiled_error: float = 0.0
+    eager_error: float | None = None
+    bound: float = 0.0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    no_float64: str | None = None
+
+    @property
+    def rejected(self) -> bool:
+        """The compiled model's gradients are not the model's: one is further off than the bound allows."""
+        return self.precision is not None and not self.compiled_error <= self.bound
+
+    def describe(self) -> str:
+        """The finding in a line: the parameter and both errors, with the bound (none where nothing compiled)."""
+        if self.precision is None:
+            return "no graph of the check compiled: the compiled gradients are unchecked"
+        if self.no_float64 is None:
+            return (f"{self.name}'s gradient is {self.compiled_error:.2e} of its size off float64's compiled, "
+                    f"{self.eager_error:.2e} eager (bound {COMPILE_ERROR_FACTOR:g} x eager + "
+                    f"{COMPILE_ERROR_FLOOR[self.precision]:.1e} = {self.bound:.2e}) in {self.precision}")
+        return (f"{self.name}'s gradient differs from the eager one by {self.compiled_error:.2e} of its size "
+                f"(tolerance {self.bound:g}, compiled against eager: no float64 reference) in {self.precision}")
+
+    def notes(self) -> list[str]:
+        """Lines for the log on how the check ran: attempts that did not compile, a missing float64 reference."""
+        lines = [f"torch.compile failed on it in {precision} ({kind})" for precision, kind in self.failed]
+        if self.no_float64 is not None:
+            lines.append(f"the model does not run in float64 ({self.no_float64}), so its compiled gradients are "
+                         f"compared with its eager ones")
+        return lines
+
+
+def compile_check_due(setting: str, compiled: bool, device: torch.device) -> bool:
+    """Whether a compiled model's gradients are checked before it runs (``trainer.compile_check``,
+    ``bench.compile_check``, layer_bench's ``--compile-check``): true, or auto on CUDA (where Inductor's own code
+    runs; on the CPU a compiled model is asked for, not chosen for speed)."""
+    return compiled and (setting == "true" or (setting == "auto" and device.type == "cuda"))
+
+
+def refuse_compiled(report: str, compile_setting: str, section: str) -> None:
+    """What a check that rejected a compiled model decides (the runner's and the bench's one rule): with
+    ``<section>.compile=auto`` the model runs eagerly (this returns); asked for explicitly, compiling was the user's
+    choice, and the finding is an error with the ways out."""
+    if str(compile_setting).lower() != "auto":
+        raise RuntimeError(f"{report}. {section}.compile=auto runs it eagerly instead; {section}.compile_check=false "
+                           f"runs it compiled regardless")
 
 
 def is_compile_error(error: BaseException) -> bool:
@@ -204,37 +321,76 @@ def is_compile_error(error: BaseException) -> bool:
     return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
-def compiled_gradient_check(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor,
-                            bf16=None):
-    """The compile check (the runner's ``check_compiled_gradients``, and the GPU test over the registry):
-    ``gradient_disagreement`` between ``model`` and a fresh torch.compile of it in fp32; where those graphs do not
-    compile and ``bf16`` (the run's autocast factory) is given, under it, at ``GRADIENT_TOLERANCE_BF16``. Each
-    attempt's graphs are dropped after it. Returns (precision, tolerance, (worst, error, got, want)) of the attempt
-    that compiled, or (None, None, None) where none did, and the [(precision, error type)] that failed to compile;
-    any other error is raised."""
-    failed = []
-    for precision, autocast, tolerance in (("fp32", None, GRADIENT_TOLERANCE), ("bf16", bf16, GRADIENT_TOLERANCE_BF16)):
-        if precision == "bf16" and bf16 is None:
-            break
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+
+
+def compiled_gradient_check(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels, bf16=None,
+                            loss_fn=classification_loss) -> GradientCheck:
+    """The compile check (the runner's ``check_compiled_gradients``, the bench's, and the GPU test over the
+    registry): the loss gradients of ``model`` through a fresh torch.compile and of ``model`` eagerly, in fp32 and
+    eval mode (nothing random differs between the calls), each against a float64 copy's (``float64_gradients``), by
+    the rule of COMPILE_ERROR_FACTOR. Where the fp32 graphs do not compile and ``bf16`` (the run's autocast factory)
+    is given, compiled and eager under it, against the same float64 gradients. Where the model does not run in float64
+    (any error there, an out-of-memory included), compiled against eager at PAIRWISE_TOLERANCE. Each attempt's graphs
+    are dropped after it; errors other than torch.compile's are raised; the model is left as it was found, its
+    gradients cleared."""
+    was_training = model.training
+    model.eval()
+    check = GradientCheck()
+    try:
         try:
-            found = gradient_disagreement(model, torch.compile(model), inputs, labels, autocast)
-            return precision, tolerance, found, failed
-        except Exception as e:
-            if not is_compile_error(e):
-                raise
-            failed.append((precision, type(e).__name__))
-        finally:
-            torch._dynamo.reset()  # the check's graphs go; training compiles its own
-    return None, None, None, failed
+            reference = float64_gradients(model, inputs, labels, loss_fn)
+        except Exception as e:  # noqa: BLE001 - whatever stops float64 (a kernel, a dtype, memory): the pairwise rule
+            reference, check.no_float64 = None, _first_line(e)
+        if reference is None:  # the failed copy's tensors, held by the error's frames until now
+            gc.collect()
+            if inputs[0].is_cuda:
+                torch.cuda.empty_cache()
+        for precision, autocast in (("fp32", None), ("bf16", bf16)):
+            if precision == "bf16" and bf16 is None:
+                break
+            try:
+                eager = loss_gradients(model, model, inputs, labels, autocast, loss_fn)
+                compiled = loss_gradients(model, torch.compile(model), inputs, labels, autocast, loss_fn)
+            except Exception as e:
+                if not is_compile_error(e):
+                    raise
+                check.failed.append((precision, type(e).__name__))
+                continue
+            finally:
+                torch._dynamo.reset()  # the check's graphs go; training compiles its own
+            check.precision = precision
+            names = list(dict.fromkeys([*(reference or eager), *eager, *compiled]))
+            if not names:  # no parameter has a gradient: nothing to tell apart
+                return check
+            if reference is None:
+                errors, eager_errors = relative_errors(compiled, eager, names), None
+                bounds = dict.fromkeys(names, PAIRWISE_TOLERANCE[precision])
+            else:
+                errors = relative_errors(compiled, reference, names)
+                eager_errors = relative_errors(eager, reference, names)
+                bounds = {n: COMPILE_ERROR_FACTOR * eager_errors[n] + COMPILE_ERROR_FLOOR[precision] for n in names}
+            worst = max(names, key=lambda n: (not errors[n] <= bounds[n],
+                                              errors[n] / bounds[n] if math.isfinite(bounds[n]) else 0.0))
+            check.name = worst
+            check.compiled_error, check.bound = errors[worst], bounds[worst]
+            check.eager_error = None if eager_errors is None else eager_errors[worst]
+            return check
+        return check
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
 
 
 def train_step(model, optimizer, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, *, autocast, grad_clip=None,
-               scheduler=None, loss_weight: float = 1.0) -> torch.Tensor:
+               scheduler=None, loss_weight: float = 1.0, loss_fn=classification_loss) -> torch.Tensor:
     """One optimisation step: forward, loss, backward, clip, AdamW, schedule. ``inputs``: the model's arguments
     (the ids, or a packed batch). ``loss_weight``: what the loss is multiplied by for the backward (a data-parallel
-    rank's share, ``World.loss_weight``). Returns the loss, unweighted (not synchronised)."""
+    rank's share, ``World.loss_weight``). ``loss_fn(outputs, labels)``: the loss (pretraining's counts its
+    predicted tokens as well: ``lra.train.pretrain.TokenLoss``). Returns the loss, unweighted (not synchronised)."""
     with autocast():
-        loss = classification_loss(model(*inputs), labels)
+        loss = loss_fn(model(*inputs), labels)
     (loss * loss_weight if loss_weight != 1.0 else loss).backward()
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -305,15 +461,15 @@ def build_model(name: str, options: dict, backbone, shape: TaskShape) -> Classif
 
 
 def set_mixer_attributes(model: torch.nn.Module, name: str, attributes: dict) -> None:
-    """Set ``attributes`` (how a mixer runs, e.g. its ``backend``) on every mixer of registry model ``name`` in
-    ``model`` (a whole model, or the mixer itself); a mixer without such an attribute runs one way only, and a
-    backend outside the mixer's ``backends``, are errors, raised here rather than at its first call."""
-    mixers = [m for m in model.modules() if isinstance(m, get_model_class(name))]
-    for key, value in attributes.items():
-        for mixer in mixers:
-            if not hasattr(mixer, key):
-                raise ValueError(f"{name} has one execution, no {key} to choose")
-            setattr(mixer, key, checked_backend(mixer, value, name) if key == "backend" else value)
+    """Set ``attributes`` (how a mixer runs: its ``backend``, ``scan``, ... as ``models.base.execution_settings``
+    lists them) on every mixer of registry model ``name`` in ``model`` (a whole model, or the mixer itself); a
+    setting the mixer does not declare, or a value outside its allowed ones, is an error raised here rather than at
+    its first call (``models.base.checked_setting``)."""
+    cls = get_model_class(name)
+    checked = {key: checked_setting(cls, key, value, name) for key, value in attributes.items()}
+    for mixer in (m for m in model.modules() if isinstance(m, cls)):
+        for key, value in checked.items():
+            setattr(mixer, key, value)
 
 
 def median_and_spread(times: list[float]) -> tuple[float, float, float]:

@@ -3,6 +3,10 @@
 validate -> data -> model -> AdamW + LRA schedule -> train with periodic validation (best-validation weights
 kept) -> test with the best and the final weights -> one row appended to ``results.dir/runs.csv``.
 
+With ``pretrain=mlm|causal`` a pretraining phase comes first (``Pretrainer``: the same loop and step, the encoder
+with a token head, the training split only, in ``<run_dir>/pretrain``; ``lra.train.pretrain``), and the classifier
+starts from its encoder's weights; the one row names the pretraining (``pretrain``, ``pretrain_hash``).
+
 Nothing is lost when a run is stopped: a checkpoint (model, optimiser, scheduler, RNG, step, timers) is written
 every ``trainer.ckpt_every`` steps and when a signal arrives (Ctrl-C, SIGTERM, or Slurm's SIGUSR2 before a
 timeout or preemption: the current step finishes, the checkpoint is saved, the run exits with code 75);
@@ -24,7 +28,7 @@ import signal
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +39,23 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from lra.config import eval_batch_size, model_options, sweep_folder, validate
+from lra.config import eval_batch_size, mixer_settings, model_options, sweep_folder, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.errors import EXIT_INTERRUPTED, ConfigError
+from lra.io import atomic_save
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
 from lra.report import baseline
-from lra.report.results import RUN_COLUMNS, RunRow, append_row, device_name, git_sha, now_iso, write_curve
-from lra.train import distributed, engine
+from lra.report.results import (
+    PRETRAIN_CURVE_COLUMNS,
+    RUN_COLUMNS,
+    RunRow,
+    append_row,
+    device_name,
+    git_sha,
+    now_iso,
+    write_curve,
+)
+from lra.train import distributed, engine, pretrain
 from lra.train.checkpoint import RunFiles, rng_state, set_rng_state
 from lra.train.packing import model_inputs, packed_share, real_ends, trim
 from models import list_models
@@ -51,8 +65,6 @@ log = logging.getLogger("lra")
 STOP_CHECK_EVERY = 10  # steps between the data-parallel ranks' agreement on a stop request
 clock = time.monotonic  # trainer.time_limit's clock (seconds); a test replaces it
 CPU_WARN_AFTER_S = 15 * 60  # a CPU run estimated to take longer than this gets a warning with the estimate
-COMPILE_CHECK_ROWS = 4  # training rows whose gradients check the compiled model (check_compiled_gradients)
-
 
 class RunInterrupted(Exception):
     """The run was asked to stop; its checkpoint is saved and rerunning the command resumes it."""
@@ -113,13 +125,14 @@ def task_shape(data: TaskData) -> engine.TaskShape:
     return engine.TaskShape(data.vocab_size, data.seq_len, data.n_classes, data.pair, padded, data.grid)
 
 
-def to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch's ids or labels (int64) on ``device``. On CUDA the copy goes through pinned memory: a copy from
-    pageable memory makes the host wait until the GPU has run everything queued before it, so one such copy per
-    step keeps the host from preparing the next step while the GPU runs this one."""
+def to_device(ids: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A batch's ids or labels (int64; or ``dtype``: a pretraining batch's masked positions) on ``device``. On CUDA the
+    copy goes through pinned memory: a copy from pageable memory makes the host wait until the GPU has run
+    everything queued before it, so one such copy per step keeps the host from preparing the next step while the
+    GPU runs this one."""
     if device.type == "cuda":
-        return ids.pin_memory().to(device, non_blocking=True).long()
-    return ids.long()
+        return ids.pin_memory().to(device, non_blocking=True).to(dtype)
+    return ids.to(dtype)
 
 
 def device_batch(split: Split, rows: slice | torch.Tensor, device: torch.device, packed: bool = False,
@@ -261,8 +274,10 @@ def run_rank(cfg: DictConfig) -> dict:
 
 
 class Trainer:
-    """The loop and its state. ``fit`` reads top to bottom: resume or start, train with evaluations and
+    """The loop and its state. ``fit`` reads top to bottom: resume or start, (pretrain,) train with evaluations and
     checkpoints, test, record."""
+
+    phase = ""  # what a stopped status says the run was stopped in ("pretraining"; "" the task's training)
 
     def __init__(self, cfg: DictConfig, world: distributed.World, device: torch.device):
         self.cfg, self.world, self.device = cfg, world, device
@@ -277,6 +292,7 @@ class Trainer:
         self.state = {"step": 0, "best_val": -1.0, "best_step": 0, "timed_steps": 0, "timed_s": 0.0, "wall_s": 0.0,
                       "peak_mem_mb": 0.0, "history": [], **{key: [now] for key, now in self.here.items()},
                       "deterministic": bool(cfg.trainer.deterministic)}
+        self.deadline = None  # trainer.time_limit's end on ``clock``, set as this process's first loop starts
 
     # -- the run ------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -303,7 +319,15 @@ class Trainer:
                 log.warning("%s changes what experiment=%s computes: the leaderboard shows this run as %s+modified, "
                             "apart from the preset's own runs", " ".join(changed), cfg.experiment, cfg.experiment)
         try:
-            self.build(checkpoint)
+            pretrained = None
+            if pretrain.pretraining(cfg) and checkpoint is None:  # a classifier checkpoint comes after the phase
+                status, pretrained, trained = self.pretrain()
+                if status != "ok" and not trained:  # stopped at pretrain.stop_at already: nothing new to record
+                    return files.finished() or self.record(status)
+                if status != "ok":  # diverged, or stopped by pretrain.stop_at or trainer.time_limit
+                    return self.record(status)
+                seed_everything(cfg.seed)  # one initial head, whether the phase ran in this process or before
+            self.build(checkpoint, pretrained)
             status = self.train()
         except torch.cuda.OutOfMemoryError as e:
             return self.record("oom", detail=str(e).splitlines()[0][:200])
@@ -313,7 +337,7 @@ class Trainer:
             if (op := engine.nondeterministic_op(e)) is not None:  # a setting that cannot run: no row
                 raise ConfigError(f"trainer.deterministic=true: model {cfg.model.name} calls {op}, which has no "
                                   f"deterministic implementation on {self.device.type} in torch {torch.__version__}; "
-                                  f"run it with trainer.deterministic=false, or with another trainer.mixer_backend "
+                                  f"run it with trainer.deterministic=false, or with another trainer.mixer setting "
                                   f"or model option that avoids the op") from e
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
             self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
@@ -355,7 +379,9 @@ class Trainer:
             return {"row": done}
         checkpoint = files.load_checkpoint()
         if checkpoint is None:
-            if resume == "true":
+            pretraining_started = pretrain.pretraining(self.cfg) and RunFiles(
+                files.dir / pretrain.FOLDER).has_checkpoint()
+            if resume == "true" and not pretraining_started:
                 raise ConfigError(f"resume=true but {files.dir} holds no readable checkpoint; run without "
                                   f"resume=true to start")
             if files.has_checkpoint():
@@ -367,21 +393,40 @@ class Trainer:
                               f"(hydra.run.dir=...) or resume=false to start over")
         return checkpoint
 
-    def build(self, checkpoint: dict | None) -> None:
+    def pretrain(self) -> tuple[str, dict | None, bool]:
+        """The pretraining phase (``Pretrainer``), from its checkpoint where it has one: (its status, the pretrained
+        encoder's weights where it ended ok, whether it trained now). This run's time limit spans both phases, and
+        its row counts the phase's wall time, devices and commits as its own."""
+        phase = Pretrainer(pretrain.pretraining_config(self.cfg), self.world, self.device, self.data,
+                           task_shape(self.data))
+        phase.deadline = self.deadline
+        status, weights, trained = phase.fit_phase()
+        self.deadline = phase.deadline
+        self.state["wall_s"], self.wall_start = phase.wall_s(), time.time()
+        for key in self.here:
+            self.state[key] = list(dict.fromkeys([*phase.state[key], *self.state[key]]))
+        return status, weights, trained
+
+    def make_model(self) -> torch.nn.Module:
+        cfg = self.cfg
+        return engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(self.data))
+
+    def build(self, checkpoint: dict | None, pretrained: dict | None = None) -> None:
+        """The model, its optimiser and schedule, from ``checkpoint`` where given; else with the encoder's weights
+        ``pretrained`` where given (the classifier's head as initialised)."""
         cfg, device = self.cfg, self.device
-        self.model = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, task_shape(self.data))
-        if cfg.trainer.mixer_backend is not None:  # how the mixers run, not what: set on each one built
+        self.model = self.make_model()
+        if checkpoint is None and pretrained is not None:
+            self.model.encoder.load_state_dict(pretrained)  # strict: every weight of the encoder, nothing else
+        for key, settings in mixer_settings(cfg).items():  # how the mixers run, not what: set on each one built
             try:
-                engine.set_mixer_attributes(self.model, cfg.model.name, {"backend": cfg.trainer.mixer_backend})
+                engine.set_mixer_attributes(self.model, cfg.model.name, settings)
             except ValueError as e:  # a setting that cannot run: no row, as for any invalid setting
-                raise ConfigError(f"trainer.mixer_backend={cfg.trainer.mixer_backend}: {e}") from None
+                shown = settings["backend"] if key == "trainer.mixer_backend" else settings
+                raise ConfigError(f"{key}={shown}: {e}") from None  # e.g. a backend deterministic mode refuses
         self.model.to(device)
         self.packed = self.resolve_packing()
-        # a 2-D task's grid is its whole length (and LRA's pixel_zero_is_pad makes background pixels pads)
-        trimmable = self.model.supports_trimming
-        self.trimmed = bool(cfg.trainer.trim) and self.data.grid is None and trimmable
-        if cfg.trainer.trim and not trimmable:
-            log.warning("trainer.trim: not applied: model %s's outputs depend on the padded length", cfg.model.name)
+        self.trimmed = self.resolve_trimming()
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = engine.build_optimizer(self.model, cfg.optim, device)
         self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, cfg.schedule.steps)
@@ -418,6 +463,15 @@ class Trainer:
         if self.world.is_main:
             log.info("%s: %s parameters", cfg.model.name, f"{self.n_params:,}")
 
+    def resolve_trimming(self) -> bool:
+        """``trainer.trim``, where it is exact: a 2-D task's grid is its whole length (and LRA's pixel_zero_is_pad
+        makes background pixels pads), and some mixers' outputs depend on the padded length."""
+        cfg = self.cfg
+        trimmable = self.model.supports_trimming
+        if cfg.trainer.trim and not trimmable:
+            log.warning("trainer.trim: not applied: model %s's outputs depend on the padded length", cfg.model.name)
+        return bool(cfg.trainer.trim) and self.data.grid is None and trimmable
+
     def resolve_packing(self) -> bool:
         """``trainer.pack``: false; auto (pack where the task has padding and every mixer keeps packed examples
         apart); true (the same, or fail saying why)."""
@@ -443,10 +497,13 @@ class Trainer:
             log.info("trainer.pack=auto: not packing (%s)", why)
         return False
 
+    def device_inputs(self, rows: torch.Tensor, packed: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The training examples ``rows`` on the device, ``packed`` or not: (the model's inputs, the labels)."""
+        return device_batch(self.data.train, rows, self.device, packed, self.model.encoder.cls_token, self.trimmed)
+
     def batch(self, rows: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The training examples ``rows`` on the device: (the model's inputs, the labels)."""
-        inputs, labels = device_batch(self.data.train, rows, self.device, self.packed, self.model.encoder.cls_token,
-                                      self.trimmed)
+        inputs, labels = self.device_inputs(rows, self.packed)
         if self.compiled and not self.packed:
             # training batches are full: their size stays an int in the compiled graphs, though evaluation's last
             # batch, a smaller one through the same code, makes torch.compile's automatic dynamic shapes treat the
@@ -498,10 +555,12 @@ class Trainer:
         self.check_compiled_gradients()
         engine.reset_peak_memory(device)
         self.model.train()
-        bar = tqdm(total=steps, initial=state["step"], desc=f"{cfg.task.name}/{cfg.model.name}",
+        bar = tqdm(total=steps, initial=state["step"], desc=f"{cfg.task.name}/{cfg.model.name} {self.phase}".rstrip(),
                    disable=not (cfg.trainer.progress and world.is_main), dynamic_ncols=True)
         limit = cfg.trainer.time_limit
-        deadline = None if limit is None else clock() + 60 * limit
+        if limit is not None and self.deadline is None:
+            self.deadline = clock() + 60 * limit
+        deadline = self.deadline
         with graceful_stop() as previous_handlers:
             while state["step"] < end:
                 signalled, time_up = self.stop_agreed(deadline)
@@ -547,7 +606,7 @@ class Trainer:
                     self.checkpoint(timer)
         bar.close()
         timer.pause()
-        return "ok" if state["step"] == steps else stopped_status(state["step"], steps)
+        return "ok" if state["step"] == steps else stopped_status(state["step"], steps, self.phase)
 
     # -- pieces of the loop -------------------------------------------------------------------------------------
     def stop_agreed(self, deadline: float | None = None) -> tuple[bool, bool]:
@@ -570,7 +629,9 @@ class Trainer:
         return self.eager_if_compile_fails(lambda: engine.train_step(
             self.train_fn, self.optimizer, inputs, labels, autocast=self.autocast,
             grad_clip=self.cfg.optim.grad_clip, scheduler=self.scheduler,
-            loss_weight=self.world.loss_weight(self.cfg.schedule.batch_size)))
+            loss_weight=self.world.loss_weight(self.cfg.schedule.batch_size), loss_fn=self.loss_fn))
+
+    loss_fn = staticmethod(engine.classification_loss)  # the loss of a training step (the pretraining's counts tokens)
 
     def eager_if_compile_fails(self, work, evaluation: bool = False):
         """``work()``; with ``trainer.compile=auto``, what torch.compile cannot compile runs eagerly from then on,
@@ -615,45 +676,38 @@ class Trainer:
         self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
 
     def check_compiled_gradients(self) -> None:
-        """``trainer.compile_check`` (auto: on CUDA, where the model is compiled): before this process's first step,
-        the loss gradients of the first ``COMPILE_CHECK_ROWS`` training rows (unpacked) through torch.compile against
-        the eager model's, in fp32 and eval mode (``engine.gradient_disagreement``). Where one differs by more than
-        ``engine.GRADIENT_TOLERANCE`` of its size, the compiled model computes something else: with
-        ``trainer.compile=auto`` the run trains eagerly (the log and ``compile_error.txt`` say why; the row says
-        compiled=False), with ``true`` it stops, saying so. Costs one more compilation (of the check's graphs, dropped
-        after it). Where the fp32 graphs fail to compile (Inductor's code generation can fail in fp32 where it
-        succeeds in bf16) and the run trains in bf16, the check runs under its autocast
-        (``engine.GRADIENT_TOLERANCE_BF16``); where no graph compiles, it says the gradients are unchecked and
-        leaves the failure to the training step's own fallback."""
+        """``trainer.compile_check`` (auto: on CUDA, where the model is compiled: ``engine.compile_check_due``):
+        before this process's first step, the loss gradients of the first ``engine.COMPILE_CHECK_ROWS`` training rows
+        (unpacked), through torch.compile and eagerly, each against a float64 copy of the model's, in eval mode
+        (``engine.compiled_gradient_check``: compiled is accepted within ``COMPILE_ERROR_FACTOR`` times eager's error
+        plus a floor). Where a gradient is further off, the compiled model computes something else: with
+        ``trainer.compile=auto`` the run trains eagerly (the log and ``compile_error.txt`` name the parameter and both
+        errors; the row says compiled=False), with ``true`` it stops, saying so (``engine.refuse_compiled``). Costs
+        one more compilation (of the check's graphs, dropped after it). Where the fp32 graphs fail to compile
+        (Inductor's code generation can fail in fp32 where it succeeds in bf16) and the run trains in bf16, the check
+        runs under its autocast; where the model does not run in float64, compiled is compared with eager (the log
+        says so); where no graph compiles, it says the gradients are unchecked and leaves the failure to the training
+        step's own fallback."""
         cfg = self.cfg
-        if not self.compiled or cfg.trainer.compile_check == "false" or (
-                cfg.trainer.compile_check == "auto" and self.device.type != "cuda"):
+        if not engine.compile_check_due(cfg.trainer.compile_check, self.compiled, self.device):
             return
-        rows = torch.arange(min(COMPILE_CHECK_ROWS, len(self.data.train)))
-        inputs, labels = device_batch(self.data.train, rows, self.device, False, self.model.encoder.cls_token,
-                                      self.trimmed)
+        rows = torch.arange(min(engine.COMPILE_CHECK_ROWS, len(self.data.train)))
+        inputs, labels = self.device_inputs(rows, False)
         bf16 = self.autocast if self.precision == "bf16" else None
-        precision, tolerance, found, failed = engine.compiled_gradient_check(self.model, inputs, labels, bf16)
-        for attempt, kind in failed:
-            log.info("compile check: torch.compile failed on it in %s (%s)", attempt, kind)
-        if found is None:
-            log.warning("compile check: no graph of the check compiled, so the compiled gradients are unchecked; the "
-                        "training step's compilation decides")
-        name, error, got, want = found or (None, 0.0, 0.0, 0.0)
-        differs_here = found is not None and error > tolerance
+        check = engine.compiled_gradient_check(self.model, inputs, labels, bf16)
+        for note in check.notes():
+            log.info("compile check: %s", note)
+        if check.precision is None:
+            log.warning("compile check: %s; the training step's compilation decides", check.describe())
         # every rank reaches this agreement (a data-parallel rank waits for the others here), whatever it found
-        differs = self.world.any(torch.tensor([float(differs_here)], device=self.device))[0] > 0
+        differs = self.world.any(torch.tensor([float(check.rejected)], device=self.device))[0] > 0
         if not differs:
-            if found is not None:
-                log.info("compile check: the compiled gradients are the eager ones in %s (largest difference %.1e of "
-                         "%s's)", precision, error, name)
+            if check.precision is not None:
+                log.info("compile check: the compiled gradients are the model's (%s)", check.describe())
             return
-        where = (f"{name}'s differs by {error:.2e} of its size (|g| {got:.3e} compiled, {want:.3e} eager; tolerance "
-                 f"{tolerance:g}), on {len(rows)} training rows in {precision}" if differs_here else "on another rank")
+        where = f"{check.describe()}, on {len(rows)} training rows" if check.rejected else "on another rank"
         report = f"torch.compile gives {cfg.model.name} other gradients than the eager model: {where}"
-        if cfg.trainer.compile != "auto":
-            raise RuntimeError(f"{report}. trainer.compile=auto trains eagerly instead; trainer.compile_check=false "
-                               f"trains compiled regardless")
+        engine.refuse_compiled(report, cfg.trainer.compile, "trainer")
         trace = self.record_compile_error(f"compile check: {report}\n")
         log.warning("%s; training it eagerly (%s)", report, trace)
         self.run_eagerly()
@@ -745,7 +799,8 @@ class Trainer:
         stopped = is_stopped(status)  # schedule.stop_at: trained normally, for fewer steps
         if status != "ok" and not stopped:
             log.error("%s/%s: %s%s", cfg.task.name, cfg.model.name, status, f" ({detail})" if detail else "")
-        ok = status == "ok" or stopped  # accuracies, speed and memory are measured
+        # accuracies, speed and memory are measured (none for a run stopped in its pretraining: no classifier yet)
+        ok = (status == "ok" or stopped) and metrics is not None
         steps_per_s = self.timer.steps_per_s if ok and hasattr(self, "timer") else None
         row = RunRow(
             **run_identity(cfg), status=status, **(metrics or {}),
@@ -776,6 +831,128 @@ class Trainer:
         return out
 
 
+class Pretrainer(Trainer):
+    """A run's pretraining phase (``pretrain=mlm|causal``): ``Trainer``'s loop, step, checkpoints, resume, stops and
+    time limit, on the training split alone, with the encoder under a token head (``lra.train.pretrain.TokenModel``)
+    and the loss over its predicted tokens. ``cfg`` is the phase's (``pretraining_config``: its folder
+    ``<run_dir>/pretrain``, its schedule). It appends no row: its result and history go to its folder, its curve
+    (``PRETRAIN_CURVE_COLUMNS``) beside runs.csv, and where it ends ok the encoder's weights to ``encoder.pt``."""
+
+    phase = "pretraining"
+
+    def __init__(self, cfg: DictConfig, world: distributed.World, device: torch.device, data: TaskData,
+                 shape: engine.TaskShape):
+        super().__init__(cfg, world, device)
+        self.data = replace(data, val=None, test=None)  # the training split only: no other is ever read
+        self.shape = shape  # the task's (vocabulary, length, padding), as the classifier after it has it
+        self.loss_fn = self.token_loss = pretrain.TokenLoss(engine.classification_loss, device)
+
+    def fit_phase(self) -> tuple[str, dict | None, bool]:
+        """Resume or start, train, record: (the status, the encoder's weights where it ended ok, whether it trained
+        now). A phase that ended already (ok, diverged, or stopped at the same ``pretrain.stop_at``) is read back."""
+        files = self.files
+        if self.world.is_main:
+            files.dir.mkdir(parents=True, exist_ok=True)
+            (files.dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
+        checkpoint = self.resume_or_start()
+        if isinstance(checkpoint, dict) and "row" in checkpoint:
+            row = checkpoint["row"]
+            self.state.update({key: row.get(key, self.state[key]) for key in ("devices", "git_shas")})
+            self.state["wall_s"], self.wall_start = row.get("wall_time_s") or 0.0, time.time()
+            return row["status"], self.pretrained() if row["status"] == "ok" else None, False
+        self.build(checkpoint)
+        status = self.train()
+        if status == "ok" and self.world.is_main:
+            atomic_save({"encoder": pretrain.encoder_weights(self.model.state_dict()), "config_hash": self.chash,
+                         "step": self.state["step"]}, files.dir / pretrain.ENCODER)
+        self.record(status)  # ends at a barrier: every rank reads the weights rank 0 wrote
+        return status, self.pretrained() if status == "ok" else None, True
+
+    def pretrained(self) -> dict:
+        """The encoder's weights at the phase's end (``encoder.pt``), on the CPU."""
+        path = self.files.dir / pretrain.ENCODER
+        saved = torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
+        if saved is None or saved.get("config_hash") != self.chash:
+            why = "of another configuration" if saved else "missing"
+            raise ConfigError(f"{self.files.dir} records a finished pretraining without its weights ({path.name} "
+                              f"{why}); resume=false starts the run over")
+        return saved["encoder"]
+
+    def wall_s(self) -> float:
+        """The phase's wall time so far, over every process that ran it."""
+        return self.state["wall_s"] + time.time() - self.wall_start
+
+    def make_model(self) -> torch.nn.Module:
+        cfg, shape = self.cfg, self.shape
+        encoder = engine.build_model(cfg.model.name, model_options(cfg), cfg.backbone, shape).encoder
+        return pretrain.TokenModel(encoder, cfg.backbone.d_model, shape.vocab_size, cfg.pretrain.objective,
+                                   shape.padded)
+
+    def resolve_packing(self) -> bool:
+        return False  # one example a row: the targets are laid out per example
+
+    def resolve_trimming(self) -> bool:
+        return False
+
+    def device_inputs(self, rows: torch.Tensor, packed: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The training examples ``rows`` as the objective's batch on the device: (the TokenModel's inputs, the
+        targets). A pair task's documents are rows of their own. The mask draws are the global batch's at this step
+        (``mask_noise``), of which this rank takes its rows as ``World.shard`` takes its examples."""
+        cfg, world = self.cfg, self.world
+        tokens = self.data.train.tokens[rows]  # (b, N) or (b, 2, N)
+        noise = None
+        if cfg.pretrain.objective == "mlm":
+            # at least a global batch of draws, and rows enough for this rank's (the compile check's few rows too)
+            n = max(cfg.schedule.batch_size, world.size * len(tokens))
+            draws = pretrain.mask_noise(cfg.seed, self.state["step"], (n, *tokens.shape[1:]))
+            noise = draws[world.rank :: world.size][: len(tokens)].reshape(-1, tokens.shape[-1])
+        inputs, targets = pretrain.objective_batch(cfg.pretrain.objective, tokens.reshape(-1, tokens.shape[-1]),
+                                                   self.model.encoder.cls_token, cfg.pretrain.mask_rate, noise)
+        as_ = lambda t: torch.bool if t.dtype == torch.bool else torch.long  # ids int64, masked positions bool
+        return tuple(to_device(t, self.device, as_(t)) for t in inputs), to_device(targets, self.device)
+
+    def validate_and_log(self, loss_sum: torch.Tensor, n_loss: int, bar) -> None:
+        """The curve's row: the loss and the token accuracy over the training steps since the last row (the phase
+        evaluates no split: it reads the training split only)."""
+        cfg, state, world = self.cfg, self.state, self.world
+        train_loss = world.mean(loss_sum / n_loss, cfg.schedule.batch_size).item()
+        correct, count = (world.sum(n).item() for n in self.token_loss.take())
+        token_acc = correct / max(count, 1)
+        state["peak_mem_mb"] = max(state["peak_mem_mb"], engine.peak_memory_mb(self.device))
+        if world.is_main:
+            lr = self.scheduler.get_last_lr()[0]
+            state["history"].append({"step": state["step"], "train_loss": train_loss, "token_acc": token_acc, "lr": lr})
+            bar.set_postfix(loss=f"{train_loss:.3f}", tokens=f"{token_acc:.4f}")
+            if not cfg.trainer.progress:
+                log.info("%s/%s seed %d: pretraining step %d/%d: loss %.4f, token accuracy %.4f, lr %.3g",
+                         cfg.task.name, cfg.model.name, cfg.seed, state["step"], cfg.schedule.steps, train_loss,
+                         token_acc, lr)
+            if self.logger is not None:
+                self.logger.log({"pretrain/loss": train_loss, "pretrain/token_acc": token_acc, "pretrain/lr": lr},
+                                step=state["step"])
+        world.barrier()
+
+    def record(self, status: str, metrics: dict | None = None, detail: str = "") -> dict:
+        """The phase's result (its folder's ``result.json``, and its curve beside runs.csv); no row."""
+        cfg, state = self.cfg, self.state
+        last = state["history"][-1] if state["history"] else {}
+        row = dict(phase="pretrain", task=cfg.task.name, model=cfg.model.name, seed=cfg.seed,
+                   experiment=cfg.experiment, objective=cfg.pretrain.objective, status=status, steps=state["step"],
+                   train_loss=last.get("train_loss"), token_acc=last.get("token_acc"),
+                   train_steps_per_s=self.timer.steps_per_s, wall_time_s=self.wall_s(), devices=state["devices"],
+                   git_shas=state["git_shas"], config_hash=self.chash, timestamp=now_iso(), run_dir=str(self.files.dir))
+        if self.world.is_main:
+            write_curve(cfg.results.dir, row, state["history"], PRETRAIN_CURVE_COLUMNS)
+            self.files.write_result(row, state["history"])
+            log.info("%s/%s: pretraining (%s) %s at step %d: loss %s, token accuracy %s", cfg.task.name,
+                     cfg.model.name, cfg.pretrain.objective, status, state["step"], last.get("train_loss"),
+                     last.get("token_acc"))
+            if self.logger is not None:
+                self.logger.finish()
+        self.world.barrier()
+        return row
+
+
 def record_crash(cfg: DictConfig, run_dir: str | Path, how: str) -> dict:
     """The row of a run whose process died before it could record one (a segfault, the OOM killer), written by
     the launcher that started it: ``status=error: crashed (<how>)``, no accuracies. ``result.json`` says the same,
@@ -790,7 +967,9 @@ def record_crash(cfg: DictConfig, run_dir: str | Path, how: str) -> dict:
 def run_identity(cfg: DictConfig) -> dict:
     """The row fields that the config alone fixes: what ran, under which schedule."""
     return dict(task=cfg.task.name, model=cfg.model.name, seed=cfg.seed, experiment=cfg.experiment,
-                batch_size=cfg.schedule.batch_size, eval_every=cfg.schedule.eval_every, batching=cfg.schedule.batching)
+                batch_size=cfg.schedule.batch_size, eval_every=cfg.schedule.eval_every, batching=cfg.schedule.batching,
+                pretrain=cfg.pretrain.objective if pretrain.pretraining(cfg) else None,
+                pretrain_hash=pretrain.pretrain_hash(cfg))
 
 
 def save_row(cfg: DictConfig, files: RunFiles, row: dict, history: list) -> None:
