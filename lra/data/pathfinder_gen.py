@@ -930,7 +930,7 @@ class _Scene:
         left to _grow before any draw, or with the draw made (u0) when it lies within _TIE of a boundary."""
         p, rng = self.p, self.rng
         integers, random, bounded = _stream(rng)
-        self.integers, self.random, angle = integers, random, bounded(-180, 180)
+        self.integers, self.random, turn = integers, random, bounded(0, 360)
         contrasts, mu0 = p.paddle_contrast_list, list(p.snake_contrast_list) * 2
         shuffle, draws = len(set(mu0)) > 1, len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
         # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
@@ -949,9 +949,10 @@ class _Scene:
         for _ in range(p.max_target_pair_attempts):
             deg = None
             if quick:
-                deg = angle()
-                if dead[deg + 180] if dead[deg + 180] is not None else g.seedless(deg):
+                deg = turn()  # integers(-180, 180) is this draw - 180
+                if dead[deg] if dead[deg] is not None else g.seedless(deg - 180):
                     continue
+                deg -= 180
             if self.banded:  # an exact step of the last attempt drew on the mask
                 self.buf.fill(0)
                 self.banded, self.synced = False, 0
