@@ -427,3 +427,15 @@ def test_paddle_lists_outpace_the_canvas_code():
     """A ratio on one core of this machine (the committed figures are in results/generate.csv)."""
     assert pg.time_generators(128, "hard", images=10, warmup=60)[1]["speedup"] > 5
     assert pg.time_generators(32, "hard", images=200, warmup=200)[1]["speedup"] > 3
+
+
+def test_seed_records_are_seed_info():
+    """Each seed angle's kernel usability and first-target pixels, from the padded dilation, are _seed_info's."""
+    for res, angles in ((32, range(-180, 180)), (128, range(-180, 180, 13))):
+        params = pg.PathfinderParams.for_lra(res, "hard")
+        for margin in params.paddle_margin_list:
+            geometry = pg._pair_geometry(params, margin)
+            for deg in angles:
+                record, (_, usable, free) = geometry.seed_angle(deg), pg._seed_info(params, margin, geometry.deg[deg])
+                assert (record.kernel is not None) == usable
+                assert record.free == (None if not usable or free is None else (free[0].tolist(), free[1].tolist()))

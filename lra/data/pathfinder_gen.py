@@ -363,12 +363,12 @@ def _placed(hw, start, key, contrast) -> _Paddle:
 #   closer draws take the exact arithmetic on a mask built from the kept-out paddles.
 # - The acceptance test max(mask + Q) < 1.8 fails iff the band or one kept-out paddle P alone reaches 1.8 with Q
 #   at an on-canvas pixel (rounding is monotone: max(a, b) + q = max(a + q, b + q)). Masks are <= 1, so only
-#   pixels >= 0.75 of both can reach it: per pair of angles, the shifts P's start - Q's start at which they do.
+#   pixels >= 0.8 of both can reach it: per pair of angles, the shifts P's start - Q's start at which they do.
 # Which kept paddles reach which pixels is read from occupancy bitmasks (Python ints) of their g > 0 and mask
 # >= _HOT; g itself from a canvas of mask levels (every mask value is float32(k / 255) for an integer k).
 _NEGLIGIBLE = 1e-20  # a turn weight at or below it is past the cut-off
 _TIE = 1e-10         # |u - cumulative| below it: resolved by the exact arithmetic
-_HOT = 0.75          # mask values below it cannot reach 1.8 with another mask (<= 1)
+_HOT = 0.79          # mask values below it cannot reach 1.8 with another mask (<= 1; a value is float32(k / 255))
 _NO_ROOM = False     # a cumulative table's value where extend gives up (total < 1e-4) without a draw
 _MISSING = object()
 _NEAR_KEPT = 100_000  # cached near-candidate tables per geometry (a few hundred bytes each)
@@ -540,6 +540,9 @@ class _PairGeometry:
         self.deg = {d: float(np.int64(d) * np.pi / 180) for d in range(-180, 360)}  # rng.integers(...) * pi / 180
         self.dead = [None] * 360  # per first-seed angle + 180: no seed pixel (``seedless``), None until asked
         self.seeds = [None] * 360  # per seed angle + 180: its _Seed, built when first drawn
+        far = max(p.padding, 2 * p.seed_distance)  # the targets' lined mask > 0.3, as _seed_info builds it
+        self.target_lined = np.ones((h, w), bool)
+        self.target_lined[far:h - far, far:w - far] = False
         self.seed_distance, self.tries = p.seed_distance, p.max_paddle_retrial + 1
 
     @staticmethod
@@ -686,9 +689,13 @@ class _PairGeometry:
             got.hy, got.hx = float(length) * sn, float(length) * cs  # as _step multiplies, before its sum
             sn, cs = self.sincos(float(_flip(theta)))
             got.py, got.px = float(length + self.m) * sn, float(length + self.m) * cs
-            off, usable, free = _seed_info(self.p, self.m, theta)
-            got.kernel = off if usable else None
-            got.free = (free[0].tolist(), free[1].tolist()) if usable and free is not None else None
+            p, (h, w) = self.p, self.p.window_size  # _seed_info with the padded dilation (the same booleans)
+            off = _seed_kernel(theta, p.paddle_length, p.paddle_thickness, self.m, p.antialias_scale)
+            usable = not p.cv2_border or bool(_blocked_flat(np.ones((h, w), bool), off).all())  # a sample in-canvas
+            got.kernel, got.free = (off if usable else None), None
+            if usable:
+                ys, xs = np.nonzero(~_blocked_flat(self.target_lined, off))
+                got.free = (ys.tolist(), xs.tolist()) if len(ys) else None
         return got
 
     def seedless(self, deg: int) -> bool:
