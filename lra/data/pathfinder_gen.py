@@ -718,13 +718,22 @@ class _Seed:
 
 class _Track:
     """A snake while it is drawn from paddle lists: pivot (py, px), heading table ``hd`` (its angle hd.theta),
-    paddles as (y, x, pid) (``last`` the newest, its start the snake's tip), their contrasts."""
-    __slots__ = ("contrasts", "hd", "last", "origin", "paddles", "px", "py")
+    paddles as (y, x, pid) (``last`` the newest, its start the snake's ``tip`` once it is complete), their contrasts.
+    ``layer`` as _Snake's."""
+    __slots__ = ("contrasts", "hd", "last", "origin", "paddles", "patch", "pids", "px", "py", "tip")
 
     def __init__(self, origin, pivot, seed: _Seed, contrast):
-        self.origin, (self.py, self.px), self.hd = origin, pivot, seed.hd
+        self.origin, (self.py, self.px), self.hd, self.tip = origin, pivot, seed.hd, None
         self.last = (*origin, seed.pid)
         self.paddles, self.contrasts = [self.last], [contrast]
+
+    def layer(self, hw) -> np.ndarray:
+        """This snake alone on an empty canvas (float, before bytescale): for tests and inspection."""
+        out = np.zeros(hw)
+        for (y, x, pid), contrast in zip(self.paddles, self.contrasts):
+            pad = _Paddle(hw, (y, x), (self.pids[pid], *self.patch), contrast)
+            np.maximum(out[pad.win], pad.line, out=out[pad.win])
+        return out
 
 
 class _Snake:
@@ -879,7 +888,7 @@ class _Scene:
         return snakes
 
     # ---- target pairs without canvases (the section above _PairGeometry says why each shortcut is exact)
-    def target_pair(self, reference: bool = False) -> list[_Snake]:
+    def target_pair(self, reference: bool = False) -> list:
         """``targets`` redrawn until a pair fits. The default decides each step from paddle lists and leaves the
         canvases, the random stream and the snakes exactly as ``reference=True`` (``targets`` on the canvases)."""
         p = self.p
@@ -930,7 +939,7 @@ class _Scene:
         pmf /= total
         return pmf.cumsum(), cy, cx, orient
 
-    def _pairs(self, g: _PairGeometry) -> list[_Snake]:
+    def _pairs(self, g: _PairGeometry) -> list[_Track]:
         """``targets`` redrawn until a pair fits, with the same random calls: paddles are listed, the mask is
         built only where a step needs the exact arithmetic, and the image is drawn once the pair fits. _grow's
         common case is written out here (a growth step is the inner loop of an image's work); anything else is
@@ -1036,24 +1045,19 @@ class _Scene:
                 return self._pair_done(g, s0, s1)
         raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
 
-    def _pair_done(self, g: _PairGeometry, s0: _Track, s1: _Track) -> list[_Snake]:
-        """The pair fits: the last keep-outs, the mask and the image as ``targets`` leaves them, and the snakes."""
-        self._keep(g, s1.last)
+    def _pair_done(self, g: _PairGeometry, s0: _Track, s1: _Track) -> list[_Track]:
+        """The pair fits: the last keep-outs, the mask and the image as ``targets`` leaves them, and the snakes
+        (origin, tip and layer as _Snake's)."""
+        self._keep(g, s1.last)  # the mask catches up with the kept paddles where a distractor seed reads it
         if self.p.mask_both_target_ends:
             self._keep(g, s0.last)
-        self._sync(g)
-        snakes = []
         for s in (s0, s1):
             if len(s.contrasts) < len(s.paddles):  # one paddle contrast, none drawn: all are the seed's
                 s.contrasts = [s.contrasts[0]] * len(s.paddles)
-            pads = [_Paddle(self.hw, (y, x), (g.thetas[pid], *self.patch), c)
-                    for (y, x, pid), c in zip(s.paddles, s.contrasts)]
-            for pad in pads:
-                self.draw(pad)
-            snake = _Snake(s.origin, (s.py, s.px), s.hd.theta, pads[0])
-            snake.paddles, snake.last, snake.tip = pads, pads[-1], s.last[:2] if len(pads) > 1 else None
-            snakes.append(snake)
-        return snakes
+            for (y, x, pid), c in zip(s.paddles, s.contrasts):
+                self._draw_listed(g, y, x, pid, c)
+            s.tip, s.pids, s.patch = s.last[:2] if len(s.paddles) > 1 else None, g.thetas, self.patch
+        return [s0, s1]
 
     def _seed_track(self, g: _PairGeometry, contrast, tail1, deg: int | None = None):
         """``seed`` for a target (``lined=None``): same draws, same outcome (``deg``: the first angle, drawn)."""
@@ -1172,7 +1176,6 @@ class _Scene:
         for _ in range(count):
             for _ in range(max_trial + 1):
                 base, support, hot = len(self.kept), self.support, self.hot
-                self._sync(g)
                 s = self._seed_distractor(g, cl[integers(0, len(cl))] if draws else cl[0])
                 ok = s is not None and all(self._grow(g, s, cl[integers(0, len(cl))] if draws else cl[0])
                                            for _ in range(length - 1))
@@ -1208,6 +1211,7 @@ class _Scene:
             if rec.kernel is None:  # cv2's border leaves this angle no pixel; seed's availability test returns the
                 return None  # same None first where it fails, with no draw between
             if free_share is None:
+                self._sync(g)
                 free_share = np.count_nonzero(self.mask <= 0.3) / self.mask.size
             if free_share < p.stop_with_availability:
                 return None
