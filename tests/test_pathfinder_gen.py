@@ -411,15 +411,19 @@ def test_padded_dilation_is_the_dilation():
 
 def test_timing_rows(tmp_path):
     """``python -m lra.generate pathfinder --time CSV``: one row per algorithm; their ratio is the speedup."""
-    rows = pg.time_generators(32, "easy", images=4, warmup=2, out=tmp_path / "generate.csv")
-    table = pd.read_csv(tmp_path / "generate.csv")
+    from lra import generate  # the command brings lra.report's row writer
+
+    out = tmp_path / "generate.csv"
+    generate.main(["pathfinder", "--resolution", "32", "--difficulty", "easy", "--time", str(out), "--time-images",
+                   "4", "--warmup", "2", "--time-runs", "2"])
+    table = pd.read_csv(out)
     assert list(table.columns) == pg.TIMING_COLUMNS and len(table) == 2
     canvas, lists = table.to_dict("records")
     assert (canvas["generator"], lists["generator"], canvas["task"]) == ("canvas", "paddle lists", "pathfinder32")
     assert canvas["speedup"] == 1 and canvas["version"] == lists["version"] == pg.GENERATOR_VERSION
     assert lists["speedup"] == pytest.approx(canvas["s_per_image"] / lists["s_per_image"], rel=0.05, abs=0.02)
     assert lists["minutes_200k_16_cores"] == pytest.approx(lists["s_per_image"] * 200_000 / 16 / 60, abs=0.1)
-    assert rows[1]["images"] == 4
+    assert (lists["images"], lists["runs"]) == (4, 2) and lists["git_sha"]
 
 
 @pytest.mark.slow

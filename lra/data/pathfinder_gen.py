@@ -1397,13 +1397,14 @@ def _time_one(job) -> tuple[float, str]:
 
 
 def time_generators(resolution: int = 128, difficulty: str = "hard", images: int = 40, warmup: int = 200,
-                    seed: int = 0, out: str | Path | None = None, runs: int = 1) -> list[dict]:
+                    seed: int = 0, runs: int = 1) -> list[dict]:
     """CPU seconds per image (render + PNG encode, one process on one core) of the canvas algorithm
     (``_render(..., reference=True)``, the code before paddle lists) and of today's, on the same ``images`` images
     (batch 0 of ``seed``) after ``warmup`` images of batch 1 (a tenth of them, at most 100, for the canvas
     algorithm, whose caches fill sooner), each in a fresh process, the fastest of ``runs`` alternating runs (the
-    least disturbed by other load); the two must draw the same images. Returns the two rows and appends them to
-    the CSV ``out`` when given (``minutes_200k_16_cores`` projects LRA's 200,000 images onto 16 such cores)."""
+    least disturbed by other load); the two must draw the same images. Returns a row for each (TIMING_COLUMNS
+    less git_sha and timestamp, which ``python -m lra.generate pathfinder --time`` adds as it appends them;
+    ``minutes_200k_16_cores`` projects LRA's 200,000 images onto 16 such cores)."""
     params = PathfinderParams.for_lra(resolution, difficulty)
     warm = {True: max(1, min(warmup // 10, 100)), False: warmup}
     ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
@@ -1417,7 +1418,6 @@ def time_generators(resolution: int = 128, difficulty: str = "hard", images: int
     if len(digests) != 1:
         raise RuntimeError(f"pathfinder_gen: the two algorithms drew different images (seed {seed}, batch 0)")
     spent = {reference: min(seconds) for reference, seconds in spent.items()}
-    from lra.report.results import append_row, git_sha, now_iso  # torch comes with it: only where rows are kept
     rows = []
     for reference in (True, False):
         per = spent[reference] / images
@@ -1426,13 +1426,9 @@ def time_generators(resolution: int = 128, difficulty: str = "hard", images: int
                      "version": GENERATOR_VERSION, "images": images, "warmup": warm[reference], "runs": runs,
                      "s_per_image": round(per, 5), "speedup": round(spent[True] / spent[reference], 2),
                      "minutes_200k_16_cores": round(per * 200_000 / 16 / 60, 1), "seed": seed, "cpu": _cpu_name(),
-                     "python": platform.python_version(), "numpy": np.__version__, "pillow": Image.__version__,
-                     "git_sha": git_sha(), "timestamp": now_iso()})
+                     "python": platform.python_version(), "numpy": np.__version__, "pillow": Image.__version__})
         print(f"pathfinder{resolution} {difficulty} {rows[-1]['generator']}: {per * 1000:.1f} ms/image/core, "
               f"x{rows[-1]['speedup']}")
-    if out is not None:
-        for row in rows:
-            append_row(out, row, TIMING_COLUMNS)
     return rows
 
 
@@ -1445,18 +1441,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     parser.add_argument("--batch-size", type=int, default=1000, help="images per imgs/<k> folder")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--time", metavar="CSV", help="instead of generating: time today's generator against the "
-                        "canvas algorithm (--time-images images after --warmup) and append the rows to CSV")
-    parser.add_argument("--time-images", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--time-runs", type=int, default=3, help="alternating runs; the fastest counts")
 
 
 def run_from_args(args) -> None:
-    if args.time:
-        time_generators(args.resolution, args.difficulty, args.time_images, args.warmup, args.seed, args.time,
-                        args.time_runs)
-        return
     folder = generate(args.out, args.resolution, args.difficulty, args.n, args.seed, args.workers,
                       args.batch_size, progress=not args.no_progress)
     print(f"wrote {args.n} images under {folder}")
