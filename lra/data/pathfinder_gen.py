@@ -498,9 +498,7 @@ class _PairGeometry:
         code = np.unique((fy + r) * (2 * r + 1) + fx + r)  # y-major, as np.unique orders the candidate pixels
         oy, ox = code // (2 * r + 1) - r, code % (2 * r + 1) - r
         self.oy, self.ox, self.K = oy, ox, len(code)
-        self.oy_list, self.ox_list = oy.tolist(), ox.tolist()
         self.orient_arr = np.arctan2(oy, ox)  # as _candidates computes it for a full circle: same ints, same order
-        self.orient = self.orient_arr.tolist()
         self.exact_y, self.exact_x = self._exact(h, dy, fy), self._exact(w, dx, fx)
         # pivots farther than pad + m + r from an edge see neither the band nor the edge on that axis
         self.lo, self.hi_y, self.hi_x = p.padding + m + r, h - 1 - p.padding - m - r, w - 1 - p.padding - m - r
