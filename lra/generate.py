@@ -3,6 +3,7 @@ through the same loaders.
 
     python -m lra.generate listops --out DIR [--seed S --train N --val N --test N --workers W]
     python -m lra.generate pathfinder --resolution 32 --difficulty hard --n 200000 --out DIR [--seed S --workers W]
+    python -m lra.generate pathfinder --resolution 128 --time results/generate.csv [--time-images N --warmup N]
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 from lra.data import pathfinder_gen
 from lra.data.listops import generate
+from lra.report.results import append_row, git_sha, now_iso
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,12 +29,22 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("pathfinder", help="Pathfinder / Path-X images (Linsley et al. 2018, LRA parameters)")
     pathfinder_gen.add_arguments(p)
+    p.add_argument("--time", metavar="CSV", help="instead of generating: time the generator against the canvas "
+                   "algorithm (pathfinder_gen.time_generators) and append a row for each to CSV")
+    p.add_argument("--time-images", type=int, default=40, help="images timed")
+    p.add_argument("--warmup", type=int, default=200, help="images drawn first, untimed")
+    p.add_argument("--time-runs", type=int, default=3, help="alternating runs; the fastest counts")
 
     args = parser.parse_args(argv)
     if args.task == "listops":
         folder = generate(args.out, seed=args.seed, train=args.train, val=args.val, test=args.test,
                           workers=args.workers)
         print(f"wrote {folder}")
+    elif args.time:
+        for row in pathfinder_gen.time_generators(args.resolution, args.difficulty, args.time_images, args.warmup,
+                                                  args.seed, args.time_runs):
+            append_row(args.time, {**row, "git_sha": git_sha(), "timestamp": now_iso()},
+                       pathfinder_gen.TIMING_COLUMNS)
     else:
         pathfinder_gen.run_from_args(args)
 

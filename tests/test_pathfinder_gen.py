@@ -21,6 +21,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from PIL import Image, ImageDraw
 from scipy import ndimage
@@ -310,3 +311,135 @@ def test_layout_workers_and_resume(tmp_path):
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "version": 1}))
     with pytest.raises(ValueError):  # ... and so would another generator version
         pg.generate(tmp_path / "w1", workers=1, **{**kw, "n": 8})
+
+
+# sha256 over (image bytes, label, margin) of the first n images of batch 0 of a seed, as pathfinder_gen v2 drew them
+# before its target pairs were decided from paddle lists (commit cba04e0): a change of algorithm keeps them all
+SAME_AS_V2 = {
+    (32, "hard", 0, 200): "cf5d6fcd37b6c19f929d865dfb7bbf471efb3abdffb16b2c4f908e501ac77e12",
+    (32, "hard", 7, 100): "c85f9b480a9ba0d871270646375b957f6124b2bc2ce436a4a9e92a38245776b8",
+    (32, "easy", 1, 100): "293b01feee9db30677c46419fe76936cf1fcaf436af2acf3f5ea51c5fdd73ba3",
+    (32, "intermediate", 2, 100): "00998678595ae2e9b87a1c1f2a52de855c38fa64bdbecf9269164bca3fbccd2d",
+    (64, "hard", 3, 20): "b809a69b8463de29546397a6cad792bdcf74283bc1352455207ce8c887e659fc",
+    (128, "hard", 0, 40): "9d8453cb0a6d00ec9636542debb2e8ea0af9c502a59bebe000f764a44b77e827",
+    (128, "hard", 5, 20): "a6207fabeee23b1f4de7647a0426e000f0bd9e6d12d36b53674f751857dce34a",
+    (128, "easy", 4, 10): "cb4bac37eccd476db8db81392344d1467f6ae23a36ea4388960cf98a2a5627ab",
+    (256, "hard", 6, 4): "93d56c7980f82d5865975beff0c78a68e60b80c99e8f28827489cd2fea3dfc04",
+}
+SLOW_CASES = {(64, "hard", 3, 20), (128, "hard", 0, 40)}
+
+
+def _digest(res, difficulty, seed, n, **kw) -> str:
+    params, rng, digest = pg.PathfinderParams.for_lra(res, difficulty), pg.batch_rng(seed, 0), hashlib.sha256()
+    for _ in range(n):
+        img, label, margin, _ = pg._render(params, rng, **kw)
+        digest.update(img.tobytes())
+        digest.update(bytes([label, margin]))
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
+                                  for c in SAME_AS_V2], ids=lambda c: "-".join(map(str, c)))
+def test_images_are_those_of_version_2(case):
+    assert pg.GENERATOR_VERSION == 2
+    assert _digest(*case) == SAME_AS_V2[case]
+
+
+def test_the_canvas_code_draws_the_same_images_layers_and_stream():
+    """``_render(reference=True)`` runs the canvas code (targets / extend / many_snakes on H x W masks) that drew
+    version 2 before paddle lists: the same images, labels, margins, markers, debug layers and random stream."""
+    for res, difficulty, seed, n in ((32, "hard", 11, 30), (32, "easy", 12, 10), (128, "hard", 13, 1)):
+        params, a, b = pg.PathfinderParams.for_lra(res, difficulty), pg.batch_rng(seed, 0), pg.batch_rng(seed, 0)
+        for _ in range(n):
+            old, new = pg._render(params, a, debug=True, reference=True), pg._render(params, b, debug=True)
+            assert np.array_equal(old[0], new[0]) and old[1:3] == new[1:3]
+            assert old[3]["markers"] == new[3]["markers"] and old[3]["marked"] == new[3]["marked"]
+            for key in ("strokes", "marker_layer"):
+                assert np.array_equal(old[3][key], new[3][key])
+            assert all(np.array_equal(s, t) for s, t in zip(old[3]["targets"], new[3]["targets"]))
+            assert a.bit_generator.state == b.bit_generator.state
+
+
+def test_every_shortcut_falls_back_on_the_exact_arithmetic(monkeypatch):
+    """A tie margin of 2 sends every growth step to the exact pmf on the mask (``_exact_cmf``), and without the
+    direct C calls every draw goes through the Generator's methods: the v2 images either way."""
+    case, exact, steps = (32, "hard", 7, 100), pg._Scene._exact_cmf, []
+
+    def counted(*args):
+        steps.append(1)
+        return exact(*args)
+
+    monkeypatch.setattr(pg, "_TIE", 2.0)
+    monkeypatch.setattr(pg._Scene, "_exact_cmf", counted)
+    assert _digest(*case) == SAME_AS_V2[case]
+    assert len(steps) > 10_000
+    monkeypatch.undo()
+    monkeypatch.setattr(pg, "_direct_matches", lambda kind: False)
+    assert _digest(*case) == SAME_AS_V2[case]
+
+
+def test_direct_draws_are_the_generators():
+    ours, theirs = np.random.default_rng(3), np.random.default_rng(3)
+    integers, random, bounded = pg._direct(ours)
+    angle, small = bounded(-180, 180), bounded(0, 7)
+    for i in range(6000):
+        low, high = [(0, 1), (0, 2), (-180, 180), (0, 360), (0, 3), (0, 99991)][i % 6]
+        assert integers(low, high) == int(theirs.integers(low, high))
+        assert angle() == int(theirs.integers(-180, 180)) and small() == int(theirs.integers(0, 7))
+        assert random() == theirs.random()
+    assert ours.bit_generator.state == theirs.bit_generator.state
+    assert pg._direct_matches(np.random.PCG64)  # else generation is right, only slower
+
+
+def test_marker_windows_are_the_canvas_markers():
+    for res, step in ((32, 1), (128, 9)):
+        params = pg.PathfinderParams.for_lra(res, "hard")
+        scene = pg._Scene(params, None, params.paddle_margin_list[0])
+        points = [(y, x) for y in [*range(0, res, step), res - 1] for x in [*range(0, res, step), res - 2]]
+        assert all(np.array_equal(scene.marker(at), scene.marker_fast(at)) for at in points)
+
+
+def test_padded_dilation_is_the_dilation():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        h, w = (int(v) for v in rng.integers(3, 70, 2))
+        hit = rng.random((h, w)) < rng.random() * 0.3
+        offsets = pg._seed_kernel(int(rng.integers(-180, 180)) * math.pi / 180, int(rng.integers(2, 6)), 1.5,
+                                  int(rng.integers(1, 4)), 2)
+        assert np.array_equal(pg._blocked(hit, offsets), pg._blocked_flat(hit, offsets))
+
+
+def test_timing_rows(tmp_path):
+    """``python -m lra.generate pathfinder --time CSV``: one row per algorithm; their ratio is the speedup."""
+    from lra import generate  # the command brings lra.report's row writer
+
+    out = tmp_path / "generate.csv"
+    generate.main(["pathfinder", "--resolution", "32", "--difficulty", "easy", "--time", str(out), "--time-images",
+                   "4", "--warmup", "2", "--time-runs", "2"])
+    table = pd.read_csv(out)
+    assert list(table.columns) == pg.TIMING_COLUMNS and len(table) == 2
+    canvas, lists = table.to_dict("records")
+    assert (canvas["generator"], lists["generator"], canvas["task"]) == ("canvas", "paddle lists", "pathfinder32")
+    assert canvas["speedup"] == 1 and canvas["version"] == lists["version"] == pg.GENERATOR_VERSION
+    assert lists["speedup"] == pytest.approx(canvas["s_per_image"] / lists["s_per_image"], rel=0.05, abs=0.02)
+    assert lists["minutes_200k_16_cores"] == pytest.approx(lists["s_per_image"] * 200_000 / 16 / 60, abs=0.1)
+    assert (lists["images"], lists["runs"]) == (4, 2) and lists["git_sha"]
+
+
+@pytest.mark.slow
+def test_paddle_lists_outpace_the_canvas_code():
+    """A ratio on one core of this machine (the committed figures are in results/generate.csv)."""
+    assert pg.time_generators(128, "hard", images=10, warmup=60)[1]["speedup"] > 5
+    assert pg.time_generators(32, "hard", images=200, warmup=200)[1]["speedup"] > 3
+
+
+def test_seed_records_are_seed_info():
+    """Each seed angle's kernel usability and first-target pixels, from the padded dilation, are _seed_info's."""
+    for res, angles in ((32, range(-180, 180)), (128, range(-180, 180, 13))):
+        params = pg.PathfinderParams.for_lra(res, "hard")
+        for margin in params.paddle_margin_list:
+            geometry = pg._pair_geometry(params, margin)
+            for deg in angles:
+                record, (_, usable, free) = geometry.seed_angle(deg), pg._seed_info(params, margin, geometry.deg[deg])
+                assert (record.kernel is not None) == usable
+                assert record.free == (None if not usable or free is None else (free[0].tolist(), free[1].tolist()))

@@ -11,11 +11,15 @@ distractor snakes of ``distractor_length`` paddles, and two marker discs; label 
 ends of one snake, label 0 = on different snakes. Paddles are PIL lines on an ``antialias_scale`` canvas, shrunk
 with bytescale + LANCZOS; each carries a keep-out mask (its line dilated by a disk) so snakes keep their distance.
 
-Cost: a growth step is O(candidates * |margin disk|) with patches, placed paddles, candidate sets and their turn
-weights cached (an image redraws its target pair hundreds of times over the same few); a distractor seed
-attempt is one H*W dilation by the seed kernel. snakes2 redraws failed target pairs, so an image costs hundreds
-of attempts (32 px hard ~300, 128 px hard ~350). A 128 px image costs many 32 px ones; both are generated far
-faster than by a literal cv2 port of snakes2, thanks to the caches. Memory O(H*W) plus caches (< 100 MB).
+Cost: snakes2 redraws a failed target pair until one fits, so an image costs hundreds of attempts (32 px hard
+~300, most failing at the first seed angle; 128 px hard ~350-700 of ~10 growth steps each). Two implementations
+draw the same images with the same random calls. The canvas code (``_Scene.targets`` / ``extend`` /
+``many_snakes``; ``_render(..., reference=True)``) reads the H x W keep-out mask at every growth step
+(O(candidates * |margin disk|)). The default decides each step from the list of kept-out paddles (the section above
+``_PairGeometry`` gives the arithmetic): per-heading cumulative tables over fixed candidate offsets, occupancy
+bitmasks as prefilters, per-angle-pair collision shifts, and the canvas arithmetic wherever a shortcut cannot decide
+(a draw within 1e-10 of a cumulative boundary, a pivot whose candidate circle does not translate, a total near
+extend's 1e-4 threshold). Memory O(H*W) plus caches (a few hundred MB at 128 px, bounded).
 
 Random calls mirror snakes2 one for one (``rng.integers`` for ``np.random.randint``, ``rng.random`` for
 ``np.random.rand``), so with a RandomState adapter this code reproduces a literal Python 3 + cv2 port of
@@ -72,12 +76,17 @@ Quirks of the original that we reproduce (each behind a field where it is a choi
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import functools
+import hashlib
 import io
+import itertools
 import json
 import math
+import operator
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing import get_all_start_methods, get_context
@@ -185,6 +194,21 @@ def _blocked(hit: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         if y0 < y1 and x0 < x1:
             out[y0:y1, x0:x1] |= hit[y0 + dy:y1 + dy, x0 + dx:x1 + dx]
     return out
+
+
+def _blocked_flat(hit: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``_blocked`` as ORs of contiguous runs of a zero-padded copy: the same booleans (a sample outside the
+    image reads a padding False, as ``_blocked`` skips it)."""
+    h, w = hit.shape
+    pad = int(np.abs(offsets).max()) if len(offsets) else 0
+    side = w + 2 * pad
+    padded = np.zeros((h + 2 * pad + 2, side), bool)  # a spare row at each end keeps every run inside the buffer
+    padded[pad + 1:pad + 1 + h, pad:pad + w] = hit
+    flat, out = padded.ravel(), np.zeros(h * side, bool)
+    for dy, dx in offsets.tolist():
+        start = (pad + 1 + dy) * side + dx
+        out |= flat[start:start + h * side]
+    return out.reshape(h, side)[:, pad:pad + w]
 
 
 def _bytescale(a: np.ndarray) -> np.ndarray:
@@ -324,6 +348,392 @@ def _placed(hw, start, key, contrast) -> _Paddle:
     return _Paddle(hw, start, key, contrast)
 
 
+# ---------------------------------------------------------------- target pairs without canvases
+# An image redraws its target pair hundreds of times; a pair's mask is the padding band and the pair's own paddles,
+# so a growth step can be decided from the paddles kept out so far instead of the H x W mask:
+# - g(c) = max over disk(m) of the mask at c is the max of the band's and each kept-out paddle P's mask dilated by
+#   disk(m) (max is exact and commutes with dilation). A candidate whose disk meets the band has g = 1 (masks are
+#   <= 1), so pmf = (1 - g) * w = 0 exactly; so has a candidate whose disk leaves the canvas (it crosses the band),
+#   and a candidate off the canvas, which ``_candidates`` drops, adds nothing to the cumulative sum either.
+# - Where every circle point floors to pivot + a fixed offset, the candidates are pivot + fixed offsets in
+#   np.unique's order and a turn's weights depend on the heading alone. Candidates of negligible turn weight (past
+#   continuity's cut-off, cos(pi/2)^2 ~ 4e-33) move the normalised cumulative sum by < 1e-14 whatever their g;
+#   rounding moves it by < 1e-13. So a cumulative sum over the non-negligible candidates, from their weights and g,
+#   picks the candidate the exact one picks whenever the draw u is more than _TIE from both bracketing entries;
+#   closer draws take the exact arithmetic on a mask built from the kept-out paddles.
+# - The acceptance test max(mask + Q) < 1.8 fails iff the band or one kept-out paddle P alone reaches 1.8 with Q
+#   at an on-canvas pixel (rounding is monotone: max(a, b) + q = max(a + q, b + q)). Masks are <= 1, so only
+#   pixels >= 0.8 of both can reach it: per pair of angles, the shifts P's start - Q's start at which they do.
+# Which kept paddles reach which pixels is read from occupancy bitmasks (Python ints) of their g > 0 and mask
+# >= _HOT; g itself from a canvas of mask levels (every mask value is float32(k / 255) for an integer k).
+_NEGLIGIBLE = 1e-20  # a turn weight at or below it is past the cut-off
+_TIE = 1e-10         # |u - cumulative| below it: resolved by the exact arithmetic
+_HOT = 0.79          # mask values below it cannot reach 1.8 with another mask (<= 1; a value is float32(k / 255))
+_NO_ROOM = False     # a cumulative table's value where extend gives up (total < 1e-4) without a draw
+_MISSING = object()
+_NEAR_KEPT = 100_000  # cached near-candidate tables per geometry (a few hundred bytes each)
+
+
+def _integers_0_1_draws() -> bool:
+    """Whether ``rng.integers(0, 1)`` advances the stream (numpy returns ``low`` for a one-value range)."""
+    rng = np.random.default_rng(0)
+    before = rng.bit_generator.state
+    rng.integers(0, 1)
+    return rng.bit_generator.state != before
+
+
+_INTEGERS_0_1_DRAWS = _integers_0_1_draws()
+
+
+def _direct(rng: np.random.Generator):
+    """(integers(low, high), random(), bounded(low, high) -> a function drawing integers(low, high)) of ``rng``
+    through its bit generator's C functions: numpy's Lemire draw for ranges below 2**32 (a one-value range draws
+    nothing), written out."""
+    c = rng.bit_generator.ctypes
+    next32, state = c.next_uint32, c.state
+
+    def integers(low: int, high: int) -> int:
+        n = high - low
+        if n == 1:
+            return low
+        if n > 0xFFFFFFFF:
+            return int(rng.integers(low, high))
+        m = next32(state) * n
+        if m & 0xFFFFFFFF < n:
+            floor = (0x100000000 - n) % n
+            while m & 0xFFFFFFFF < floor:
+                m = next32(state) * n
+        return (m >> 32) + low
+
+    def bounded(low: int, high: int):
+        n = high - low
+        if not 1 < n <= 0xFFFFFFFF:
+            return functools.partial(integers, low, high)
+        floor = (0x100000000 - n) % n
+
+        def draw() -> int:
+            m = next32(state) * n
+            if m & 0xFFFFFFFF < n:
+                while m & 0xFFFFFFFF < floor:
+                    m = next32(state) * n
+            return (m >> 32) + low
+
+        return draw
+
+    return integers, functools.partial(c.next_double, state), bounded
+
+
+@functools.cache
+def _direct_matches(kind: type) -> bool:
+    """Whether ``_direct`` draws what the Generator draws for bit generator ``kind``: a mixed sequence of both
+    calls over several ranges, compared value by value and by the final state."""
+    try:
+        ours, theirs = np.random.Generator(kind(20240607)), np.random.Generator(kind(20240607))
+        integers, random, bounded = _direct(ours)
+        angle = bounded(-180, 180)
+        for i in range(3000):
+            if i % 5 == 0 and angle() != int(theirs.integers(-180, 180)):
+                return False
+            low, high = ((0, 1), (0, 2), (-180, 180), (0, 360), (0, 7), (0, 1000), (5, 123457))[i % 7]
+            if integers(low, high) != int(theirs.integers(low, high)) or (i % 3 == 0 and random() != theirs.random()):
+                return False
+        return ours.bit_generator.state == theirs.bit_generator.state
+    except (AttributeError, TypeError, ValueError):  # no ctypes access, or not seedable from an int
+        return False
+
+
+def _stream(rng: np.random.Generator):
+    """(integers(low, high) -> int, random() -> float, bounded(low, high) -> a function drawing integers(low,
+    high)) drawing exactly what ``rng``'s methods draw, the direct calls where they match (a third of the cost)."""
+    if _direct_matches(type(rng.bit_generator)):
+        return _direct(rng)
+
+    def integers(low: int, high: int) -> int:
+        return int(rng.integers(low, high))
+
+    return integers, rng.random, lambda low, high: functools.partial(integers, low, high)
+
+
+def _bitmasks(rows: np.ndarray) -> list[int]:
+    """Each row of a boolean matrix as an int whose bit j is column j."""
+    packed = np.packbits(rows, axis=1, bitorder="little")
+    return [int.from_bytes(row.tobytes(), "little") for row in packed]
+
+
+def _cumulative(g, weights):
+    """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a tuple between
+    two -inf (tuples of floats leave the cycle collector's lists), _NO_ROOM, or None when the total is too close to
+    extend's 1e-4 threshold to decide without the exact sums."""
+    cum = list(itertools.accumulate(map(operator.mul, map((1.0).__sub__, g), weights)))  # (1 - g) * w, summed
+    acc = cum[-1] if cum else 0.0
+    if acc < 0.5e-4:
+        return _NO_ROOM
+    if acc < 2e-4:
+        return None
+    return (-math.inf, *map(operator.mul, cum, itertools.repeat(1.0 / acc)), -math.inf)  # candidate k: entry k + 1
+
+
+class _Heading:
+    """A heading's growth tables: step * sin / cos as _step computes them; over the candidates of non-negligible
+    turn weight (``rel``, also as a bitmask ``relevant``): weights, offsets, angles, the pids of the paddles drawn
+    back from them, offsets into a g patch; cumulative tables by edge class."""
+    __slots__ = ("dc", "ds", "flat", "near", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "tables",
+                 "theta", "weights")
+
+
+class _PairGeometry:
+    """Tables and caches for growing target pairs at one (params, margin), in offsets from a pivot or a paddle's
+    start; each value is computed with the arithmetic of ``_Scene.extend``. Paddle angles get ids (``pid``)."""
+
+    def __init__(self, p: PathfinderParams, m: int):
+        (h, w), length = p.window_size, p.paddle_length
+        self.p, self.h, self.w, self.m, self.pad, self.continuity = p, h, w, m, p.padding, p.continuity
+        self.r = r = length + m
+        self.R = length + math.ceil(p.paddle_thickness) + m  # paddle patch radius
+        self.step = float(length + 2 * m)
+        self.tries = p.max_paddle_retrial + 1
+        self.patch = (length, p.paddle_thickness, m, p.antialias_scale)
+        dy, dx = _circle(r)
+        fy, fx = np.floor(dy).astype(int), np.floor(dx).astype(int)
+        code = np.unique((fy + r) * (2 * r + 1) + fx + r)  # y-major, as np.unique orders the candidate pixels
+        oy, ox = code // (2 * r + 1) - r, code % (2 * r + 1) - r
+        self.oy, self.ox, self.K = oy, ox, len(code)
+        self.orient_arr = np.arctan2(oy, ox)  # as _candidates computes it for a full circle: same ints, same order
+        self.exact_y, self.exact_x = self._exact(h, dy, fy), self._exact(w, dx, fx)
+        # pivots farther than pad + m + r from an edge see neither the band nor the edge on that axis
+        self.lo, self.hi_y, self.hi_x = p.padding + m + r, h - 1 - p.padding - m - r, w - 1 - p.padding - m - r
+        # table keys of a pivot's edge class and Q's band class, per coordinate on the canvas
+        self.key_y = [(c + 1 if c < self.lo or c > self.hi_y else 0) << 16 for c in range(h)]
+        self.key_x = [c + 1 if c < self.lo or c > self.hi_x else 0 for c in range(w)]
+        self.qkey_y = [(c + 1 if c - self.R < p.padding or c + self.R > h - 1 - p.padding else 0) << 44
+                       for c in range(h)]
+        self.qkey_x = [(c + 1 if c - self.R < p.padding or c + self.R > w - 1 - p.padding else 0) << 24
+                       for c in range(w)]
+        # (py << 16) + px -> the edge key of a pivot whose circle translates (a pivot off the canvas has none)
+        self.pivots = {(y << 16) + x: self.key_y[y] | self.key_x[x] for y in range(h) for x in range(w)
+                       if self.exact_y[y] and self.exact_x[x]}
+        band = np.zeros((h, w))
+        band[:p.padding], band[h - p.padding:], band[:, :p.padding], band[:, w - p.padding:] = 1, 1, 1, 1
+        self.band = band
+        self.band_dilated = _dilate(band, _disk(m))  # g of the band alone (the rim outside the canvas is 0)
+        # occupancy bitmasks (Python ints): pixel (y, x) is bit (y + M) * S + x + M, a margin M wide enough that
+        # a pattern around an on-canvas anchor never wraps into the next row
+        self.M = max(self.R + m, r)
+        self.S = w + 2 * self.M
+        self.ids, self.thetas, self.hot = {}, [], []
+        self.support_bits, self.hot_bits = [], []  # per pid: where its g is > 0, where its mask is >= _HOT
+        self.level_patches, self.E = [], self.R + m  # per pid: its g as levels, (2E + 1)^2 around its start
+        self.level_values = np.arange(256).astype(np.float64) / 255  # level k -> float32(k / 255), as a mask holds it
+        self.level_values = self.level_values.astype(np.float32).astype(np.float64)
+        self.level_list = self.level_values.tolist()
+        self.near_count = 0  # entries of the headings' ``near`` tables, which are emptied past _NEAR_KEPT
+        # the level canvas a scene keeps its paddles' g on (row stride S, margin M), read as Python ints, and its
+        # (2E + 1)^2 windows around paddle starts, made as met
+        self.levels = np.zeros((h + 2 * self.M, self.S), np.uint8)
+        self.levels_read, self.level_windows = memoryview(self.levels.ravel()), {}
+        self.headings, self.edges, self.tables, self.band_hits, self.pairs, self.trig = \
+            {}, {}, {}, {}, {}, {}
+        self.flipped = [float(_flip(t)) for t in self.orient_arr]
+        self.flipped_id = [self.pid(t) for t in self.flipped]
+        self.deg = {d: float(np.int64(d) * np.pi / 180) for d in range(-180, 360)}  # rng.integers(...) * pi / 180
+        self.dead = [None] * 360  # per first-seed angle + 180: no seed pixel (``seedless``), None until asked
+        self.seeds = [None] * 360  # per seed angle + 180: its _Seed, built when first drawn
+        far = max(p.padding, 2 * p.seed_distance)  # the targets' lined mask > 0.3, as _seed_info builds it
+        self.target_lined = np.ones((h, w), bool)
+        self.target_lined[far:h - far, far:w - far] = False
+        self.seed_distance, self.tries = p.seed_distance, p.max_paddle_retrial + 1
+
+    @staticmethod
+    def _exact(n: int, d: np.ndarray, f: np.ndarray) -> list[bool]:
+        """Per pivot coordinate c on the canvas: every circle point c + d floors to c + floor(d)."""
+        return [bool(np.array_equal(np.floor(c + d).astype(int) - c, f)) for c in range(n)]
+
+    def sincos(self, theta: float) -> tuple[float, float]:
+        got = self.trig.get(theta)
+        if got is None:
+            got = self.trig[theta] = (float(np.sin(theta)), float(np.cos(theta)))  # _step's scalar calls
+        return got
+
+    def pid(self, theta: float) -> int:
+        """The id of a paddle angle; its tables are built on first sight: pixels of its mask >= _HOT (offsets,
+        float64 values, bitmask) and its mask dilated by disk(m) (bitmask of > 0, levels around its start)."""
+        got = self.ids.get(theta)
+        if got is None:
+            mask, m, R, E = _paddle_patch(theta, *self.patch)[1], self.m, self.R, self.E
+            if mask.max() > 1:
+                raise ValueError("pathfinder_gen: a paddle mask exceeds 1")
+            padded = np.zeros((2 * E + 1,) * 2, np.float32)
+            padded[E - R:E + R + 1, E - R:E + R + 1] = mask
+            dilated = _dilate(padded, _disk(m))  # g around the paddle's start
+            levels = np.rint(dilated * 255).astype(np.uint8)  # a mask value is float32(k / 255): level k
+            if not np.array_equal(self.level_values[levels], dilated):
+                raise ValueError("pathfinder_gen: a paddle mask value is not float32(k / 255)")
+            ys, xs = np.nonzero(mask >= _HOT)
+            gy, gx = np.nonzero(dilated > 0)
+            got = self.ids[theta] = len(self.thetas)
+            self.thetas.append(theta)
+            self.hot.append((ys - R, xs - R, mask[ys, xs].astype(np.float64)))
+            self.hot_bits.append(self.bits(ys - R, xs - R))
+            self.support_bits.append(self.bits(gy - E, gx - E))
+            self.level_patches.append(levels)
+        return got
+
+    def bits(self, oy: np.ndarray, ox: np.ndarray) -> int:
+        """The occupancy bitmask of offsets (oy, ox) around an anchor at (0, 0): shift it by y * S + x to anchor
+        it at (y, x)."""
+        at = np.zeros((2 * self.M + 1) * self.S, bool)
+        at[(oy + self.M) * self.S + ox + self.M] = True
+        return _bitmasks(at[None])[0]
+
+    def heading(self, theta: float) -> _Heading:
+        got = self.headings.get(theta)
+        if got is None:
+            t = np.abs(self.orient_arr - theta)  # _turn_weights over the full circle
+            np.minimum(t, 2 * np.pi - t, out=t)
+            t *= self.continuity
+            np.minimum(t, 0.5 * np.pi, out=t)
+            np.cos(t, out=t)
+            t *= t
+            rel = np.flatnonzero(t > _NEGLIGIBLE)
+            got = self.headings[theta] = _Heading()
+            got.theta = theta
+            got.ds, got.dc = float(self.step * np.sin(theta)), float(self.step * np.cos(theta))
+            got.rel = rel
+            got.rel_bits = self.bits(self.oy[rel], self.ox[rel])
+            got.weights = t[rel].tolist()
+            # candidate k of the relevant ones at index k + 1, as in the cumulative tables
+            got.oy, got.ox = [0, *self.oy[rel].tolist()], [0, *self.ox[rel].tolist()]
+            got.orient, got.qid = [0.0, *self.orient_arr[rel].tolist()], [0, *(self.flipped_id[j] for j in rel)]
+            got.tables, got.near = {}, {}
+            got.flat = (self.oy[rel] * self.S + self.ox[rel]).tolist()  # offsets in the level canvas (row stride S)
+            got.nxt = [None] * (len(rel) + 1)  # the heading tables of the relevant candidates' angles, as met
+        return got
+
+    def edge(self, by: int, bx: int) -> np.ndarray:
+        """Per candidate, 1.0 where it is off the canvas or its disk meets the band, else 0.0; by / bx is the
+        pivot's row / column near an edge, -1 in the interior (where the band is out of reach on that axis)."""
+        got = self.edges.get((by, bx))
+        if got is None:
+            y = (by if by >= 0 else self.h // 2) + self.oy
+            x = (bx if bx >= 0 else self.w // 2) + self.ox
+            on = (y >= 0) & (y < self.h) & (x >= 0) & (x < self.w)
+            got = np.ones(self.K)
+            got[on] = self.band_dilated[y[on], x[on]]
+            self.edges[(by, bx)] = got
+        return got
+
+    def level_window(self, y: int, x: int) -> np.ndarray:
+        M, E = self.M, self.E
+        got = self.level_windows[(y << 16) + x] = self.levels[y + M - E:y + M + E + 1, x + M - E:x + M + E + 1]
+        return got
+
+    def next_heading(self, hd: _Heading, k: int) -> _Heading:
+        got = hd.nxt[k] = self.heading(hd.orient[k])
+        return got
+
+    def table(self, hd: _Heading, key: int):
+        """(cumulative pmf where only the band and the edge touch the candidates, their g) for a heading and a
+        pivot's edge class ``key`` = key_y[py] | key_x[px]."""
+        values = tuple(self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist())
+        got = hd.tables[key] = (_cumulative(values, hd.weights), values)
+        return got
+
+    def band_hit(self, key: int) -> bool:
+        """Does a paddle reach 1.8 with the band? key = qkey_y[hy] | qkey_x[hx] | pid of the paddle at (hy, hx)."""
+        got = self.band_hits.get(key)
+        if got is None:
+            by, bx, qid = (key >> 44) - 1, ((key >> 24) & 0xFFFFF) - 1, key & 0xFFFFFF
+            hy, hx = by if by >= 0 else self.h // 2, bx if bx >= 0 else self.w // 2
+            ys, xs, vals = self.hot[qid]
+            y, x = hy + ys, hx + xs
+            on = (y >= 0) & (y < self.h) & (x >= 0) & (x < self.w)
+            got = self.band_hits[key] = bool((self.band[y[on], x[on]] + vals[on] >= 1.8).any())
+        return got
+
+    def pair(self, pid: int, qid: int) -> int:
+        """Bitmask over shifts P's start - Q's start (bit (dy + 2R) * (4R + 1) + dx + 2R) at which paddles pid
+        and qid reach 1.8 together at some pixel, on the canvas or off it."""
+        key = pid << 24 | qid
+        got = self.pairs.get(key)
+        if got is None:
+            py, px, pv = self.hot[pid]
+            qy, qx, qv = self.hot[qid]
+            ia, ib = np.nonzero(pv[:, None] + qv[None, :] >= 1.8)  # float64 sums of the float32 values
+            span, side = 2 * self.R, 4 * self.R + 1
+            bits = np.zeros(side * side, bool)
+            bits[(qy[ib] - py[ia] + span) * side + qx[ib] - px[ia] + span] = True
+            got = self.pairs[key] = _bitmasks(bits[None])[0]
+        return got
+
+    def hit_on_canvas(self, pid: int, qid: int, dy: int, dx: int, hy: int, hx: int) -> bool:
+        """The pair test restricted to the canvas, for Q at (hy, hx) and P at (hy + dy, hx + dx)."""
+        R = self.R
+        y0, y1 = max(hy - R, hy + dy - R, 0), min(hy + R, hy + dy + R, self.h - 1)
+        x0, x1 = max(hx - R, hx + dx - R, 0), min(hx + R, hx + dx + R, self.w - 1)
+        if y0 > y1 or x0 > x1:
+            return False
+        q = _paddle_patch(self.thetas[qid], *self.patch)[1][y0 - hy + R:y1 - hy + R + 1, x0 - hx + R:x1 - hx + R + 1]
+        p = _paddle_patch(self.thetas[pid], *self.patch)[1][y0 - hy - dy + R:y1 - hy - dy + R + 1,
+                                                            x0 - hx - dx + R:x1 - hx - dx + R + 1]
+        return bool((p.astype(np.float64) + q).max() >= 1.8)
+
+    def seed_angle(self, deg: int) -> _Seed:
+        got = self.seeds[deg + 180]
+        if got is None:
+            got = self.seeds[deg + 180] = _Seed()
+            theta, length = self.deg[deg], self.p.paddle_length
+            got.theta, got.hd, got.pid = theta, self.heading(theta), self.pid(theta)
+            sn, cs = self.sincos(theta)
+            got.hy, got.hx = float(length) * sn, float(length) * cs  # as _step multiplies, before its sum
+            sn, cs = self.sincos(float(_flip(theta)))
+            got.py, got.px = float(length + self.m) * sn, float(length + self.m) * cs
+            p, (h, w) = self.p, self.p.window_size  # _seed_info with the padded dilation (the same booleans)
+            off = _seed_kernel(theta, p.paddle_length, p.paddle_thickness, self.m, p.antialias_scale)
+            usable = not p.cv2_border or bool(_blocked_flat(np.ones((h, w), bool), off).all())  # a sample in-canvas
+            got.kernel, got.free = (off if usable else None), None
+            if usable:
+                ys, xs = np.nonzero(~_blocked_flat(self.target_lined, off))
+                got.free = (ys.tolist(), xs.tolist()) if len(ys) else None
+        return got
+
+    def seedless(self, deg: int) -> bool:
+        """Whether the first target has no seed pixel at angle deg (an attempt drawing it fails at once)."""
+        got = self.dead[deg + 180] = self.seed_angle(deg).free is None
+        return got
+
+
+@functools.cache
+def _pair_geometry(p: PathfinderParams, m: int) -> _PairGeometry:
+    return _PairGeometry(p, m)
+
+
+class _Seed:
+    """A seed angle (integer degrees): theta, _step's offsets tail -> head (L at theta) and head -> pivot (L + m
+    at the flipped angle), the seed kernel where cv2's border leaves it usable, the first target's seed pixels,
+    the heading table and the paddle's pid."""
+    __slots__ = ("free", "hd", "hx", "hy", "kernel", "pid", "px", "py", "theta")
+
+
+class _Track:
+    """A snake while it is drawn from paddle lists: pivot (py, px), heading table ``hd`` (its angle hd.theta),
+    paddles as (y, x, pid) (``last`` the newest, its start the snake's ``tip`` once it is complete), their contrasts.
+    ``layer`` as _Snake's."""
+    __slots__ = ("contrasts", "hd", "last", "origin", "paddles", "patch", "pids", "px", "py", "tip")
+
+    def __init__(self, origin, pivot, seed: _Seed, contrast):
+        self.origin, (self.py, self.px), self.hd, self.tip = origin, pivot, seed.hd, None
+        self.last = (*origin, seed.pid)
+        self.paddles, self.contrasts = [self.last], [contrast]
+
+    def layer(self, hw) -> np.ndarray:
+        """This snake alone on an empty canvas (float, before bytescale): for tests and inspection."""
+        out = np.zeros(hw)
+        for (y, x, pid), contrast in zip(self.paddles, self.contrasts):
+            pad = _Paddle(hw, (y, x), (self.pids[pid], *self.patch), contrast)
+            np.maximum(out[pad.win], pad.line, out=out[pad.win])
+        return out
+
+
 class _Snake:
     def __init__(self, origin, pivot, theta, paddle):
         self.origin, self.pivot, self.theta, self.last, self.tip = origin, pivot, theta, paddle, None
@@ -337,6 +747,25 @@ class _Snake:
         return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _marker_window(hw, aa: int, radius: float, at) -> tuple:
+    """(box, the marker of ``_Scene.marker`` inside box) or (None, None) where the box is the whole canvas. PIL's
+    LANCZOS at the integer factor aa weighs the input within 3 aa of an output pixel's centre with weights that
+    depend on the offset alone (renormalised only where the image edge cuts them), so an output pixel whose
+    inputs all lie in a window aligned to aa is the same shrunk from the window as from the canvas, and one
+    whose inputs miss the disc is 0 in both: a window radius + 8 output pixels wide leaves 3 + 3 to spare."""
+    (h, w), reach = hw, radius + 8
+    box = (max(0, math.floor(at[0] - reach)), min(h, math.ceil(at[0] + reach) + 1),
+           max(0, math.floor(at[1] - reach)), min(w, math.ceil(at[1] + reach) + 1))
+    if box == (0, h, 0, w):
+        return None, None
+    y = np.arange(box[0] * aa, box[1] * aa)[:, None] - at[0] * aa
+    x = np.arange(box[2] * aa, box[3] * aa)[None, :] - at[1] * aa
+    window = _shrink((x ** 2 + y ** 2 <= (radius * aa) ** 2).astype(np.float64), (box[1] - box[0], box[3] - box[2]))
+    window.flags.writeable = False
+    return box, window
+
+
 class _Scene:
     def __init__(self, p: PathfinderParams, rng, margin: int):
         self.p, self.rng, self.m = p, rng, margin
@@ -346,6 +775,10 @@ class _Scene:
         self.mask = self.buf[margin:margin + self.hw[0], margin:margin + self.hw[1]]  # (H, W) view
         self.flat = self.buf.reshape(-1)  # ((H + 2m) * (W + 2m),) view for gathers
         self.patch = (p.paddle_length, p.paddle_thickness, margin, p.antialias_scale)  # a paddle's key, less theta
+        self.kept, self.synced, self.banded = [], 0, False  # target_pair's kept-out paddles, how many are on mask
+        self.support = self.hot = 0  # occupancy bitmasks of the kept paddles' g > 0 and mask >= _HOT
+        self.levels = self.levels_read = None  # their g as levels on a canvas with the bitmasks' margin and stride
+        self.leveled = 0  # how many kept paddles are on it
 
     def clear(self) -> None:
         """Empty canvases, as a new scene's: the next target pair is drawn from scratch."""
@@ -452,6 +885,348 @@ class _Scene:
             self.keep_out(snakes[0].last)
         return snakes
 
+    # ---- target pairs without canvases (the section above _PairGeometry says why each shortcut is exact)
+    def target_pair(self, reference: bool = False) -> list:
+        """``targets`` redrawn until a pair fits. The default decides each step from paddle lists and leaves the
+        canvases, the random stream and the snakes exactly as ``reference=True`` (``targets`` on the canvases)."""
+        p = self.p
+        if not reference:
+            return self._pairs(_pair_geometry(p, self.m))
+        for _ in range(p.max_target_pair_attempts):
+            snakes = self.targets()
+            if snakes is not None:
+                return snakes
+            self.clear()
+        raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
+
+    def _keep(self, g: _PairGeometry, paddle) -> None:
+        """keep_out for a listed paddle (y, x, pid)."""
+        self.kept.append(paddle)
+        at = paddle[0] * g.S + paddle[1]
+        self.support |= g.support_bits[paddle[2]] << at
+        self.hot |= g.hot_bits[paddle[2]] << at
+
+    def _sync(self, g: _PairGeometry) -> None:
+        """Bring the mask canvas up to the kept-out paddles (the band first, as ``targets`` sets it)."""
+        if not self.banded:
+            pad_ = self.p.padding
+            self.mask[:pad_], self.mask[-pad_:], self.mask[:, :pad_], self.mask[:, -pad_:] = 1, 1, 1, 1
+            self.banded = True
+        h, w, size = g.h, g.w, 2 * g.R + 1
+        for y, x, pid in self.kept[self.synced:]:
+            y0, x0 = y - g.R, x - g.R
+            cy0, cy1, cx0, cx1 = max(y0, 0), min(y0 + size, h), max(x0, 0), min(x0 + size, w)
+            if cy0 < cy1 and cx0 < cx1:
+                win = self.mask[cy0:cy1, cx0:cx1]
+                patch = _paddle_patch(g.thetas[pid], *g.patch)[1]
+                np.maximum(win, patch[cy0 - y0:cy1 - y0, cx0 - x0:cx1 - x0], out=win)
+        self.synced = len(self.kept)
+
+    def _exact_cmf(self, g: _PairGeometry, pivot, theta):
+        """``extend``'s pmf on the canvas: (cmf, rows, cols, angles) or None where it gives up."""
+        self._sync(g)
+        cands = _candidates(pivot, g.r, g.m, g.h, g.w)
+        if cands is None:
+            return None
+        cy, cx, orient, near = cands
+        pmf = 1 - self.flat[near].max(axis=1)
+        pmf *= _turn_weights(pivot, g.r, g.m, g.h, g.w, theta, g.continuity)
+        total = pmf.sum()
+        if total < 1e-4:
+            return None
+        pmf /= total
+        return pmf.cumsum(), cy, cx, orient
+
+    def _pairs(self, g: _PairGeometry) -> list[_Track]:
+        """``targets`` redrawn until a pair fits, with the same random calls: paddles are listed, the mask is
+        built only where a step needs the exact arithmetic, and the image is drawn once the pair fits. _grow's
+        common case is written out here (a growth step is the inner loop of an image's work); anything else is
+        left to _grow before any draw, or with the draw made (u0) when it lies within _TIE of a boundary."""
+        p, rng = self.p, self.rng
+        integers, random, bounded = _stream(rng)
+        self.integers, self.random, turn = integers, random, bounded(0, 360)
+        contrasts, mu0 = p.paddle_contrast_list, list(p.snake_contrast_list) * 2
+        shuffle, draws = len(set(mu0)) > 1, len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
+        # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
+        # pixels (30 in 360 have some at 32 px): such attempts take no more than that draw here
+        quick, dead = not shuffle and len(contrasts) == 1, g.dead
+        S, pivots, qkey_y, qkey_x, hot_bits, support_bits, band_hits = \
+            g.S, g.pivots, g.qkey_y, g.qkey_x, g.hot_bits, g.support_bits, g.band_hits
+        retrials, steps = range(g.tries, 0, -1), range(p.contour_length - 1)
+        bisect_right, ceil = bisect.bisect_right, math.ceil
+        if g.near_count > _NEAR_KEPT:
+            for heading in g.headings.values():
+                heading.near.clear()
+            g.near_count = 0
+        self.levels, self.levels_read, self.leveled = g.levels, g.levels_read, 0
+        self.levels.fill(0)
+        for _ in range(p.max_target_pair_attempts):
+            deg = None
+            if quick:
+                deg = turn()  # integers(-180, 180) is this draw - 180
+                if dead[deg] if dead[deg] is not None else g.seedless(deg - 180):
+                    continue
+                deg -= 180
+            if self.banded:  # an exact step of the last attempt drew on the mask
+                self.buf.fill(0)
+                self.banded, self.synced = False, 0
+            if self.leveled:
+                self.levels.fill(0)
+                self.leveled = 0
+            self.kept = kept = []
+            support = hot = 0
+            mu = [mu0[j] for j in rng.permutation(len(mu0))] if shuffle else mu0
+            s0 = self._seed_track(g, contrasts[integers(0, len(contrasts)) if len(contrasts) > 1 else 0] * mu[0],
+                                  None, deg)
+            s1 = s0 and self._seed_track(g, contrasts[integers(0, len(contrasts)) if len(contrasts) > 1 else 0]
+                                         * mu[1], s0.origin)
+            if s1 is None:
+                continue
+            tracks = ((s0, mu[0]), (s1, mu[1]))
+            for _ in steps:
+                contrast = contrasts[integers(0, len(contrasts))] if draws else contrasts[0]
+                for s, factor in tracks:
+                    hd = s.hd
+                    py, px = ceil(s.py + hd.ds), ceil(s.px + hd.dc)
+                    key = pivots.get((py << 16) + px)
+                    if key is None:
+                        cmf = None
+                    else:
+                        cmf, values = hd.tables.get(key) or g.table(hd, key)
+                        if support & hd.rel_bits << (py * S + px):
+                            cmf = self._near_cmf(g, hd, key, py, px, values)
+                        if cmf is _NO_ROOM:
+                            break
+                    if cmf is None:
+                        self.support, self.hot = support, hot
+                        grown = self._grow(g, s, contrast * factor)
+                        support, hot = self.support, self.hot
+                        if not grown:
+                            break
+                        continue
+                    end = len(cmf) - 1
+                    for left in retrials:
+                        u = random()
+                        k = bisect_right(cmf, u, 1, end)
+                        if not (cmf[k] > u + _TIE and cmf[k - 1] < u - _TIE):
+                            self.support, self.hot = support, hot
+                            grown = self._grow(g, s, contrast * factor, u, left)
+                            support, hot = self.support, self.hot
+                            break
+                        hy, hx, qid = py + hd.oy[k], px + hd.ox[k], hd.qid[k]
+                        key = qkey_y[hy] | qkey_x[hx]
+                        if key and (band_hits[key | qid] if (key | qid) in band_hits else g.band_hit(key | qid)):
+                            continue
+                        if hot & hot_bits[qid] << (hy * S + hx) and self._collides(g, qid, hy, hx):
+                            continue
+                        y, x, pid = last = s.last
+                        kept.append(last)
+                        at = y * S + x
+                        support |= support_bits[pid] << at
+                        hot |= hot_bits[pid] << at
+                        s.last = q = (hy, hx, qid)
+                        s.paddles.append(q)
+                        if draws:
+                            s.contrasts.append(contrast * factor)
+                        s.py, s.px, s.hd = py, px, hd.nxt[k] or g.next_heading(hd, k)
+                        grown = True
+                        break
+                    else:
+                        grown = False
+                    if not grown:
+                        break
+                else:
+                    continue
+                break
+            else:
+                self.support, self.hot = support, hot
+                return self._pair_done(g, s0, s1)
+        raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
+
+    def _pair_done(self, g: _PairGeometry, s0: _Track, s1: _Track) -> list[_Track]:
+        """The pair fits: the last keep-outs, the mask and the image as ``targets`` leaves them, and the snakes
+        (origin, tip and layer as _Snake's)."""
+        self._keep(g, s1.last)  # the mask catches up with the kept paddles where a distractor seed reads it
+        if self.p.mask_both_target_ends:
+            self._keep(g, s0.last)
+        for s in (s0, s1):
+            if len(s.contrasts) < len(s.paddles):  # one paddle contrast, none drawn: all are the seed's
+                s.contrasts = [s.contrasts[0]] * len(s.paddles)
+            for (y, x, pid), c in zip(s.paddles, s.contrasts):
+                self._draw_listed(g, y, x, pid, c)
+            s.tip, s.pids, s.patch = s.last[:2] if len(s.paddles) > 1 else None, g.thetas, self.patch
+        return [s0, s1]
+
+    def _seed_track(self, g: _PairGeometry, contrast, tail1, deg: int | None = None):
+        """``seed`` for a target (``lined=None``): same draws, same outcome (``deg``: the first angle, drawn)."""
+        integers, h, w = self.integers, g.h, g.w
+        for _ in range(g.tries):
+            if deg is None:
+                deg = integers(-180, 180)
+            rec = g.seeds[deg + 180] or g.seed_angle(deg)
+            deg = None
+            if tail1 is None:
+                free = rec.free
+                if free is None:
+                    return None
+                k = integers(0, len(free[0]))
+                ty, tx = free[0][k], free[1][k]
+            else:
+                sa, ca = g.sincos(g.deg[integers(0, 360)])
+                ty, tx = round(tail1[0] + g.seed_distance * sa), round(tail1[1] + g.seed_distance * ca)  # half-even
+            hy, hx = math.ceil(ty + rec.hy), math.ceil(tx + rec.hx)
+            py, px = math.ceil(hy + rec.py), math.ceil(hx + rec.px)
+            if 0 <= hy < h and 0 <= hx < w and 0 <= py < h and 0 <= px < w:
+                return _Track((ty, tx), (py, px), rec, contrast)
+        return None
+
+    def _grow(self, g: _PairGeometry, s: _Track, contrast, u0: float | None = None, tries: int | None = None) -> bool:
+        """``extend`` on a track: same draws, same outcome. ``u0``: the first retrial's draw, already made by a
+        caller that found it too close to a cumulative boundary; ``tries``: the retrials left then."""
+        hd = s.hd
+        py, px = math.ceil(s.py + hd.ds), math.ceil(s.px + hd.dc)  # _step(pivot, heading, L + 2m)
+        cmf = exact = None
+        key = g.pivots.get((py << 16) + px)
+        if key is not None:
+            cmf, values = hd.tables.get(key) or g.table(hd, key)
+            if self.support & hd.rel_bits << (py * g.S + px):  # a kept paddle reaches a relevant candidate
+                cmf = self._near_cmf(g, hd, key, py, px, values)
+            if cmf is _NO_ROOM:
+                return False
+        if cmf is None:
+            exact = self._exact_cmf(g, (py, px), hd.theta)
+            if exact is None:
+                return False
+        for _ in range(g.tries if tries is None else tries):
+            if u0 is None:
+                u = self.random()
+            else:
+                u, u0 = u0, None
+            if exact is None:
+                k = bisect.bisect_right(cmf, u, 1, len(cmf) - 1)
+                if cmf[k] > u + _TIE and cmf[k - 1] < u - _TIE:
+                    hy, hx, qid = py + hd.oy[k], px + hd.ox[k], hd.qid[k]
+                else:
+                    exact = self._exact_cmf(g, (py, px), hd.theta)
+                    if exact is None:  # cannot happen: the shortcut's total is >= 2e-4
+                        raise RuntimeError("pathfinder_gen: the turn table and the exact pmf disagree")
+            if exact is not None:
+                e_cmf, cy, cx, angles = exact
+                i = int(e_cmf.searchsorted(u, "right"))
+                i = 0 if i == len(e_cmf) else i
+                hy, hx, orient, qid = int(cy[i]), int(cx[i]), float(angles[i]), g.pid(float(_flip(angles[i])))
+            key = g.qkey_y[hy] | g.qkey_x[hx]
+            if key and (g.band_hits.get(key | qid) if (key | qid) in g.band_hits else g.band_hit(key | qid)):
+                continue
+            if self.hot & g.hot_bits[qid] << (hy * g.S + hx) and self._collides(g, qid, hy, hx):
+                continue
+            y, x, pid = last = s.last  # the previous paddle's mask joins one step late
+            self.kept.append(last)
+            self.support |= g.support_bits[pid] << (y * g.S + x)
+            self.hot |= g.hot_bits[pid] << (y * g.S + x)
+            s.last = q = (hy, hx, qid)
+            s.paddles.append(q)
+            s.contrasts.append(contrast)
+            s.py, s.px = py, px
+            s.hd = (hd.nxt[k] or g.next_heading(hd, k)) if exact is None else g.heading(orient)
+            return True
+        return False
+
+    def _near_cmf(self, g: _PairGeometry, hd: _Heading, key: int, py: int, px: int, values: list):
+        """The cumulative pmf where kept paddles reach relevant candidates: the band's g ``values`` (over the
+        relevant candidates) maxed with the level canvas, brought up to the kept paddles first. The levels read
+        decide it with the heading and the edge class ``key``: kept per heading."""
+        M, windows = g.M, g.level_windows
+        for y, x, pid in self.kept[self.leveled:]:
+            window = windows.get((y << 16) + x)
+            if window is None:
+                window = g.level_window(y, x)
+            np.maximum(window, g.level_patches[pid], out=window)
+        self.leveled = len(self.kept)
+        read, base = self.levels_read, (py + M) * g.S + px + M
+        seen = (key, bytes(map(read.__getitem__, map(base.__add__, hd.flat))))
+        got = hd.near.get(seen, _MISSING)
+        if got is _MISSING:
+            got = hd.near[seen] = _cumulative(map(max, map(g.level_list.__getitem__, seen[1]), values), hd.weights)
+            g.near_count += 1
+        return got
+
+    def _collides(self, g: _PairGeometry, qid: int, hy: int, hx: int) -> bool:
+        """The acceptance test for paddle qid at (hy, hx) against each kept paddle near it."""
+        big, h, w, span, side, pairs = g.R, g.h, g.w, 2 * g.R, 4 * g.R + 1, g.pairs
+        clipped = hy < big or hy + big >= h or hx < big or hx + big >= w
+        for y, x, pid in reversed(self.kept):  # the newest paddles are the likeliest to meet it
+            dy, dx = y - hy, x - hx
+            if -span <= dy <= span and -span <= dx <= span:
+                bitmask = pairs.get(pid << 24 | qid)
+                if bitmask is None:
+                    bitmask = g.pair(pid, qid)
+                if bitmask >> ((dy + span) * side + dx + span) & 1 and \
+                        (not clipped or g.hit_on_canvas(pid, qid, dy, dx, hy, hx)):
+                    return True
+        return False
+
+    def distractors(self, count, max_trial, length) -> None:
+        """``many_snakes`` after ``target_pair``: the same random calls and image, each distractor grown from
+        paddle lists (the mask is built for the seeds) and drawn once it is complete."""
+        integers, cl, g = self.integers, self.p.snake_contrast_list, _pair_geometry(self.p, self.m)
+        draws = len(cl) > 1 or _INTEGERS_0_1_DRAWS
+        for _ in range(count):
+            for _ in range(max_trial + 1):
+                base, support, hot = len(self.kept), self.support, self.hot
+                s = self._seed_distractor(g, cl[integers(0, len(cl))] if draws else cl[0])
+                ok = s is not None and all(self._grow(g, s, cl[integers(0, len(cl))] if draws else cl[0])
+                                           for _ in range(length - 1))
+                if ok:
+                    self._keep(g, s.last)
+                    for (y, x, pid), c in zip(s.paddles, s.contrasts):
+                        self._draw_listed(g, y, x, pid, c)
+                    break
+                del self.kept[base:]  # all or nothing, as many_snakes restores its copies
+                self.support, self.hot = support, hot
+                if self.synced > base:  # an exact step put this snake's paddles on the mask: rebuild it
+                    self.buf.fill(0)
+                    self.banded, self.synced = False, 0
+                if self.leveled > base:  # ... or on the level canvas
+                    self.levels.fill(0)
+                    self.leveled = 0
+
+    def _draw_listed(self, g: _PairGeometry, y: int, x: int, pid: int, contrast) -> None:
+        """``draw`` of a listed paddle: its contrast line patch maxed into the image, clipped to the canvas."""
+        line, (h, w), size = _contrast_line(g.thetas[pid], *self.patch, contrast), self.hw, 2 * g.R + 1
+        y0, x0 = y - g.R, x - g.R
+        cy0, cy1, cx0, cx1 = max(y0, 0), min(y0 + size, h), max(x0, 0), min(x0 + size, w)
+        if cy0 < cy1 and cx0 < cx1:
+            window = self.img[cy0:cy1, cx0:cx1]
+            np.maximum(window, line[cy0 - y0:cy1 - y0, cx0 - x0:cx1 - x0], out=window)
+
+    def _seed_distractor(self, g: _PairGeometry, contrast):
+        """``seed(lined, contrast, stop)`` on the synced mask, without drawing: same draws, same outcome."""
+        p, integers, h, w = self.p, self.integers, g.h, g.w
+        free_share = hit = None
+        for _ in range(g.tries):
+            rec = g.seed_angle(integers(-180, 180))
+            if rec.kernel is None:  # cv2's border leaves this angle no pixel; seed's availability test returns the
+                return None  # same None first where it fails, with no draw between
+            if free_share is None:
+                self._sync(g)
+                free_share = np.count_nonzero(self.mask <= 0.3) / self.mask.size
+            if free_share < p.stop_with_availability:
+                return None
+            if hit is None:  # many_snakes' lined mask (its border set to 1) > 0.3
+                hit = self.mask > 0.3
+                hit[0], hit[-1], hit[:, 0], hit[:, -1] = True, True, True, True
+            ys, xs = np.nonzero(~_blocked_flat(hit, rec.kernel))
+            if not len(ys):
+                return None
+            k = integers(0, len(ys))
+            tail = (int(ys[k]), int(xs[k]))
+            head = (math.ceil(tail[0] + rec.hy), math.ceil(tail[1] + rec.hx))
+            pivot = (math.ceil(head[0] + rec.py), math.ceil(head[1] + rec.px))
+            if 0 <= head[0] < h and 0 <= head[1] < w and 0 <= pivot[0] < h and 0 <= pivot[1] < w:
+                return _Track(tail, pivot, rec, contrast)
+        return None
+
     def many_snakes(self, count, max_trial, length) -> None:
         """snakes2 ``make_many_snakes`` with allow_incomplete: each snake is all-or-nothing."""
         p, rng, cl = self.p, self.rng, self.p.snake_contrast_list
@@ -473,29 +1248,35 @@ class _Scene:
         x = np.arange(w * aa)[None, :] - at[1] * aa
         return _shrink((x ** 2 + y ** 2 <= (self.p.marker_radius * aa) ** 2).astype(np.float64), self.hw)
 
+    def marker_fast(self, at) -> np.ndarray:
+        """``marker`` from a window around the disc (``_marker_window``)."""
+        box, window = _marker_window(self.hw, self.p.antialias_scale, self.p.marker_radius, tuple(at))
+        if window is None:
+            return self.marker(at)
+        out = np.zeros(self.hw, np.uint8)
+        out[box[0]:box[1], box[2]:box[3]] = window
+        return out
 
-def _render(p: PathfinderParams, rng, debug: bool = False) -> tuple[np.ndarray, int, int, dict]:
+
+def _render(p: PathfinderParams, rng, debug: bool = False, reference: bool = False) \
+        -> tuple[np.ndarray, int, int, dict]:
     """One image as snakes2 draws it: (uint8 image, label, paddle margin, info). info["markers"] = the two
     marker centres [(y, x), (y, x)]; with ``debug`` also the float layers before bytescale: "targets" (each
     target snake alone), "strokes" (all snakes), "marker_layer", and "marked" (the snake of the first marker)."""
     label = int(rng.integers(0, 2))
     margin = p.paddle_margin_list[rng.integers(0, len(p.paddle_margin_list))]
     scene = _Scene(p, rng, margin)
-    for _ in range(p.max_target_pair_attempts):
-        snakes = scene.targets()
-        if snakes is not None:
-            break
-        scene.clear()
-    else:
-        raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
-    scene.many_snakes(p.num_distractor_snakes, p.max_distractor_contour_retrial, p.distractor_length)
+    snakes = scene.target_pair(reference)
+    many = scene.many_snakes if reference else scene.distractors
+    many(p.num_distractor_snakes, p.max_distractor_contour_retrial, p.distractor_length)
     if p.use_single_paddles:
         total = int(150 * (1. / ((7.5 + 13 * margin + 4 * margin * margin) / 123.5)))
         n_single = total - 2 * p.contour_length - p.num_distractor_snakes * p.distractor_length
-        scene.many_snakes(n_single, p.max_paddle_retrial, 1)
+        many(n_single, p.max_paddle_retrial, 1)
     o = int(rng.integers(0, 2))
     ends = [snakes[o].origin, snakes[o if label else 1 - o].tip]
-    markers = np.maximum(scene.marker(ends[0]), scene.marker(ends[1])).astype(np.float64) / 255
+    marker = scene.marker if reference else scene.marker_fast
+    markers = np.maximum(marker(ends[0]), marker(ends[1])).astype(np.float64) / 255
     info = {"markers": ends}
     if debug:
         info.update(targets=[s.layer(scene.hw) for s in snakes], strokes=scene.img.copy(), marker_layer=markers,
@@ -577,6 +1358,76 @@ def benchmark(resolution: int = 32, n: int = 200, difficulty: str = "hard", seed
     rate = n / (time.perf_counter() - t)
     print(f"pathfinder{resolution} {difficulty}: {rate:.1f} images/s/core ({n} images)")
     return rate
+
+
+TIMING_COLUMNS = ["task", "resolution", "difficulty", "generator", "version", "images", "warmup", "runs", "s_per_image",
+                  "speedup", "minutes_200k_16_cores", "seed", "cpu", "python", "numpy", "pillow", "git_sha",
+                  "timestamp"]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def _time_one(job) -> tuple[float, str]:
+    """(CPU seconds, digest of images and labels) of ``images`` renders + PNG encodes of batch 0 of ``seed`` by one
+    algorithm, after ``warmup`` images of batch 1: run in a process of its own, so neither algorithm's caches
+    (nor the objects the cycle collector scans) weigh on the other."""
+    params, reference, images, warmup, seed = job
+    rng = batch_rng(seed, 1)
+    for _ in range(warmup):
+        _render(params, rng, reference=reference)
+    rng, digest, spent = batch_rng(seed, 0), hashlib.sha256(), 0.0
+    for _ in range(images):
+        t = time.process_time()
+        img, label, _, _ = _render(params, rng, reference=reference)
+        Image.fromarray(img, "L").save(io.BytesIO(), format="PNG")
+        spent += time.process_time() - t
+        digest.update(img.tobytes())
+        digest.update(bytes([label]))
+    return spent, digest.hexdigest()
+
+
+def time_generators(resolution: int = 128, difficulty: str = "hard", images: int = 40, warmup: int = 200,
+                    seed: int = 0, runs: int = 1) -> list[dict]:
+    """CPU seconds per image (render + PNG encode, one process on one core) of the canvas algorithm
+    (``_render(..., reference=True)``, the code before paddle lists) and of today's, on the same ``images`` images
+    (batch 0 of ``seed``) after ``warmup`` images of batch 1 (a tenth of them, at most 100, for the canvas
+    algorithm, whose caches fill sooner), each in a fresh process, the fastest of ``runs`` alternating runs (the
+    least disturbed by other load); the two must draw the same images. Returns a row for each (TIMING_COLUMNS
+    less git_sha and timestamp, which ``python -m lra.generate pathfinder --time`` adds as it appends them;
+    ``minutes_200k_16_cores`` projects LRA's 200,000 images onto 16 such cores)."""
+    params = PathfinderParams.for_lra(resolution, difficulty)
+    warm = {True: max(1, min(warmup // 10, 100)), False: warmup}
+    ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
+    spent, digests = {True: [], False: []}, set()
+    for _ in range(runs):
+        for reference in (True, False):
+            with ctx.Pool(1) as pool:
+                seconds, digest = pool.apply(_time_one, ((params, reference, images, warm[reference], seed),))
+            spent[reference].append(seconds)
+            digests.add(digest)
+    if len(digests) != 1:
+        raise RuntimeError(f"pathfinder_gen: the two algorithms drew different images (seed {seed}, batch 0)")
+    spent = {reference: min(seconds) for reference, seconds in spent.items()}
+    rows = []
+    for reference in (True, False):
+        per = spent[reference] / images
+        rows.append({"task": "pathx" if resolution == 128 else f"pathfinder{resolution}", "resolution": resolution,
+                     "difficulty": difficulty, "generator": "canvas" if reference else "paddle lists",
+                     "version": GENERATOR_VERSION, "images": images, "warmup": warm[reference], "runs": runs,
+                     "s_per_image": round(per, 5), "speedup": round(spent[True] / spent[reference], 2),
+                     "minutes_200k_16_cores": round(per * 200_000 / 16 / 60, 1), "seed": seed, "cpu": _cpu_name(),
+                     "python": platform.python_version(), "numpy": np.__version__, "pillow": Image.__version__})
+        print(f"pathfinder{resolution} {difficulty} {rows[-1]['generator']}: {per * 1000:.1f} ms/image/core, "
+              f"x{rows[-1]['speedup']}")
+    return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
