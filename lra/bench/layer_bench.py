@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ours, theirs = frame(ours), frame(theirs)
     if not args.peers:
         table = versus_public(ours[ours["status"] == "ok"], stored_peers())
-        print_table(table, "Public packages: STORED numbers (results/published.csv, peers_h200_layer: NVIDIA H200, "
-                           "torch 2.11), another card than this one; --peers measures them here.")
+        print_table(table, "Public packages: STORED numbers (results/published.csv, source peers_h200_layer: the card "
+                           "and torch its note names), measured elsewhere; --peers measures them here.")
         return table
     table = live_table(ours, theirs)
     how = f", every layer compiled{'' if mode == 'default' else f' ({mode})'}" if args.compile else ""
