@@ -117,15 +117,33 @@ def test_each_model_is_fitted_on_one_card_the_main_one_first_and_the_table_says_
     assert text.endswith("Exponents timed on the H100, except fnet on the H200.")
 
 
-def test_the_table_covers_the_registry_and_the_readme_holds_the_generated_one():
+def test_the_table_covers_the_registry_and_docs_models_holds_the_generated_one():
     results = ROOT / "results"
     table = taxonomy.taxonomy_table(pd.read_csv(results / "layer_bench.csv"),
                                     pd.read_csv(results / "leaderboard.csv"))
     assert list(table.model) == list_models() and set(table.complexity) <= set(COMPLEXITIES)
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split(taxonomy.BEGIN, 1)[1].split(taxonomy.END, 1)[0].strip()
-    assert block == taxonomy.markdown(table), "README's model table is stale: python -m lra.taxonomy --results " \
-                                               "results --readme README.md"
+    doc = (ROOT / "docs" / "models.md").read_text()
+    block = doc.split(taxonomy.BEGIN, 1)[1].split(taxonomy.END, 1)[0].strip()
+    assert block == taxonomy.markdown(table), "docs/models.md's model table is stale: python -m lra.taxonomy " \
+                                               "--results results --doc docs/models.md"
+
+
+def test_the_readme_names_every_registered_model():
+    models = (ROOT / "README.md").read_text().split("## Models", 1)[1].split("\n## ", 1)[0]
+    assert f"{len(list_models())} models" in models
+    assert [name for name in list_models() if f"`{name}`" not in models] == []
+
+
+def test_the_doc_option_rewrites_only_the_taxonomy_block(tmp_path):
+    doc = tmp_path / "models.md"
+    doc.write_text(f"# Models\n\nbefore\n\n{taxonomy.BEGIN}\nstale\n{taxonomy.END}\n\nafter\n")
+    table = taxonomy.main(["--results", str(ROOT / "results"), "--doc", str(doc)])
+    text = doc.read_text()
+    assert text == f"# Models\n\nbefore\n\n{taxonomy.BEGIN}\n{taxonomy.markdown(table)}\n{taxonomy.END}\n\nafter\n"
+    assert not taxonomy.update_doc(doc, table)  # a second pass changes nothing
+    (tmp_path / "plain.md").write_text("# no block\n")
+    with pytest.raises(SystemExit, match="no taxonomy block"):
+        taxonomy.main(["--results", str(ROOT / "results"), "--doc", str(tmp_path / "plain.md")])
 
 
 IMPORT_WITHOUT_PLOTTING = ("import sys, lra.report.taxonomy; assert 'matplotlib' not in sys.modules, "
