@@ -38,6 +38,9 @@ def prepare(overrides: list[str]) -> list[TaskData]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.strip())
+        return
     with lra.config.one_line_config_errors(argv):  # a bad value, missing data, an unknown config option
         for data in prepare(argv):
             print(data.summary())

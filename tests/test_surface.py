@@ -4,6 +4,7 @@ line and exit code 2, leaving no folder behind; run_dir= takes Hydra's files alo
 reports say where they looked for a file they need."""
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -151,3 +152,35 @@ def test_the_charts_say_where_they_looked_for_the_papers_numbers(tmp_path):
         plot.main(["--results", str(ROOT / "results"), "--out", str(tmp_path), "--published",
                    str(tmp_path / "missing.csv")])
     assert not list(tmp_path.iterdir())
+
+
+ARGV_COMMANDS = ["lra.baseline", "lra.evaluate", "lra.generate", "lra.prepare", "lra.bench.layer_bench",
+                 "lra.bench.peers", "lra.report.compare", "lra.report.leaderboard", "lra.report.plot",
+                 "lra.report.results", "lra.report.taxonomy"]
+
+
+@pytest.mark.parametrize("module", ARGV_COMMANDS)
+def test_every_command_answers_help_with_what_it_does(module, capsys):
+    """``python -m <command> --help`` prints how to call it and exits 0, for every command that takes argv (lra
+    itself: the test above; lra.bench: the next)."""
+    main = importlib.import_module(module).main
+    try:
+        main(["--help"])
+    except SystemExit as e:
+        assert e.code in (0, None)
+    out = capsys.readouterr().out
+    assert "python -m lra." in out.splitlines()[0] or out.startswith("usage: python -m lra.")
+
+
+def test_the_bench_help_names_the_bench(monkeypatch, capsys):
+    """The bench is a Hydra app: its --help opens with the command, not "bench is powered by Hydra"."""
+    from lra.bench import bench
+
+    monkeypatch.setattr(sys, "argv", ["python -m lra.bench", "--help"])
+    try:
+        bench.main()
+    except SystemExit as e:
+        assert e.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("python -m lra.bench: LRA Table 2's speed and memory sweep")
+    assert "powered by Hydra" not in out
