@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig registers the bench schema
 from lra.data import get_task
+from lra.provenance import error_status
 from lra.report import plot
 from lra.report.results import (
     BENCH_COLUMNS,
@@ -300,9 +301,8 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
         try:
             bench_case(cfg, name, row, device, precision, compile_, options)
         except Exception as exc:
-            first_line = (str(exc).splitlines() or [""])[0][:200]
             oom = is_oom(exc)
-            row.status = "oom" if oom else f"error: {type(exc).__name__}: {first_line}"
+            row.status = "oom" if oom else error_status(exc)
             if not oom:  # the row keeps one line; the log keeps the whole traceback
                 log.error("%s at N=%d failed", label, seq_len, exc_info=exc)
         if row.status != "ok":  # on CUDA the next case's release_leftovers also empties the allocator's cache

@@ -44,6 +44,7 @@ import yaml
 from lra.bench.bench import split_attributes, variant_cases
 from lra.bench.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.config import CHOICES
+from lra.provenance import error_status
 from lra.report.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
 from lra.train import engine
 from models import create_model, list_models
@@ -218,7 +219,7 @@ def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
     except MissingPeer as missing:
         row["status"] = str(missing)  # "missing: pip install 'lra[peers]' (or <dist>==<pin>; ...)"
     except Exception as error:  # noqa: BLE001 - e.g. sinkhorn-transformer under bf16 autocast
-        row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        row["status"] = error_status(error)
     print(f"{row['implementation']:45s} N {row['seq_len']:6d} B {row['batch_size']:3d}: {row['status']:5s} "
           f"{row.get('ms_fwd_bwd', float('nan')):8.2f} ms", flush=True)
     if out is not None:
