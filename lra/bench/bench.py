@@ -206,9 +206,8 @@ def checked_compile(cfg: DictConfig, row: BenchRow, model: torch.nn.Module, toke
         log.info("%s at N=%d, compile check: %s", row.model, row.seq_len, note)
     if not check.rejected:
         return True
-    report = (f"torch.compile gives {row.model} other gradients than the eager model: {check.describe()}, on "
-              f"{len(labels[rows])} rows")
-    engine.refuse_compiled(report, cfg.bench.compile, "bench")
+    report = engine.refuse_compiled(row.model, f"{check.describe()}, on {len(labels[rows])} rows", cfg.bench.compile,
+                                    "bench")
     log.warning("%s at N=%d: %s; timing it eagerly", row.model, row.seq_len, report)
     row.compile_note = f"compile check: {check.describe()}"
     return False

@@ -305,13 +305,16 @@ def compile_check_due(setting: str, compiled: bool, device: torch.device) -> boo
     return compiled and (setting == "true" or (setting == "auto" and device.type == "cuda"))
 
 
-def refuse_compiled(report: str, compile_setting: str, section: str) -> None:
-    """What a check that rejected a compiled model decides (the runner's and the bench's one rule): with
-    ``<section>.compile=auto`` the model runs eagerly (this returns); asked for explicitly, compiling was the user's
-    choice, and the finding is an error with the ways out."""
+def refuse_compiled(model: str, where: str, compile_setting: str, section: str) -> str:
+    """What a check that rejected ``model``'s compiled form decides (the runner's and the bench's one rule), with the
+    finding in a line, ``where`` saying what the check found on what: with ``<section>.compile=auto`` the model runs
+    eagerly (this returns the line, for the log); asked for explicitly, compiling was the user's choice, and the
+    finding is an error with the ways out."""
+    report = f"torch.compile gives {model} other gradients than the eager model: {where}"
     if str(compile_setting).lower() != "auto":
         raise RuntimeError(f"{report}. {section}.compile=auto runs it eagerly instead; {section}.compile_check=false "
                            f"runs it compiled regardless")
+    return report
 
 
 def is_compile_error(error: BaseException) -> bool:

@@ -706,8 +706,7 @@ class Trainer:
                 log.info("compile check: the compiled gradients are the model's (%s)", check.describe())
             return
         where = f"{check.describe()}, on {len(rows)} training rows" if check.rejected else "on another rank"
-        report = f"torch.compile gives {cfg.model.name} other gradients than the eager model: {where}"
-        engine.refuse_compiled(report, cfg.trainer.compile, "trainer")
+        report = engine.refuse_compiled(cfg.model.name, where, cfg.trainer.compile, "trainer")
         trace = self.record_compile_error(f"compile check: {report}\n")
         log.warning("%s; training it eagerly (%s)", report, trace)
         self.run_eagerly()
