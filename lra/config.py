@@ -669,6 +669,13 @@ def task_mismatch(model: str, task: str) -> str | None:
     return None
 
 
+def has_causal_form(model: str) -> bool:
+    """Whether registered ``model`` decodes causally (its taxonomy's ``decode``) and its mixer has that form here
+    (``supports_causal``, models/base.py: a module outside ``MultiHeadMixer`` may not declare it)."""
+    cls = get_model_class(model)
+    return bool(cls.taxonomy.decode and getattr(cls, "supports_causal", False))
+
+
 def validate_pretrain(cfg: DictConfig) -> None:
     """``pretrain.*``: a masking rate in (0, 1) for mlm, a schedule of positive values, and for causal a model whose
     mixer has a causal form here (``supports_causal``: next-token targets through a bidirectional mixer would be
@@ -690,13 +697,10 @@ def validate_pretrain(cfg: DictConfig) -> None:
     if p.stop_at is not None and not 1 <= p.stop_at <= steps:
         raise ConfigError(f"pretrain.stop_at={p.stop_at} is not valid: a step from 1 to the {steps} pretraining "
                           f"steps, or null to run them all")
-    if p.objective == "causal":
-        model = get_model_class(cfg.model.name)
-        if not (model.taxonomy.decode and getattr(model, "supports_causal", False)):
-            able = [n for n in list_models()
-                    if get_model_class(n).taxonomy.decode and getattr(get_model_class(n), "supports_causal", False)]
-            raise ConfigError(f"pretrain=causal needs a causal mixer: model {cfg.model.name} has no causal form here "
-                              f"(models that have one: {', '.join(able)}); use pretrain=mlm")
+    if p.objective == "causal" and not has_causal_form(cfg.model.name):
+        able = [n for n in list_models() if has_causal_form(n)]
+        raise ConfigError(f"pretrain=causal needs a causal mixer: model {cfg.model.name} has no causal form here "
+                          f"(models that have one: {', '.join(able)}); use pretrain=mlm")
 
 
 def register_model_configs() -> None:
