@@ -259,12 +259,10 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     if b.steps < 1 or b.warmup < 0:
         raise ValueError(f"bench.steps must be >= 1 and bench.warmup >= 0, got {b.steps} and {b.warmup}")
     mode = b.get("compile_mode", "default")
-    if mode not in CHOICES["trainer.compile_mode"]:
-        raise ValueError(f"bench.compile_mode={mode!r} is not valid: choose one of "
-                         f"{', '.join(CHOICES['trainer.compile_mode'])}")
-    if b.compile_check not in CHOICES["trainer.compile_check"]:
-        raise ValueError(f"bench.compile_check={b.compile_check!r} is not valid: choose one of "
-                         f"{', '.join(CHOICES['trainer.compile_check'])}")
+    for key, value in (("compile_mode", mode), ("compile_check", b.compile_check)):  # the trainer's choices
+        allowed = CHOICES[f"trainer.{key}"]
+        if value not in allowed:
+            raise ValueError(f"bench.{key}={value!r} is not valid: choose one of {', '.join(allowed)}")
     engine.check_graph_warmup(mode, b.warmup, "bench.warmup")
     if b.get("attn_dropout", 0.0) is not None:  # one dropout setting for every mixer; the rows' backbone tag says which
         cfg = copy.deepcopy(cfg)
