@@ -203,7 +203,7 @@ def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -
 def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
             out: Path | None) -> dict:
     """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on. The row
-    is appended to ``out`` at once, so a sweep killed midway (a device call's time limit) keeps what it measured."""
+    is appended to ``out`` at once, so a sweep killed midway (a time limit, a signal) keeps what it measured."""
     row["timestamp"] = now_iso()
     leftover_mb = engine.release_leftovers(device)
     try:
