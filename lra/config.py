@@ -268,10 +268,8 @@ def execution_keys() -> list[str]:
     threads, without its progress bar, or past the step it stopped at, lands in its own folder again and resumes
     there."""
     keys = ["data.cache_dir"]
-    schema = {f.name: f for f in fields(RunConfig)}
     for name in NOT_HASHED:
-        section = schema[name].default_factory if name in schema and is_dataclass(schema[name].default_factory) \
-            else None
+        section = child_schema(RunConfig, name)
         keys += [name, *(f"{name}.{f.name}" for f in fields(section))] if section else [name]
     settings = sorted({key for name in list_models() for key in execution_settings(get_model_class(name))})
     return keys + [f"trainer.{name}" for name in NOT_HASHED_TRAINER] + [f"trainer.mixer.{key}" for key in settings] \
@@ -451,28 +449,35 @@ def not_a_setting(key: str, schema: type = RunConfig, prefix: str = "") -> str:
     return f"{prefix}{key} is not a setting of {where}: its keys are {', '.join(f.name for f in fields(schema))}"
 
 
+def child_schema(schema: type, name: str) -> type | None:
+    """The schema dataclass of the section ``name`` of ``schema`` (RunConfig's ``trainer`` -> TrainerConfig); None
+    where ``name`` is no such section (a plain value, a dict such as ``model``, whose keys are the model's, or a key
+    outside the schema)."""
+    spec = schema.__dataclass_fields__.get(name)
+    factory = spec.default_factory if spec is not None else None
+    sub = factory() if callable(factory) else None
+    return type(sub) if is_dataclass(sub) else None
+
+
 def section_schema(path: list[str]) -> type | None:
-    """The schema dataclass of the section at ``path`` (["trainer"] -> TrainerConfig); None where there is none
-    (``model``, whose keys are the model's, or a key outside the schema)."""
+    """The schema dataclass of the section at ``path`` (["trainer"] -> TrainerConfig); None where there is none."""
     schema = RunConfig
     for name in path:
-        child = schema.__dataclass_fields__[name].default_factory if name in schema.__dataclass_fields__ else None
-        sub = child() if callable(child) else None
-        if not is_dataclass(sub):
+        schema = child_schema(schema, name)
+        if schema is None:
             return None
-        schema = type(sub)
     return schema
 
 
 def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
     """Hydra's ``+key=value`` adds keys even to a typed node; refuse any key the schema does not have."""
-    known = {f.name: f.type for f in fields(schema)}
+    known = {f.name for f in fields(schema)}
     for key in node:
         if key not in known:
             raise ConfigError(not_a_setting(key, schema, prefix))
-        child = schema.__dataclass_fields__[key].default_factory
-        if isinstance(node[key], DictConfig) and callable(child) and is_dataclass(sub := child()):
-            unknown_keys(node[key], type(sub), f"{prefix}{key}.")
+        sub = child_schema(schema, key)
+        if isinstance(node[key], DictConfig) and sub is not None:
+            unknown_keys(node[key], sub, f"{prefix}{key}.")
 
 
 def chosen_model(argv: list[str]) -> str:
@@ -664,6 +669,13 @@ def task_mismatch(model: str, task: str) -> str | None:
     return None
 
 
+def has_causal_form(model: str) -> bool:
+    """Whether registered ``model`` decodes causally (its taxonomy's ``decode``) and its mixer has that form here
+    (``supports_causal``, models/base.py: a module outside ``MultiHeadMixer`` may not declare it)."""
+    cls = get_model_class(model)
+    return bool(cls.taxonomy.decode and getattr(cls, "supports_causal", False))
+
+
 def validate_pretrain(cfg: DictConfig) -> None:
     """``pretrain.*``: a masking rate in (0, 1) for mlm, a schedule of positive values, and for causal a model whose
     mixer has a causal form here (``supports_causal``: next-token targets through a bidirectional mixer would be
@@ -685,13 +697,10 @@ def validate_pretrain(cfg: DictConfig) -> None:
     if p.stop_at is not None and not 1 <= p.stop_at <= steps:
         raise ConfigError(f"pretrain.stop_at={p.stop_at} is not valid: a step from 1 to the {steps} pretraining "
                           f"steps, or null to run them all")
-    if p.objective == "causal":
-        model = get_model_class(cfg.model.name)
-        if not (model.taxonomy.decode and getattr(model, "supports_causal", False)):
-            able = [n for n in list_models()
-                    if get_model_class(n).taxonomy.decode and getattr(get_model_class(n), "supports_causal", False)]
-            raise ConfigError(f"pretrain=causal needs a causal mixer: model {cfg.model.name} has no causal form here "
-                              f"(models that have one: {', '.join(able)}); use pretrain=mlm")
+    if p.objective == "causal" and not has_causal_form(cfg.model.name):
+        able = [n for n in list_models() if has_causal_form(n)]
+        raise ConfigError(f"pretrain=causal needs a causal mixer: model {cfg.model.name} has no causal form here "
+                          f"(models that have one: {', '.join(able)}); use pretrain=mlm")
 
 
 def register_model_configs() -> None:

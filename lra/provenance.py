@@ -26,6 +26,12 @@ def is_stopped(status) -> bool:
     """Whether a row's ``status`` (any value, a missing one included) is that of a run ended early
     (``stopped_status``)."""
     return str(status).startswith(STOPPED)
+
+
+def error_status(error: BaseException) -> str:
+    """The status of a row whose run or bench case failed with ``error``: ``error: <type>: <first line>``, the
+    message's first line cut at 200 characters (the log keeps the whole traceback)."""
+    return f"error: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 # Keys added after runs were recorded (the backbone's, a mixer's options, the schedule's), with the values that
 # computed what those runs computed: at these values they are left out of the hash, so a run recorded or
 # checkpointed before they existed keeps its hash (it resumes, and a finished one is still recognised). Fixed

@@ -272,8 +272,8 @@ def scan(q, k, v, g, *, mode: str, chunk: int, scale: float = 1.0, reset: torch.
     """``mode`` "auto": fla on CUDA (the chunked form where fla's kernels are known to be wrong, and under torch's
     deterministic mode), ``chunked`` elsewhere; "fla": fla's kernels or an error saying why they cannot run here;
     "chunked" / "recurrent": that form anywhere. ``reset`` (B, N) bool: packed rows' example starts."""
-    if mode not in get_args(Scan):
-        raise ValueError(f"scan must be one of {', '.join(get_args(Scan))}, got {mode!r}")
+    if mode not in SCANS:
+        raise ValueError(f"scan must be one of {', '.join(SCANS)}, got {mode!r}")
     # fla's Triton kernels are outside what torch's deterministic mode (trainer.deterministic) checks or replaces
     deterministic = torch.are_deterministic_algorithms_enabled()
     if mode == "fla" and deterministic:

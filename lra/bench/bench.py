@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from lra.config import CHOICES, BenchRunConfig  # noqa: F401 - BenchRunConfig registers the bench schema
 from lra.data import get_task
+from lra.provenance import error_status
 from lra.report import plot
 from lra.report.results import (
     BENCH_COLUMNS,
@@ -205,9 +206,8 @@ def checked_compile(cfg: DictConfig, row: BenchRow, model: torch.nn.Module, toke
         log.info("%s at N=%d, compile check: %s", row.model, row.seq_len, note)
     if not check.rejected:
         return True
-    report = (f"torch.compile gives {row.model} other gradients than the eager model: {check.describe()}, on "
-              f"{len(labels[rows])} rows")
-    engine.refuse_compiled(report, cfg.bench.compile, "bench")
+    report = engine.refuse_compiled(row.model, f"{check.describe()}, on {len(labels[rows])} rows", cfg.bench.compile,
+                                    "bench")
     log.warning("%s at N=%d: %s; timing it eagerly", row.model, row.seq_len, report)
     row.compile_note = f"compile check: {check.describe()}"
     return False
@@ -259,12 +259,10 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
     if b.steps < 1 or b.warmup < 0:
         raise ValueError(f"bench.steps must be >= 1 and bench.warmup >= 0, got {b.steps} and {b.warmup}")
     mode = b.get("compile_mode", "default")
-    if mode not in CHOICES["trainer.compile_mode"]:
-        raise ValueError(f"bench.compile_mode={mode!r} is not valid: choose one of "
-                         f"{', '.join(CHOICES['trainer.compile_mode'])}")
-    if b.compile_check not in CHOICES["trainer.compile_check"]:
-        raise ValueError(f"bench.compile_check={b.compile_check!r} is not valid: choose one of "
-                         f"{', '.join(CHOICES['trainer.compile_check'])}")
+    for key, value in (("compile_mode", mode), ("compile_check", b.compile_check)):  # the trainer's choices
+        allowed = CHOICES[f"trainer.{key}"]
+        if value not in allowed:
+            raise ValueError(f"bench.{key}={value!r} is not valid: choose one of {', '.join(allowed)}")
     engine.check_graph_warmup(mode, b.warmup, "bench.warmup")
     if b.get("attn_dropout", 0.0) is not None:  # one dropout setting for every mixer; the rows' backbone tag says which
         cfg = copy.deepcopy(cfg)
@@ -300,9 +298,8 @@ def run_bench(cfg: DictConfig) -> pd.DataFrame:
         try:
             bench_case(cfg, name, row, device, precision, compile_, options)
         except Exception as exc:
-            first_line = (str(exc).splitlines() or [""])[0][:200]
             oom = is_oom(exc)
-            row.status = "oom" if oom else f"error: {type(exc).__name__}: {first_line}"
+            row.status = "oom" if oom else error_status(exc)
             if not oom:  # the row keeps one line; the log keeps the whole traceback
                 log.error("%s at N=%d failed", label, seq_len, exc_info=exc)
         if row.status != "ok":  # on CUDA the next case's release_leftovers also empties the allocator's cache

@@ -44,6 +44,7 @@ import yaml
 from lra.bench.bench import split_attributes, variant_cases
 from lra.bench.peers import BASELINE, D_MODEL, HEADS, MissingPeer, Peer, for_models
 from lra.config import CHOICES
+from lra.provenance import error_status
 from lra.report.results import LAYER_BENCH_COLUMNS, append_row, device_name, git_sha, now_iso, triton_version
 from lra.train import engine
 from models import create_model, list_models
@@ -202,7 +203,7 @@ def profile_folder(root: Path | None, implementation: str, n: int, batch: int) -
 def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
             out: Path | None) -> dict:
     """``row`` with the timing, or with why there is none: a failing case is a row and the sweep goes on. The row
-    is appended to ``out`` at once, so a sweep killed midway (a device call's time limit) keeps what it measured."""
+    is appended to ``out`` at once, so a sweep killed midway (a time limit, a signal) keeps what it measured."""
     row["timestamp"] = now_iso()
     leftover_mb = engine.release_leftovers(device)
     try:
@@ -218,7 +219,7 @@ def measure(row: dict, timer: Callable[[], Timing], device: torch.device,
     except MissingPeer as missing:
         row["status"] = str(missing)  # "missing: pip install 'lra[peers]' (or <dist>==<pin>; ...)"
     except Exception as error:  # noqa: BLE001 - e.g. sinkhorn-transformer under bf16 autocast
-        row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        row["status"] = error_status(error)
     print(f"{row['implementation']:45s} N {row['seq_len']:6d} B {row['batch_size']:3d}: {row['status']:5s} "
           f"{row.get('ms_fwd_bwd', float('nan')):8.2f} ms", flush=True)
     if out is not None:

@@ -138,11 +138,6 @@ def read_parquet(path: Path, how_to_get: str):
                         f"{(str(e).splitlines() or [''])[0][:200]}); {how_to_get}") from None
 
 
-def pad_truncate(ids: list[int], length: int) -> list[int]:
-    ids = ids[:length]
-    return ids + [0] * (length - len(ids))
-
-
 def encode_bytes(texts: Iterable[str | bytes], length: int, truncate_bytes: int | None = None) -> torch.Tensor:
     """LRA's ``ByteTextEncoder``: id = UTF-8 byte + 1 (0 stays pad), truncate/right-pad to ``length``."""
     texts = list(texts)

@@ -593,6 +593,16 @@ BENCH_NUMBERS = ("seq_len", "batch_size", "steps_per_s", "examples_per_s", "ms_p
 CONTRADICTS = 3.0
 
 
+def bench_numbers(bench: pd.DataFrame) -> pd.DataFrame:
+    """A copy of ``bench`` with its lengths, batches and measurements (``BENCH_NUMBERS``) as numbers, NaN where a
+    cell holds none."""
+    bench = bench.copy()
+    for column in BENCH_NUMBERS:
+        if column in bench:
+            bench[column] = pd.to_numeric(bench[column], errors="coerce")
+    return bench
+
+
 def contradicted_bench_rows(rows: pd.DataFrame) -> pd.Series:
     """Whether each of ``rows`` (ok bench rows) is contradicted by a later one: a row of the same model, length,
     batch and protocol (``BENCH_PROTOCOL``) on another card whose ``rel_speed`` is more than ``CONTRADICTS`` times
@@ -620,10 +630,7 @@ def latest_bench_rows(bench: pd.DataFrame) -> pd.DataFrame:
     the failure is reported apart). Lengths, batches and measurements as numbers."""
     from lra.report.results import BENCH_PROTOCOL, as_text  # as in contradicted_bench_rows
 
-    rows = bench.copy()
-    for column in BENCH_NUMBERS:
-        if column in rows:
-            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    rows = bench_numbers(bench)
     rows = rows[rows["status"].astype(str) == "ok"]
     if "timestamp" in rows:
         rows = rows.sort_values("timestamp", kind="stable")

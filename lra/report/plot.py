@@ -45,6 +45,7 @@ from lra.report.leaderboard import (
     PUBLISHED,
     TASKS5,
     average_replicates,
+    bench_numbers,
     cell_replicates,
     headline_bench_rows,
     latest_bench_rows,
@@ -60,7 +61,6 @@ matplotlib.rcParams["svg.hashsalt"] = "lra"  # SVG element ids from a fixed salt
 
 MARKERS = "os^Dv<>pPXh*"  # with the colours, tells a dozen lines apart in print
 
-NUMERIC = ["seq_len", "batch_size", "steps_per_s", "examples_per_s", "peak_mem_mb", "rel_speed", "rel_mem"]
 METRIC_LABELS = {"steps_per_s": "training steps/s", "examples_per_s": "training examples/s",
                  "peak_mem_mb": "peak memory per example (MB)", "rel_speed": "speed relative to transformer"}
 POINT_COLUMNS = ["model", "x", "y", "mem_gb"]
@@ -76,17 +76,9 @@ DODGE_STEP, DODGE_SPAN = 0.05, 0.3  # octaves between side-by-side series, and a
 # Reading the CSVs
 
 
-def _numeric(bench: pd.DataFrame) -> pd.DataFrame:
-    bench = bench.copy()
-    for c in NUMERIC:
-        if c in bench:
-            bench[c] = pd.to_numeric(bench[c], errors="coerce")
-    return bench
-
-
 def _on_device(bench: pd.DataFrame, device: str | None) -> pd.DataFrame:
     """Numeric rows of one device, oldest first (rows are appended, never edited: the last one is the latest)."""
-    bench = _numeric(bench)
+    bench = bench_numbers(bench)
     bench = bench[bench["device"].astype(str) == pick_device(bench, device)]
     return bench.sort_values("timestamp", kind="stable") if "timestamp" in bench else bench
 
@@ -95,7 +87,7 @@ def _ok_rows(bench: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
     """Each model's latest ok row per shape and protocol on one device (``latest_bench_rows`` over every card, as the
     bench table reads them: a superseded or contradicted row is not drawn), oldest first."""
     rows = latest_bench_rows(bench)
-    return rows[rows["device"].astype(str) == pick_device(_numeric(bench), device)]
+    return rows[rows["device"].astype(str) == pick_device(bench, device)]
 
 
 def length_label(n: int) -> str:
@@ -222,7 +214,7 @@ def bubble_card(bench: pd.DataFrame, scores: pd.Series, length: int) -> str:
     one with the latest row. A card that timed more models over all lengths and protocols (``pick_device``) can
     still draw fewer: its rows at this length may predate the newer models, or be split between an eager and a
     compiled sweep."""
-    bench = _numeric(bench)
+    bench = bench_numbers(bench)
     default = pick_device(bench)
     ok = bench[bench["status"].astype(str) == "ok"]
     latest = ok.groupby(ok["device"].astype(str))["timestamp"].max().astype(str) if "timestamp" in ok else {}

@@ -215,9 +215,11 @@ def loss_gradients(model: torch.nn.Module, fn, inputs: tuple[torch.Tensor, ...],
 
 
 def _widen(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 (complex128 where complex): a model, its inputs and its gradients widened for the compile
+    check's reference; ids and masks as they are."""
     if t.is_complex():
         return t.to(torch.complex128)
-    return t.double() if t.is_floating_point() else t  # ids and masks as they are
+    return t.double() if t.is_floating_point() else t
 
 
 def float64_gradients(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels,
@@ -240,19 +242,15 @@ def float64_gradients(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], 
     return grads
 
 
-def _as64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.complex128 if t.is_complex() else torch.float64)
-
-
 def relative_errors(grads: dict, reference: dict, names) -> dict[str, float]:
     """|g - g_ref| / |g_ref| for each of ``names`` (a gradient missing from either is zero), |g_ref| floored at 1e-3
     of the largest reference gradient's (a gradient near 0 is all rounding); in float64; inf where not finite."""
-    sizes = {n: _as64(reference[n]).norm().item() if n in reference else 0.0 for n in names}
+    sizes = {n: _widen(reference[n]).norm().item() if n in reference else 0.0 for n in names}
     floor = max(1e-3 * max(sizes.values(), default=0.0), torch.finfo(torch.float64).tiny)
     errors = {}
     for n in names:
         g, ref = grads.get(n), reference.get(n)
-        diff = (_as64(g) if g is not None else 0.0) - (_as64(ref) if ref is not None else 0.0)
+        diff = (_widen(g) if g is not None else 0.0) - (_widen(ref) if ref is not None else 0.0)
         error = torch.as_tensor(diff).norm().item() / max(sizes[n], floor)
         errors[n] = error if math.isfinite(error) else math.inf
     return errors
@@ -307,13 +305,16 @@ def compile_check_due(setting: str, compiled: bool, device: torch.device) -> boo
     return compiled and (setting == "true" or (setting == "auto" and device.type == "cuda"))
 
 
-def refuse_compiled(report: str, compile_setting: str, section: str) -> None:
-    """What a check that rejected a compiled model decides (the runner's and the bench's one rule): with
-    ``<section>.compile=auto`` the model runs eagerly (this returns); asked for explicitly, compiling was the user's
-    choice, and the finding is an error with the ways out."""
+def refuse_compiled(model: str, where: str, compile_setting: str, section: str) -> str:
+    """What a check that rejected ``model``'s compiled form decides (the runner's and the bench's one rule), with the
+    finding in a line, ``where`` saying what the check found on what: with ``<section>.compile=auto`` the model runs
+    eagerly (this returns the line, for the log); asked for explicitly, compiling was the user's choice, and the
+    finding is an error with the ways out."""
+    report = f"torch.compile gives {model} other gradients than the eager model: {where}"
     if str(compile_setting).lower() != "auto":
         raise RuntimeError(f"{report}. {section}.compile=auto runs it eagerly instead; {section}.compile_check=false "
                            f"runs it compiled regardless")
+    return report
 
 
 def is_compile_error(error: BaseException) -> bool:

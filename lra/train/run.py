@@ -43,7 +43,7 @@ from lra.config import eval_batch_size, mixer_settings, model_options, sweep_fol
 from lra.data import BatchOrder, Split, TaskData, load_task
 from lra.errors import EXIT_INTERRUPTED, ConfigError
 from lra.io import atomic_save
-from lra.provenance import PARTIAL_PRESETS, config_hash, departures, is_stopped, stopped_status
+from lra.provenance import PARTIAL_PRESETS, config_hash, departures, error_status, is_stopped, stopped_status
 from lra.report import baseline
 from lra.report.results import (
     PRETRAIN_CURVE_COLUMNS,
@@ -340,7 +340,7 @@ class Trainer:
                                   f"run it with trainer.deterministic=false, or with another trainer.mixer setting "
                                   f"or model option that avoids the op") from e
             log.exception("%s/%s failed", cfg.task.name, cfg.model.name)  # the traceback, in the run's own log
-            self.record(f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            self.record(error_status(e))
             raise
         if status != "ok" and not is_stopped(status):  # diverged: no accuracies
             return self.record(status)
@@ -706,8 +706,7 @@ class Trainer:
                 log.info("compile check: the compiled gradients are the model's (%s)", check.describe())
             return
         where = f"{check.describe()}, on {len(rows)} training rows" if check.rejected else "on another rank"
-        report = f"torch.compile gives {cfg.model.name} other gradients than the eager model: {where}"
-        engine.refuse_compiled(report, cfg.trainer.compile, "trainer")
+        report = engine.refuse_compiled(cfg.model.name, where, cfg.trainer.compile, "trainer")
         trace = self.record_compile_error(f"compile check: {report}\n")
         log.warning("%s; training it eagerly (%s)", report, trace)
         self.run_eagerly()
