@@ -24,6 +24,11 @@ EXIT_INTERRUPTED = 75  # a run stopped by a signal; its checkpoint is saved (EX_
 FULL_ERROR = "LRA_FULL_ERROR"
 
 
+def first_line(error: BaseException, width: int = 200) -> str:
+    """The first line of ``error``'s message, cut at ``width`` characters; empty for an error without a message."""
+    return (str(error).splitlines() or [""])[0][:width]
+
+
 def wants_tracebacks() -> bool:
     """Whether the user asked for whole tracebacks rather than one line (``HYDRA_FULL_ERROR=1``)."""
     return os.environ.get(FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "")) == "1"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from lra.errors import first_line
+
 # Settings that change where or how a run executes, not what it computes; the trainer's too, except precision.
 NOT_HASHED = ("run_dir", "results", "resume", "device", "hydra", "logger", "sweep", "protocol")
 NOT_HASHED_TRAINER = ("compile", "compile_mode", "compile_check", "mixer_backend", "mixer", "pack", "trim", "devices",
@@ -31,7 +33,9 @@ def is_stopped(status) -> bool:
 def error_status(error: BaseException) -> str:
     """The status of a row whose run or bench case failed with ``error``: ``error: <type>: <first line>``, the
     message's first line cut at 200 characters (the log keeps the whole traceback)."""
-    return f"error: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    return f"error: {type(error).__name__}: {first_line(error)}"
+
+
 # Keys added after runs were recorded (the backbone's, a mixer's options, the schedule's), with the values that
 # computed what those runs computed: at these values they are left out of the hash, so a run recorded or
 # checkpointed before they existed keeps its hash (it resumes, and a finished one is still recognised). Fixed

@@ -184,3 +184,13 @@ def test_the_bench_help_names_the_bench(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.startswith("python -m lra.bench: LRA Table 2's speed and memory sweep")
     assert "powered by Hydra" not in out
+
+
+def test_an_error_without_a_message_still_gets_its_one_line():
+    """A row's status and the logs' one line from an exception with an empty message (str(e) == ""): the type and
+    nothing after it, never an IndexError raised while recording the failure."""
+    from lra.errors import first_line
+    from lra.provenance import error_status
+
+    assert first_line(RuntimeError()) == "" and first_line(ValueError("a\nb"), 1) == "a"
+    assert error_status(KeyError()) == "error: KeyError: "

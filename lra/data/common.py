@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lra.errors import DataError
+from lra.errors import DataError, first_line
 from lra.io import atomic_save, atomic_write_text, file_sha256, lock_for
 
 log = logging.getLogger("lra.data")
@@ -135,7 +135,7 @@ def read_parquet(path: Path, how_to_get: str):
         return pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - a missing, unreadable or non-parquet file: one line saying which
         raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0][:200]}); {how_to_get}") from None
+                        f"{first_line(e)}); {how_to_get}") from None
 
 
 def encode_bytes(texts: Iterable[str | bytes], length: int, truncate_bytes: int | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from filelock import FileLock, Timeout
 
-from lra.errors import ConfigError
+from lra.errors import ConfigError, first_line
 from lra.io import atomic_save, atomic_write_text
 
 log = logging.getLogger("lra")
@@ -63,7 +63,7 @@ def why_unreadable(error: Exception) -> str:
         what = after[0].split(". ")[0] if after else "an object it does not read"
         return (f"torch's weights-only loader refused it: {what}; it reads tensors and plain containers only, never "
                 f"code from a file")
-    first = (text.splitlines() or [""])[0][:200]
+    first = first_line(error)
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 

@@ -22,7 +22,7 @@ import torch._functorch.config
 import torch._inductor.config
 import torch.nn.functional as F
 
-from lra.errors import ConfigError
+from lra.errors import ConfigError, first_line
 from lra.train.encoder import Classifier, build_classifier
 from models import get_model_class
 from models.base import checked_setting
@@ -323,7 +323,7 @@ def is_compile_error(error: BaseException) -> bool:
 
 
 def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+    return f"{type(error).__name__}: {first_line(error, 160)}"
 
 
 def compiled_gradient_check(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels, bf16=None,

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from lra.config import eval_batch_size, mixer_settings, model_options, sweep_folder, validate
 from lra.data import BatchOrder, Split, TaskData, load_task
-from lra.errors import EXIT_INTERRUPTED, ConfigError
+from lra.errors import EXIT_INTERRUPTED, ConfigError, first_line
 from lra.io import atomic_save
 from lra.provenance import PARTIAL_PRESETS, config_hash, departures, error_status, is_stopped, stopped_status
 from lra.report import baseline
@@ -330,7 +330,7 @@ class Trainer:
             self.build(checkpoint, pretrained)
             status = self.train()
         except torch.cuda.OutOfMemoryError as e:
-            return self.record("oom", detail=str(e).splitlines()[0][:200])
+            return self.record("oom", detail=first_line(e))
         except (RunInterrupted, ConfigError):
             raise
         except Exception as e:
@@ -652,7 +652,7 @@ class Trainer:
             trace = self.record_compile_error(f"torch.compile failed in {part}:\n"
                                               + "".join(traceback.format_exception(error)))
             log.warning("torch.compile failed for %s in %s (%s: %s); running %s eagerly (traceback: %s)",
-                        cfg.model.name, part, type(error).__name__, str(error).splitlines()[0][:200],
+                        cfg.model.name, part, type(error).__name__, first_line(error),
                         "evaluation" if evaluation else "it", trace)
         if evaluation:
             self.eval_fn = self.model
