@@ -190,7 +190,7 @@ def test_peers_times_ours_and_the_packages_with_one_loop(tmp_path, monkeypatch, 
     rows = pd.read_csv(out)
     assert list(rows.columns) == OLD_HEADER.split(",") + ["implementation", "package", "pin", "compiled", "ms_p10",
                                                           "ms_p90", "compile_mode", "triton",
-                                                          "compile_note"]  # at the end
+                                                          "compile_note", "width"]  # at the end
     assert rows.implementation.isna().tolist() == [True, False, False, False, False]  # the old row is kept
     assert rows.triton.fillna("").astype(str).tolist() == [""] + [results.triton_version()] * 4
     new = rows.iloc[1:].set_index("implementation")
@@ -448,6 +448,35 @@ def test_a_variant_may_time_the_training_path_with_attention_dropout(monkeypatch
     layer_bench.time_layer("etc", 64, 2, torch.device("cpu"), options={"dropout": 0.1})
     layer_bench.time_layer("etc", 64, 2, torch.device("cpu"))
     assert [m.dropout_p for m in built] == [0.1, 0.0]  # both in training mode
+
+
+def test_width_times_our_mixers_at_a_tasks_backbone_and_the_rows_say_so(tmp_path, monkeypatch, capsys):
+    """--width 32x4x16 builds our mixers at Pathfinder's backbone (heads of 4) and fills the rows' ``width``; the
+    protocol's width leaves it blank; the packages are built at the protocol's width only, so --peers is refused
+    with another; the taxonomy's exponents read protocol rows alone."""
+    from lra.report import taxonomy
+
+    built, create = [], layer_bench.create_model
+    monkeypatch.setattr(layer_bench, "create_model", lambda *a, **k: built.append(k) or create(*a, **k))
+    out = tmp_path / "layers.csv"
+    args = ["--models", "transformer", "--shapes", "64x2", "--warmup", "0", "--steps", "1", "--device", "cpu",
+            "--out", str(out)]
+    layer_bench.main([*args, "--width", "32x4x16", "--variants", "transformer:dropout=0.1"])
+    layer_bench.main(args)
+    assert [(k["d_model"], k["n_heads"], k["d_qkv"]) for k in built] == [(32, 4, 16)] * 2 + [(256, 4, 256)]
+    rows = pd.read_csv(out)
+    assert rows.width.fillna("").tolist() == ["32x4x16", "32x4x16", ""] and (rows.status == "ok").all()
+    assert "Our layers at width 32x4x16" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        layer_bench.main([*args, "--width", "32x4x16", "--peers"])
+    assert "--peers times the public packages at the protocol's width" in capsys.readouterr().err
+    for bad, why in (("32x4", "is not D_MODELxHEADSxD_QKV"), ("32x3x16", "a multiple of the heads"),
+                     ("axbxc", "is not D_MODELxHEADSxD_QKV")):
+        with pytest.raises(SystemExit) as exit_:
+            layer_bench.main([*args, "--width", bad])
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
+    rows = rows.assign(compiled=True)
+    assert taxonomy.layer_rows(rows).width.fillna("").tolist() == [""]
 
 
 @pytest.mark.gpu

@@ -27,6 +27,12 @@ and rows say ``compile_mode``): ``reduce-overhead`` replays each layer's graphs 
 whose small kernels leave the GPU waiting on their launches (at batch 8, say) by its device time, as a run with
 that mode trains. ``--out`` appends rows (device, torch, commit, implementation) to a CSV. 2-D mixers run at square
 lengths only (their grid is the square).
+``--width DxHxQ`` times our mixers at another width than the protocol's (d_model D, H heads, d_qkv Q; a task's
+backbone, e.g. Pathfinder's 32x4x16: heads of 4), the rows saying ``width``; the public packages are built at the
+protocol's width only, so ``--peers`` is refused with it, and the taxonomy's exponents read protocol rows alone.
+
+    python -m lra.layer_bench --models transformer --width 32x4x16 --shapes 1024x512 \
+        --variants 'transformer:backend=small_head;transformer:dropout=0.1;transformer:backend=small_head,dropout=0.1'
 """
 from __future__ import annotations
 
@@ -53,6 +59,31 @@ from models.registry import Grid
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(1024, 32), (4096, 32), (16384, 8)]  # (N, batch)
 COLUMNS = LAYER_BENCH_COLUMNS
+
+
+class Width(NamedTuple):
+    """A layer's width: model width, heads and the width of q, k and v (heads of d_qkv / n_heads)."""
+    d_model: int
+    n_heads: int
+    d_qkv: int
+
+    def label(self) -> str:
+        """The rows' ``width``: blank at the protocol's (``PROTOCOL_WIDTH``), else "DxHxQ"."""
+        return "" if self == PROTOCOL_WIDTH else f"{self.d_model}x{self.n_heads}x{self.d_qkv}"
+
+
+PROTOCOL_WIDTH = Width(D_MODEL, HEADS, D_MODEL)  # d 256, 4 heads of 64, as the public packages are built
+
+
+def parse_width(spec: str) -> Width:
+    """'32x4x16' -> Width(32, 4, 16); for anything else, argparse's error (usage, exit code 2) naming the form."""
+    try:
+        width = Width(*(int(v) for v in spec.lower().split("x")))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{spec!r} is not D_MODELxHEADSxD_QKV, e.g. 32x4x16") from None
+    if min(width) < 1 or width.d_qkv % width.n_heads:
+        raise argparse.ArgumentTypeError(f"{spec}: widths must be >= 1 and d_qkv a multiple of the heads")
+    return width
 
 
 class Timing(NamedTuple):
@@ -105,7 +136,7 @@ def checked_compile(layer: torch.nn.Module, x: torch.Tensor, device: torch.devic
 def time_forward(layer: torch.nn.Module, n: int, batch: int, device: torch.device,
                  warmup: int = 3, steps: int = 20, compile_layer: bool = False,
                  profile_dir: Path | None = None, compile_mode: str = "default", parameters=(),
-                 compile_check: bool = False) -> Timing:
+                 compile_check: bool = False, d_model: int = D_MODEL) -> Timing:
     """The ``Timing`` of ``layer``'s forward + backward on a (batch, n, D) input,
     through ``torch.compile`` with ``compile_layer``, unless ``compile_check`` is set and the compile check rejects
     the compiled layer (``checked_compile``; then eagerly, the Timing saying why), (compiled during the warm-up, in
@@ -118,7 +149,7 @@ def time_forward(layer: torch.nn.Module, n: int, batch: int, device: torch.devic
     and our own functions by host time) and trace go there; the timing does not include them. The peak is the timed
     calls', or under CUDA graphs the warm-up's and theirs: a replay allocates nothing, its memory is the graphs' pool,
     allocated when they were recorded (the timed calls' peak alone would be the inputs' and the weights')."""
-    x = torch.randn(batch, n, D_MODEL, device=device, requires_grad=True)  # (B, N, D)
+    x = torch.randn(batch, n, d_model, device=device, requires_grad=True)  # (B, N, D)
     note = checked_compile(layer, x, device) if compile_layer and compile_check else None
     compile_layer = compile_layer and note is None
     if compile_layer:  # a fresh, static graph per row, as a training run (one shape) compiles: otherwise the cache
@@ -163,14 +194,16 @@ def time_forward(layer: torch.nn.Module, n: int, batch: int, device: torch.devic
 
 def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int = 3, steps: int = 20,
                options: dict | None = None, compile_layer: bool = False,
-               profile_dir: Path | None = None, compile_mode: str = "default", compile_check: bool = False) -> Timing:
-    """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n). Attention
-    dropout is 0 unless ``options`` names one (``dropout``: a variant that times the training path with it)."""
+               profile_dir: Path | None = None, compile_mode: str = "default", compile_check: bool = False,
+               width: Width = PROTOCOL_WIDTH) -> Timing:
+    """``time_forward`` of our mixer ``name`` (registry options, overridden by ``options``) at (batch, n) and
+    ``width``. Attention dropout is 0 unless ``options`` names one (``dropout``: a variant that times the training
+    path with it)."""
     torch.manual_seed(0)
     options, attributes = split_attributes(name, options)  # backend, scan, ...: how it runs, set once built
     dropout = options.pop("dropout", 0.0)
-    mixer = create_model(name, d_model=D_MODEL, n_heads=HEADS, d_qkv=D_MODEL, dropout=dropout, max_len=n,
-                         **options).to(device).train()
+    mixer = create_model(name, d_model=width.d_model, n_heads=width.n_heads, d_qkv=width.d_qkv, dropout=dropout,
+                         max_len=n, **options).to(device).train()
     engine.set_mixer_attributes(mixer, name, attributes)
     mask = None if getattr(mixer, "accepts_no_mask", False) else torch.ones(batch, n, dtype=torch.bool, device=device)
     extra = {}
@@ -180,7 +213,7 @@ def time_layer(name: str, n: int, batch: int, device: torch.device, warmup: int 
             raise ValueError(f"{name} attends over a 2-D grid: time it at square lengths")
         extra["grid"] = Grid(side, side)
     return time_forward(MixerCall(mixer, mask, extra), n, batch, device, warmup, steps, compile_layer,
-                        profile_dir, compile_mode, list(mixer.parameters()), compile_check)
+                        profile_dir, compile_mode, list(mixer.parameters()), compile_check, width.d_model)
 
 
 def time_peer(peer: Peer, n: int, batch: int, device: torch.device, warmup: int = 3,
@@ -318,11 +351,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--compile-check", choices=CHOICES["trainer.compile_check"], default="auto",
                         help="before a layer is timed compiled, its compiled gradients against float64's, as the "
                              "runner checks (auto: on CUDA); a layer it rejects is timed eagerly, its row saying why")
+    parser.add_argument("--width", type=parse_width, default=PROTOCOL_WIDTH, metavar="DxHxQ",
+                        help="our mixers at this d_model x heads x d_qkv (e.g. Pathfinder's 32x4x16) instead of the "
+                             "protocol's 256x4x256; not with --peers")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="after each row's timing, profile as many calls into DIR/<implementation>_<N>x<B>/ "
                              "(profile.txt: kernels by device time, operators and functions by host time)")
     args = parser.parse_args(argv)
     args.compile = args.compile or args.compile_mode is not None
+    if args.peers and args.width != PROTOCOL_WIDTH:
+        parser.error("--peers times the public packages at the protocol's width (256x4x256) only; drop --width, or "
+                     "time the SDPA path as our transformer at that width (--models transformer)")
     mode = args.compile_mode or "default"
     try:
         engine.check_graph_warmup(mode, args.warmup, "--warmup")  # mode: "default" unless --compile-mode
@@ -335,13 +374,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),
                   torch=torch.__version__, triton=triton_version(), git_sha=git_sha(), compiled=args.compile,
-                  compile_mode=engine.recorded_compile_mode(args.compile, mode))
+                  compile_mode=engine.recorded_compile_mode(args.compile, mode), width=args.width.label())
     cases = [(name, name, {}) for name in models] + parse_variants(args.variants)
     ours, theirs = [], []
     for n, batch in shapes:  # shape by shape, so ours and the packages at one shape are timed minutes apart at most
         ours += [measure(dict(common, model=name, seq_len=n, batch_size=batch, implementation=f"lra {label}"),
                          lambda: time_layer(name, n, batch, device, args.warmup, args.steps, options, args.compile,
-                                            profile_folder(args.profile, f"lra {label}", n, batch), mode, check),
+                                            profile_folder(args.profile, f"lra {label}", n, batch), mode, check,
+                                            args.width),
                          device, args.out)
                  for label, name, options in cases]
         theirs += [measure(dict(common, model=peer.model, seq_len=n, batch_size=batch, **peer.provenance()),
@@ -350,6 +390,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                            device, args.out)
                    for peer in (for_models(models) if args.peers else [])]
     ours, theirs = frame(ours), frame(theirs)
+    if args.width != PROTOCOL_WIDTH:  # no package was timed at this width: ours alone
+        print_table(ours[["implementation", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb"]],
+                    f"Our layers at width {args.width.label()} (d_model x heads x d_qkv) on {common['device']}.")
+        return ours
     if not args.peers:
         table = versus_public(ours[ours["status"] == "ok"], stored_peers())
         print_table(table, "Public packages: STORED numbers (results/published.csv, source peers_h200_layer: the card "

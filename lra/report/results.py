@@ -120,7 +120,7 @@ BENCH_COLUMNS = [f.name for f in fields(BenchRow)]
 # layer asked to compile ran eagerly (the compile check's finding; blank otherwise and in older rows)
 LAYER_BENCH_COLUMNS = ["model", "seq_len", "batch_size", "status", "ms_fwd_bwd", "peak_mb", "precision", "device",
                        "torch", "git_sha", "timestamp", "implementation", "package", "pin", "compiled", "ms_p10",
-                       "ms_p90", "compile_mode", "triton", "compile_note"]
+                       "ms_p90", "compile_mode", "triton", "compile_note", "width"]
 SCHEMAS = {"runs.csv": RUN_COLUMNS, "bench.csv": BENCH_COLUMNS, "layer_bench.csv": LAYER_BENCH_COLUMNS}
 # What a bench row's speed depends on besides the model, the length, the batch and the device: rows that differ in any
 # of these were timed under different protocols (say, the whole model eager with attention dropout, or compiled

@@ -139,13 +139,14 @@ def measured_exponents(rows: pd.DataFrame | None, device: str | None = None,
 
 def layer_rows(layer: pd.DataFrame | None) -> pd.DataFrame | None:
     """The rows of ``layer_bench.csv`` that time a registered model's own layer as lra trains it: ``lra <model>``
-    (no variant's options, no public package, not SDPA alone), through torch.compile in its default mode."""
+    (no variant's options, no public package, not SDPA alone), through torch.compile in its default mode, at the
+    protocol's width (``width`` blank)."""
     if layer is None or layer.empty:
         return layer
     ours = layer["implementation"].astype(str) == "lra " + layer["model"].astype(str)
     compiled = layer["compiled"].astype(str).str.lower().eq("true")
-    default_mode = as_text(layer, ("compile_mode",))["compile_mode"].eq("")
-    return layer[ours & compiled & default_mode]
+    text = as_text(layer, ("compile_mode", "width"))
+    return layer[ours & compiled & text["compile_mode"].eq("") & text["width"].eq("")]
 
 
 def lra_averages(leaderboard: pd.DataFrame | None) -> dict[str, str]:
