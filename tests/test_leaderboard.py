@@ -389,3 +389,20 @@ def test_a_task_a_model_cannot_take_is_named_not_blank():
     line = next(line for line in leaderboard.format_leaderboard(lb).splitlines() if line.startswith("axial "))
     assert [c.strip() for c in line.split(leaderboard.CELL_SEPARATOR)][1:4] == ["n/a"] * 3
     assert "| `axial` | n/a (2-D mixer) | n/a (2-D mixer) | **44.00** (1 seed) |" in leaderboard.readme_table(lb)
+
+
+def test_a_self_pretrained_cell_shows_its_gain_over_the_same_preset_from_scratch():
+    """pretrain_gain: a <preset>+pretrain_<objective> cell's test accuracy less the same model and task from scratch
+    under <preset> (averages too), NaN elsewhere and where no scratch cell is selected; the console says it."""
+    rows = [run("listops", "transformer", s, 40.0, acc, experiment="trainable") for s, acc in enumerate([36, 38, 37])]
+    rows += [dict(run("listops", "transformer", s, 50.0, acc, experiment="trainable"), pretrain="mlm")
+             for s, acc in enumerate([45, 47, 46])]
+    rows += [dict(run("image", "transformer", 0, 60.0, 60.0, experiment="trainable"), pretrain="mlm")]  # no scratch
+    lb = leaderboard.build_leaderboard(pd.DataFrame(rows), experiment="all")
+    cells = lb.set_index(["experiment", "task"])
+    assert cells.loc[("trainable+pretrain_mlm", "listops"), "pretrain_gain"] == pytest.approx(9.0)
+    assert pd.isna(cells.loc[("trainable+pretrain_mlm", "image"), "pretrain_gain"])
+    assert pd.isna(cells.loc[("trainable", "listops"), "pretrain_gain"])
+    assert "46.00 +-1.00 [3] (+9.00 vs scratch)" in leaderboard.format_leaderboard(lb)
+    alone = leaderboard.build_leaderboard(pd.DataFrame(rows), experiment="trainable+pretrain_mlm")
+    assert alone["pretrain_gain"].isna().all()  # the scratch cells were not selected

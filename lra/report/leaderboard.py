@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -80,7 +81,7 @@ DEFAULT_RESULTS = os.environ.get("LRA_RESULTS_DIR", "outputs/results")
 LEADERBOARD_COLUMNS = ["experiment", "model", "task", "test_acc", "test_std", "n_seeds", "rerun_std", "n_reruns",
                        "n_failed", "n_stalled",
                        "stall_baseline", "val_acc", "final_test_acc", "final_test_std", "headline", "published", "diff",
-                       *rank.RANK_COLUMNS, "note"]
+                       "pretrain_gain", *rank.RANK_COLUMNS, "note"]
 PRIOR_COLUMNS = ["val_majority", "val_baseline"]  # what a run that learned nothing scores
 ACC_COLUMNS = ["val_acc", "test_acc", "final_val_acc", "final_test_acc", *PRIOR_COLUMNS]
 AVG_NOTES = {"avg4": "4-task mean (ListOps, Text, Image, Pathfinder): LRA's five without Retrieval",
@@ -363,14 +364,34 @@ def build_leaderboard(runs: pd.DataFrame, published: pd.DataFrame | None = None,
         lb.at[i, "diff"] = None if value is None or pd.isna(r["test_acc"]) else r["test_acc"] - value
         if value is None and note.startswith("FAIL"):
             lb.at[i, "note"] = "; ".join(x for x in (r["note"], "LRA Table 1: FAIL") if x)
+    lb["pretrain_gain"] = pretrain_gains(lb)
     lb = add_ranks(lb, runs[runs["best"]])
     for c in ["test_acc", "test_std", "rerun_std", "stall_baseline", "val_acc", "final_test_acc", "final_test_std",
-              "published", "diff", "test_lo", "test_hi", "p_best"]:
+              "published", "diff", "pretrain_gain", "test_lo", "test_hi", "p_best"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce")
     for c in ["n_seeds", "n_reruns", "n_failed", "n_stalled", "rank", "rank_lo", "rank_hi"]:
         lb[c] = pd.to_numeric(lb[c], errors="coerce").astype("Int64")
     lb["best_group"] = lb["best_group"].astype("boolean")
     return sort_leaderboard(lb)
+
+
+PRETRAINED = re.compile(r"^(?P<scratch>.+)\+pretrain_(?:mlm|causal)$")  # a self-pretrained cell's experiment
+
+
+def pretrain_gains(lb: pd.DataFrame) -> pd.Series:
+    """What self-pretraining adds: for a cell of ``<preset>+pretrain_<objective>``, its test accuracy less that of
+    the same model and task under ``<preset>`` from scratch (averages too); NaN for every other cell and where the
+    leaderboard holds no such scratch cell (``--experiment`` must select both)."""
+    scratch = lb.set_index(["experiment", "model", "task"])["test_acc"]
+    scratch = scratch[~scratch.index.duplicated()]
+
+    def gain(experiment: str, model: str, task: str, acc) -> float:
+        match = PRETRAINED.match(str(experiment))
+        base = scratch.get((match["scratch"], model, task)) if match else None
+        return float("nan") if base is None or pd.isna(base) or pd.isna(acc) else float(acc) - float(base)
+
+    return pd.Series([gain(*r) for r in zip(lb["experiment"], lb["model"], lb["task"], lb["test_acc"])],
+                     index=lb.index, dtype=float)
 
 
 def cell_replicates(best: pd.DataFrame) -> dict[tuple[str, str, str], np.ndarray]:
@@ -471,6 +492,8 @@ def format_cell(r) -> str:
         fields.append(f"[{int(r['n_seeds'])}]")
     if pd.notna(r["diff"]):
         fields.append(f"({r['diff']:+.2f})")
+    elif pd.notna(r.get("pretrain_gain")):
+        fields.append(f"({r['pretrain_gain']:+.2f} vs scratch)")
     elif str(r["note"]).startswith("FAIL"):
         fields.append("FAIL")
     if pd.notna(r["n_failed"]) and r["n_failed"]:
@@ -492,8 +515,8 @@ def format_leaderboard(lb: pd.DataFrame) -> str:
     cells = lb.set_index(["experiment", "model", "task"])
     texts = {key: format_cell(r.to_dict() | {"task": key[2]}) for key, r in cells.iterrows()}
     column = max(12, *map(len, texts.values()), *map(len, tasks))
-    lines = ["test accuracy %: mean +-std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper); "
-             "!n failed runs, ~n stalled",
+    lines = ["test accuracy %: mean +-std over seeds [n seeds] (diff vs LRA Table 1, or for a recipe vs its paper, "
+             "or for a self-pretrained run vs its preset from scratch); !n failed runs, ~n stalled",
              CELL_SEPARATOR.join(["model".ljust(width), *(t.rjust(column) for t in tasks)])]
     for key, label in labels.items():
         out = [texts.get((*key, t), "-") for t in tasks]
