@@ -340,6 +340,12 @@ def sweep_folder(name: str | None) -> str:
 
 OmegaConf.register_new_resolver("lra.sweep_folder", sweep_folder, replace=True)
 OmegaConf.register_new_resolver("lra.unnamed_keys", unnamed_keys, replace=True)
+# Hydra 1.3 deep-copies its config repository for every composition (CachingConfigRepository), and with it the
+# ConfigStore singleton holding every registered schema (the run's, the bench's, each model's): most of a command's
+# start, and of --help, which composes once per config group. The copy protects nothing, since the store's load()
+# hands out a deep copy of the node it serves; so a copy of the store is the store (later Hydra refetches the
+# singleton instead of copying it: facebookresearch/hydra pull request 2928).
+ConfigStore.__deepcopy__ = lambda self, memo: self
 ConfigStore.instance().store(name="lra_schema", node=RunConfig)
 
 TASK_NAMES = tuple(sorted(p.stem for p in (Path(__file__).parent / "conf" / "task").glob("*.yaml")))

@@ -233,6 +233,7 @@ def test_a_launcher_without_its_extra_names_the_extra(monkeypatch):
     lra.config.check_launcher(["-m", "hydra/launcher=local", "model=transformer"])  # Hydra's own: nothing to check
 
 
+@pytest.mark.heavy  # CI's second tier: a fresh interpreter per launcher
 @pytest.mark.parametrize("missing, kept, gone", [("hydra_submitit_launcher", "gpus", "slurm"),
                                                   ("hydra_joblib_launcher", "slurm", "gpus")])
 def test_each_launcher_needs_only_its_own_plugin(missing, kept, gone):
@@ -358,3 +359,22 @@ def test_a_setting_of_how_a_mixer_runs_leaves_the_hash_and_its_old_option_says_w
     assert hash_of([f"model={model}", f"+trainer.mixer.{key}={other}"]) == HASH_AT_DEFAULTS[model]
     with pytest.raises(ConfigError, match=rf"model.{key} is how {model} runs.*\+trainer.mixer.{key}="):
         validate(compose_cfg([f"model={model}", f"+model.{key}={other}", "run_dir=x"]))
+
+
+def test_a_composition_shares_the_config_store_and_hands_out_its_own_copy():
+    """Hydra deep-copies its repository for every composition; the ConfigStore inside it is shared (lra.config), which
+    makes a composition several times cheaper and `--help` (a composition per group) seconds instead of tens. What
+    the store serves is still a copy: a composed config changed in place leaves the next one as it was."""
+    import copy
+
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    first = compose_cfg(["task=listops", "model=performer"])
+    OmegaConf.set_struct(first, False)
+    first.model.n_features = 3
+    first.backbone.d_model = 5
+    again = compose_cfg(["task=listops", "model=performer"])
+    assert again.model.n_features != 3 and again.backbone.d_model != 5
+    assert OmegaConf.is_missing(store.load("lra_schema.yaml").node.backbone, "d_model")  # the schema, untouched
