@@ -388,6 +388,7 @@ def bench_sweep_under_the_gpu_launcher(folder, environ: dict[str, str]) -> subpr
                        f"bench.out={folder / 'b.csv'}"], folder, dict(environ, LRA_GPU_LOCKS=str(folder / "locks")))
 
 
+@pytest.mark.heavy  # CI's second tier: a launcher and its processes
 @in_background(bench_sweep_under_the_gpu_launcher)
 def test_the_bench_runs_its_models_side_by_side_under_the_gpu_launcher(ran_in_background):
     """`python -m lra.bench -m hydra/launcher=gpus bench.models=[a],[b]`: one job per GPU slot, each appending its

@@ -7,11 +7,14 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 
 import lra.train.run as runner
 from lra.data import load_task
 from tests.conftest import compose_cfg
+
+pytestmark = pytest.mark.heavy  # CI's second tier (.ci/run): many processes on one cold cache
 
 
 def fingerprint(data) -> str:

@@ -195,6 +195,7 @@ def saved_run(folder: Path, overrides: tuple, shape: engine.TaskShape) -> Path:
     return folder
 
 
+@pytest.mark.heavy  # CI's second tier: a run and two evaluations per model
 @pytest.mark.parametrize("name", list_models())
 def test_every_model_scores_one_file_with_its_best_and_final_weights(name, tmp_path):
     """A checkpoint holds more than tensors for some mixers (the performer's redraw counters, a dict: an AttributeError

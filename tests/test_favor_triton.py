@@ -50,6 +50,7 @@ def test_the_kernels_equal_the_pytorch_path_in_fp32(shape):
 
 # each length spans at least two blocks of positions, the last one ragged (the interpreter's time grows with the
 # number of programs: 40 positions at the 16 x 16 tiles, not 150, are 3 blocks, not 10, at a third of the time)
+@pytest.mark.heavy  # CI's second tier: Triton's interpreter over several tilings
 @pytest.mark.parametrize("block,chunk,n", [(16, 16, 40), (32, 64, 150), (128, 32, 150)])
 def test_any_tile_setting_gives_the_same_answer(monkeypatch, block, chunk, n):
     """The tiles (positions and features per program) are a speed setting, tuned per card: none changes the

@@ -103,6 +103,7 @@ def capturing_backend(grad_outs: list, stop: bool = False):
     return aot_autograd(fw_compiler=lambda graph, example_inputs: graph, bw_compiler=backward_compiler)
 
 
+@pytest.mark.heavy  # CI's second tier: compiled on the CPU
 def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backward_on_cpu):
     """The normaliser's call is used for its log-normaliser only; if no gradient reached its output, the compiled
     backward would hand FlexAttention's backward a None grad_out, which Inductor's lowering cannot take (it failed
@@ -122,6 +123,7 @@ def test_every_flex_call_gets_a_gradient_for_its_output_when_compiled(flex_backw
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.heavy  # CI's second tier: compiled on the CPU
 @pytest.mark.parametrize("how", ["dynamic shapes", "p changed after compiling"])
 def test_no_symbolic_int_reaches_a_kernel_when_sizes_or_p_are_dynamic(how):
     """Heads, keys and the drop threshold are captured by the score_mod as a tensor. As Python ints they become
@@ -150,6 +152,7 @@ def test_no_symbolic_int_reaches_a_kernel_when_sizes_or_p_are_dynamic(how):
     assert captured and all(isinstance(value, torch.Tensor) for call in captured for value in call), captured
 
 
+@pytest.mark.heavy  # CI's second tier: compiled on the CPU
 @pytest.mark.parametrize("name", ["deberta", "etc"])
 def test_the_models_flex_paths_with_dropout_give_every_flex_backward_a_gradient(name, flex_backward_on_cpu):
     """The same check on the training graphs of the models whose ``backend="flex"`` applies attention dropout

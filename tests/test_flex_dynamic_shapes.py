@@ -21,6 +21,8 @@ from models import create_model, get_model_class, list_models
 from models.registry import Grid
 from tests.mixer_checks import captured_values_backend, flex_captures
 
+pytestmark = pytest.mark.heavy  # CI's second tier (.ci/run): Inductor compiles on the CPU, seconds per model
+
 
 class WithClsSlot(torch.nn.Module):
     """The mixer behind a prepended token, as the encoder calls it: its length is the input's plus one."""

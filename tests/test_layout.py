@@ -209,3 +209,15 @@ def test_every_documented_command_has_its_module(command):
     assert spec is not None, f"python -m {command}: no such module"
     if spec.submodule_search_locations is not None:  # a package: python -m runs its __main__
         assert importlib.util.find_spec(f"{command}.__main__") is not None, f"python -m {command}: no __main__"
+
+
+def test_the_default_suite_leaves_the_heavy_tier_to_ci():
+    """The README's test command (``python -m pytest -q``) leaves out the ``heavy`` tests (compiles on the CPU, many
+    processes, registry-wide runs) to stay within minutes on two cores; CI (``.ci/run``) runs them after it, and the
+    README says both."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    addopts = re.search(r"^addopts = (.*)$", pyproject, re.MULTILINE).group(1)
+    assert "not heavy" in addopts and '"heavy: ' in pyproject
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci.index("python3 -m pytest -q -m heavy") == ci.index("python3 -m pytest -q") + 1
+    assert "-m heavy" in (ROOT / "README.md").read_text()

@@ -30,6 +30,7 @@ def op_depth(source: str) -> int:
     return best
 
 
+@pytest.mark.heavy  # CI's second tier: thousands of trees against the reference
 def test_generator_matches_reference_statistics(reference_trees):
     rows, drawn = reference_trees
     assert drawn == 36_618  # the original's count at seed 0: same RNG call order as the original

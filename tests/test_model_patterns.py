@@ -81,6 +81,7 @@ def test_flex_path_matches_dense_path(name, options, n, d_model, n_heads):
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.heavy  # CI's second tier: every pattern model twice
 @pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("n", [300, 512])  # with and without internal padding to the 128 tile
 def test_no_mask_equals_an_all_true_mask(name, options, n):

@@ -36,6 +36,7 @@ def assert_backend_equals_sdpa(model, backend: str, x: torch.Tensor, mask: torch
         torch.testing.assert_close(results[backend][1][n], grad, atol=1e-4, rtol=1e-4, msg=n)
 
 
+@pytest.mark.heavy  # CI's second tier: every variant, masked and not, against SDPA
 @pytest.mark.parametrize("variant", ["random", "factorized_random", "dense"])
 @pytest.mark.parametrize("masked", [True, False])
 def test_explicit_equals_sdpa_and_drops_as_sdpa(variant, masked):

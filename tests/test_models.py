@@ -233,6 +233,7 @@ def test_mask_free_classifier_equals_the_masked_one_without_padding(name, poolin
 GRAPH_BREAKS = {"gla"}
 
 
+@pytest.mark.heavy  # CI's second tier: torch.compile of every model
 @pytest.mark.parametrize("name", MODELS)
 def test_a_compiled_model_in_training_is_one_graph(name):
     """Every graph break costs a compiled model its host time and fusion in each layer of each step (a performer
@@ -306,6 +307,7 @@ def _fwd_bwd_seconds(*names: str, rounds: int = 3) -> list[float]:
     return best
 
 
+@pytest.mark.heavy  # CI's second tier: every model timed at 1K
 @pytest.mark.parametrize("name", MODELS)
 def test_cpu_forward_backward_at_1k_is_within_a_factor_of_the_transformer(name):
     """A ratio, not milliseconds: a busy machine slows both sides alike. The CPU paths are the readable

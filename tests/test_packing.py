@@ -247,6 +247,7 @@ def test_pack_true_says_why_it_cannot_and_auto_falls_back(smoke_cfg, tmp_path):
     assert row["status"] == "ok" and row["packed"] is False
 
 
+@pytest.mark.heavy  # CI's second tier: compiles every packing model on the CPU
 @pytest.mark.parametrize("name", SEGMENT_MODELS + ["transformer:jagged"])
 def test_a_compiled_model_takes_packed_batches_of_any_row_count(name):
     """The row count changes every batch: torch.compile must follow (the second shape compiles a dynamic graph)
@@ -418,6 +419,7 @@ def test_on_cuda_the_varlen_path_trains_as_the_jagged_one():
     assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.heavy  # CI's second tier: a compiled run on the CPU
 def test_compiled_trimmed_training_keeps_the_batch_size_an_int(smoke_cfg, monkeypatch):
     """Evaluated after the first step (batches of another size, through the same code), then trained at a new
     length: torch.compile recompiles the training graph with the length a symbol, and the batch size must stay an

@@ -225,6 +225,7 @@ TRAINABLE = {"listops": {"backbone.pooling": "mean"}, "pathfinder": {"backbone.p
              "listops/performer": {"model.n_features": 256, "model.redraw_every": 1000}}
 
 
+@pytest.mark.heavy  # CI's second tier: the registry composed twice per task
 @pytest.mark.parametrize("task", ["listops", "text", "image", "pathfinder"])
 def test_trainable_is_lra_with_only_its_named_changes(task):
     for model in LRA_MODELS:

@@ -25,6 +25,8 @@ from lra.train.checkpoint import RunFiles
 from lra.train.engine import cpu_threads
 from tests.conftest import ROOT, in_background
 
+pytestmark = pytest.mark.heavy  # CI's second tier (.ci/run): several processes a test (DDP, the gpus launcher)
+
 FAST = ["experiment=smoke", "task.seq_len=200", "backbone.n_layers=1", "schedule.steps=4", "schedule.eval_every=2",
         "data.limit.train=32", "data.limit.val=8", "data.limit.test=8"]
 

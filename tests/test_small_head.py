@@ -92,6 +92,7 @@ CASES = [
 ]
 
 
+@pytest.mark.heavy  # CI's second tier: Triton's interpreter over every case
 @pytest.mark.parametrize("shape,dtype,p,padded", CASES,
                          ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c).replace("torch.", ""))
 def test_output_and_gradients_equal_float64_attention_with_the_same_mask(shape, dtype, p, padded):
@@ -108,6 +109,7 @@ def test_a_query_without_a_real_key_gives_zeros_and_the_others_are_exact():
     assert max(errors) < 1e-5, errors
 
 
+@pytest.mark.heavy  # CI's second tier: Triton's interpreter over several tilings
 @pytest.mark.parametrize("tiles", [{"forward": (32, 16, 4), "dkdv": (16, 32, 4), "dq": (32, 16, 2)},
                                    {"forward": (16, 64, 2), "dkdv": (64, 16, 2), "dq": (16, 32, 4)}])
 def test_any_tile_setting_gives_the_same_answer(monkeypatch, tiles):
