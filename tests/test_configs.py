@@ -77,6 +77,7 @@ def test_each_default_is_defined_once(path, schema):
     assert not (CONF / "trainer").exists(), "the trainer's settings are the schema's (TrainerConfig)"
 
 
+@pytest.mark.heavy  # CI's second tier: every task with every preset
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_task_composes_and_validates_with_every_experiment(task, experiment):
@@ -87,6 +88,7 @@ def test_every_task_composes_and_validates_with_every_experiment(task, experimen
         assert cfg.device == "cpu" and all(v is not None for v in cfg.data.limit.values())
 
 
+@pytest.mark.heavy  # CI's second tier: the registry with every task
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_composes_with_every_task(model):
     """A model's yaml or a task's composes with every partner or with none; what one (task, model) pair alone adds

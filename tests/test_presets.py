@@ -173,6 +173,7 @@ def test_experiment_lra_composes_lras_settings_for_task_and_model(task, model):
         assert 128 % cfg.model.block == 0 or cfg.model.block % 128 == 0
 
 
+@pytest.mark.heavy  # CI's second tier: a composition per task and model
 @pytest.mark.parametrize("task,model", CASES)
 def test_experiment_defaults_keeps_the_tasks_backbone_and_the_models_defaults(task, model):
     cfg = composed(task, model, "defaults")
@@ -182,6 +183,7 @@ def test_experiment_defaults_keeps_the_tasks_backbone_and_the_models_defaults(ta
     assert OmegaConf.to_container(cfg.model) == {"name": model, **model_defaults(model)}
 
 
+@pytest.mark.heavy  # CI's second tier: the registry per task
 @pytest.mark.parametrize("task", TASKS)
 def test_a_model_without_a_preset_gets_the_tasks_backbone(task):
     others = sorted({p.stem for p in (CONF / "model").glob("*.yaml")} - set(LRA_MODELS))

@@ -261,6 +261,7 @@ def task_data(task: str, root) -> tuple[str, ...]:
     return ("task.seq_len=256",)
 
 
+@pytest.mark.heavy  # CI's second tier: both phases on every task
 @pytest.mark.parametrize("task,objective", [("listops", "causal"), ("text", "mlm"),
                                             ("retrieval", "mlm"), ("image", "mlm"), ("image", "causal"),
                                             ("pathfinder", "mlm")])
