@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from lra.report.leaderboard import DEFAULT_RESULTS, pick_device
+from lra.report.leaderboard import DEFAULT_RESULTS, pick_device, replace_block
 from lra.report.results import BENCH_PROTOCOL, as_text
 from models import get_model_class, list_models
 from models.registry import CLASSES
@@ -217,9 +217,7 @@ def update_doc(path: Path, table: pd.DataFrame) -> bool:
     text = path.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{path} has no taxonomy block ({BEGIN} ... {END})")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{markdown(table)}\n{END}{tail}"
+    new = replace_block(text, BEGIN, END, markdown(table))
     if new != text:
         path.write_text(new)
     return new != text
