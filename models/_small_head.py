@@ -12,7 +12,7 @@ and FlashAttention's smallest instantiation computes with 32 head columns, so at
 the backward) atomically accumulates dQ over 8 times the columns that carry data; its dropout draws Philox-4x32-10
 (10 rounds of two 32-bit multiplies) for every 16 scores. Here the head is padded to DP = max(16, D) columns in
 registers only (tl.dot's least K; zero columns add nothing to q . k and give zero output columns, which are not
-stored), nothing is padded in memory, dQ is written once per query by a kernel of its own (no atomics), and the
+stored), nothing is padded in memory, dQ is summed in fp32 over D columns only, and the
 dropout decision costs a few integer operations per score.
 
 * forward (grid: query tiles x heads): FlashAttention-2's online softmax over key tiles. Scores q k^T and the
@@ -25,8 +25,12 @@ dropout decision costs a few integer operations per score.
 * backward, dK and dV (grid: key tiles x heads): for each query tile, P^T recomputed from the stored log-sum-exp,
   dV += (Z P / (1 - p))^T dO, dP = dO V^T, dS = P (Z dP / (1 - p) - delta), dK += dS^T Q / sqrt(D), with
   delta_i = rowsum(dO_i * O_i) computed first (in PyTorch: B H Nq D products).
-* backward, dQ (grid: query tiles x heads): the same recomputation over key tiles, dQ += dS K / sqrt(D). Two kernels,
-  not atomics: deterministic, and dQ is stored once, in the input dtype.
+  The same kernel adds each (query tile, key tile)'s share of dQ, dS K / sqrt(D), into an fp32 (B, Nq, H, D) sum by
+  atomic adds of the D real columns (D / 128 adds per score), so P is recomputed once in the backward, as
+  FlashAttention-2 does; dQ is that sum in the input dtype.
+* backward, dQ, under torch's deterministic mode (``torch.are_deterministic_algorithms_enabled``: atomic adds land in
+  no fixed order): a kernel of its own (grid: query tiles x heads), the same recomputation over key tiles,
+  dQ += dS K / sqrt(D), stored once per query; the dK/dV kernel then adds nothing.
 
 Products take tensor-core operands in the input dtype (bf16/fp16; P and dS rounded to it before their products, as
 FlashAttention does) and accumulate in fp32; the exponentials, the online-softmax state, delta and every
@@ -58,8 +62,10 @@ full lowbias32 hashes of (seed, head, query), so no two rows, heads or seeds sha
 ``dropout_keep_mask`` is the same function in PyTorch, for the tests. The seed is a device tensor (the caller
 draws it with ``torch.randint`` each call, so seeding the run seeds it), read inside the kernels: no host sync.
 
-Tiles (``TILES``, queries x keys, warps): forward 128 x 64, 4 warps; dK/dV 32 x 128 (each program 128 keys, 32
-queries a step), 4 warps; dQ 128 x 64, 4 warps. Chosen by compiling each kernel for sm_90 at D 2 to 32 and counting
+Tiles (``TILES``, queries x keys, warps): forward 64 x 64, 4 warps; dK/dV 32 x 128 (each program 128 keys, 32
+queries a step), 4 warps; dQ 128 x 32, 4 warps. The forward's and dQ's are the fastest of each kernel timed alone at
+Pathfinder's attention shape (B 512, H 4, N 1024, D 4, dropout 0.1) over 64 to 256 queries by 32 to 128 keys at 4
+and 8 warps; dK/dV's was first chosen by compiling each kernel for sm_90 at D 2 to 32 and counting
 the instructions its inner loop issues per score: these are the fewest among 32 to 256 queries by 32 to 128 keys at
 4 and 8 warps without spilling registers at any D. The dK/dV kernel forms the rows' dropout keys once per query a
 step, so it wants many keys per query (128); larger score tiles spill, smaller ones spend more of each step on the
@@ -71,15 +77,16 @@ checks).
 The bound. Per score (B H Nq Nk scores a layer), with DP = max(16, D):
   forward  2 tensor-core products of depth DP (q . k, then p v), 1 exp2, ~6 FP32 operations (the exponent's FFMA,
            max, subtract, sum, the rescale's share, the select of dropout), hash ~5 integer operations;
-  dK, dV   4 products (S^T, dP^T, dV, dK), 1 exp2, ~5 FP32 operations, hash ~5 plus the rows' keys (1 / 128 of a
-           full lowbias32 pair per score);
-  dQ       3 products (S, dP, dQ), 1 exp2, ~4 FP32 operations, hash ~5;
-so the three kernels of a training step take E = 3 exp2 per score and issue about I = 55 other instructions per
-score and thread with dropout (about 33 without), besides 9 products of depth DP. A step of LRA's Pathfinder
-transformer (batch 512, 4 heads, N 1024, 4 layers) has S = B H N^2 layers = 512 * 4 * 1024^2 * 4 = 8.6e9 scores.
-On a card of n SMs at clock f its attention then takes at least max(S I / (128 n f), S E / (16 n f), 2 S 9 DP / F)
-seconds: 128 FP32/INT32 lanes an SM a clock issue I, 16 MUFU lanes an SM a clock take E, F is the card's dense bf16
-tensor rate (FLOP/s).
+  dK, dV   5 products (S^T, dP^T, dV, dK, and dQ's share), 1 exp2, ~6 FP32 operations, hash ~5 plus the rows'
+           keys (1 / 128 of a full lowbias32 pair per score), D / 128 atomic adds;
+  dQ       (deterministic mode only) 3 products (S, dP, dQ), 1 exp2, ~4 FP32 operations, hash ~5, and dK/dV's
+           share of dQ is not formed;
+so a training step takes E = 2 exp2 per score and issues about I = 45 other instructions per score and thread with
+dropout (about 28 without), besides 7 products of depth DP; in deterministic mode E = 3, I = 55 (33) and 9
+products. A step of LRA's Pathfinder transformer (batch 512, 4 heads, N 1024, 4 layers) has
+S = B H N^2 layers = 512 * 4 * 1024^2 * 4 = 8.6e9 scores. On a card of n SMs at clock f its attention then takes at
+least max(S I / (128 n f), S E / (16 n f), 2 S P DP / F) seconds for P products: 128 FP32/INT32 lanes an SM a
+clock issue I, 16 MUFU lanes an SM a clock take E, F is the card's dense bf16 tensor rate (FLOP/s).
 
 CUDA only in use (the transformer takes it for unpacked rows, ``backend``); the tests run the same kernels on the
 CPU through Triton's interpreter.
@@ -103,7 +110,7 @@ _M1 = tl.constexpr(M1)
 _M2 = tl.constexpr(M2)
 MAX_HEAD = 32  # head sizes 1..MAX_HEAD: DP = max(16, next power of 2) columns in registers
 # (BLOCK_M queries, BLOCK_N keys, warps) per kernel; see the module docstring for why these
-TILES = {"forward": (128, 64, 4), "dkdv": (32, 128, 4), "dq": (128, 64, 4)}
+TILES = {"forward": (64, 64, 4), "dkdv": (32, 128, 4), "dq": (128, 32, 4)}
 
 
 # ---------------------------------------------------------------------------------------------------- the hash
@@ -230,13 +237,14 @@ def _forward(Q, K, V, KEEP, SEED, OUTPUT, LSE, H, NQ, NK, n_tiles,
 
 
 @triton.jit
-def _backward_dkdv(Q, K, V, KEEP, SEED, DO, LSE, DELTA, DK, DV, H, NQ, NK, n_tiles,
+def _backward_dkdv(Q, K, V, KEEP, SEED, DO, LSE, DELTA, DK, DV, DQ, H, NQ, NK, n_tiles,
                    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
                    s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, c, scale, thresh, inv_keep,
                    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, OP: tl.constexpr):
+                   HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, OP: tl.constexpr, FUSED_DQ: tl.constexpr):
     """Grid (key tiles x heads,): dK, dV of a key tile over all query tiles, in the transposed orientation (keys
-    along the tiles' first axis), so that both are plain products."""
+    along the tiles' first axis), so that both are plain products; with FUSED_DQ also each query tile's share of dQ,
+    atomically added into DQ, a (B, Nq, H, D) fp32 sum."""
     pid = tl.program_id(0)
     bh, tile = pid // n_tiles, pid % n_tiles
     b, h = bh // H, bh % H
@@ -266,7 +274,12 @@ def _backward_dkdv(Q, K, V, KEEP, SEED, DO, LSE, DELTA, DK, DV, H, NQ, NK, n_til
             dp = tl.where(kept, dp, 0.0) * inv_keep
         else:
             dv += _mm(p, do, OP)
-        dk += _mm(p * (dp - delta[None, :]), q, OP)
+        ds = p * (dp - delta[None, :])  # (BLOCK_N, BLOCK_M): dS^T
+        dk += _mm(ds, q, OP)
+        if FUSED_DQ:  # this key tile's share of dQ = dS K / sqrt(D), added into the fp32 sum of all key tiles'
+            tl.atomic_add(DQ + ((b * NQ + offs_m)[:, None] * H + h) * D + offs_d[None, :],
+                          _mm(tl.trans(ds), k, OP) * scale,
+                          mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < D), sem="relaxed")
     _store(DK + b * s_dkb + h * s_dkh, s_dkn, s_dkd, offs_n, offs_d, NK, D, dk * scale, OP)
     _store(DV + b * s_dvb + h * s_dvh, s_dvn, s_dvd, offs_n, offs_d, NK, D, dv * inv_keep, OP)
 
@@ -397,11 +410,15 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None,
     keep, seed = delta if keep is None else keep, delta if seed is None else seed  # pointers never read
     dq, dk, dv = heads_last(B, NQ, H, D, q), heads_last(B, NK, H, D, k), heads_last(B, NK, H, D, v)
     common = (*q.stride(), *k.stride(), *v.stride(), *grad.stride())
+    fused = not torch.are_deterministic_algorithms_enabled()  # atomic adds land in no fixed order
+    dq_sum = q.new_zeros(B, NQ, H, D, dtype=torch.float32) if fused else dq
     block_m, block_n, warps = TILES["dkdv"]
     n_tiles = triton.cdiv(NK, block_n)
-    _backward_dkdv[(n_tiles * B * H,)](q, k, v, keep, seed, grad, lse, delta, dk, dv, H, NQ, NK, n_tiles, *common,
-                                       *dk.stride(), *dv.stride(), c, scale, thresh, inv_keep, BLOCK_M=block_m,
-                                       BLOCK_N=block_n, num_warps=warps, **meta)
+    _backward_dkdv[(n_tiles * B * H,)](q, k, v, keep, seed, grad, lse, delta, dk, dv, dq_sum, H, NQ, NK, n_tiles,
+                                       *common, *dk.stride(), *dv.stride(), c, scale, thresh, inv_keep,
+                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, FUSED_DQ=fused, **meta)
+    if fused:
+        return dq_sum.to(q.dtype).transpose(1, 2), dk, dv  # (B, H, Nq, D) view of (B, Nq, H, D)
     block_m, block_n, warps = TILES["dq"]
     n_tiles = triton.cdiv(NQ, block_m)
     _backward_dq[(n_tiles * B * H,)](q, k, v, keep, seed, grad, lse, delta, dq, H, NQ, NK, n_tiles, *common,

@@ -19,8 +19,9 @@ Small heads (``backend = "small_head"``, unpacked rows): ``models/_small_head.py
 attention for head sizes up to 32. SDPA's fused kernels take head sizes in multiples of 8, so a head of 4 (LRA's
 Pathfinder: 4 heads over d_qkv 16) is padded to 8, and FlashAttention's smallest kernel computes with 32 columns:
 most of its reads, products and (backward) dQ accumulation carry zeros. The small-head kernels pad to 16 in
-registers only (the least depth of a tensor-core product), write dQ once from a kernel of its own (deterministic, no
-atomics), and fold the scale into the exponent. Their attention dropout departs from FlashAttention's Philox: each
+registers only (the least depth of a tensor-core product), sum dQ over its real columns only (by atomic adds
+from the dK/dV kernel; under torch's deterministic mode from a kernel of its own), and fold the scale into the
+exponent. Their attention dropout departs from FlashAttention's Philox: each
 score's keep decision is a counter-based integer hash of (seed, batch-head, query, key), a few integer operations
 per score, statistically equivalent (each score kept independently with probability 1 - p), the seed drawn from
 torch's RNG each call. "auto" takes SDPA everywhere: the kernels become its choice for small heads on CUDA once

@@ -113,10 +113,40 @@ def test_a_query_without_a_real_key_gives_zeros_and_the_others_are_exact():
 @pytest.mark.parametrize("tiles", [{"forward": (32, 16, 4), "dkdv": (16, 32, 4), "dq": (32, 16, 2)},
                                    {"forward": (16, 64, 2), "dkdv": (64, 16, 2), "dq": (16, 32, 4)}])
 def test_any_tile_setting_gives_the_same_answer(monkeypatch, tiles):
-    """The tiles are a speed setting: several tiles along both axes, each ragged at its end, change nothing."""
+    """The tiles are a speed setting: several tiles along both axes, each ragged at its end, change nothing, with dQ
+    from the dK/dV kernel or (deterministic mode) from its own."""
     monkeypatch.setattr(_small_head, "TILES", tiles)
-    errors, _ = errors_against_the_reference((1, 2, 70, 45, 4), torch.float32, 0.3, padded=(0,))
-    assert max(errors) < 1e-5, errors
+    for deterministic in (False, True):
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+        errors, _ = errors_against_the_reference((1, 2, 70, 45, 4), torch.float32, 0.3, padded=(0,))
+        assert max(errors) < 1e-5, (deterministic, errors)
+
+
+class Launches:
+    """A kernel launcher that counts its launches (``kernel[grid](...)``) and hands them on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def test_dq_comes_from_the_dkdv_kernels_atomic_adds_and_in_deterministic_mode_from_its_own_kernel(monkeypatch):
+    """Which backward runs: by default the dK/dV kernel also sums dQ (one recomputation of P); under torch's
+    deterministic mode, where atomic adds would land in no fixed order, the dQ kernel does. Both give the
+    reference's gradients, and each other's to fp32 rounding."""
+    spy = Launches(_small_head._backward_dq)
+    monkeypatch.setattr(_small_head, "_backward_dq", spy)
+    shape = (2, 2, 70, 90, 4)
+    errors, fused = errors_against_the_reference(shape, torch.float32, 0.2, padded=(1,))
+    assert spy.count == 0 and max(errors) < 1e-5, errors
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    errors, own = errors_against_the_reference(shape, torch.float32, 0.2, padded=(1,))
+    assert spy.count == 1 and max(errors) < 1e-5, errors
+    for a, b in zip(fused, own, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed,bh,n_q,n_k", [(0, 0, 40, 70), (SEED, 1, 33, 65), (2**32 - 1, 37, 70, 40),
