@@ -50,6 +50,14 @@ init (above); no separate exact path when m = N (the same result, by the limit c
 dropout is not applied (there is no attention matrix; the public code applies none to the Nystrom path
 either). The paper's LRA runs used 64 landmarks and a kernel of 35 (``LRA/code/lra_config.py``; 33 is its
 BERT pre-training setting).
+
+Eager speed: most of the eager layer's kernels and memory traffic are the convolution skip. Its K shifted copies
+are K multiplies and K additions over the (B, H, N, Dh) values forward; in the backward each copy's slice is
+scattered into a zero-filled padded gradient and accumulated (cast back to bf16 first under autocast), with a
+multiply and a reduction more for its tap: a few hundred full-size elementwise kernels, which Inductor fuses into
+one stencil kernel each way. The rest are separate passes and launches that compiling fuses: the upcast, scale,
+mask, softmax and downcast around F's and B's (N x m) logits, and the pseudo-inverse iteration's small elementwise
+steps, one kernel each eagerly; expect the eager layer, on a CPU or a GPU, several times slower than compiled.
 """
 from __future__ import annotations
 
@@ -100,9 +108,10 @@ def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     norm_inf = a.abs().sum(-1).amax(-1)  # (...): max row sum (1 for a softmax; computed, not assumed)
     z = a.transpose(-1, -2) / (norm_1 * norm_inf)[..., None, None]  # (..., m, m): the paper's Z_0
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)  # (m, m)
+    eye_7, eye_15, eye_13 = 7 * eye, 15 * eye, 13 * eye  # (m, m) each: built once, not once an iteration (eager)
     for _ in range(iterations):
         az = a @ z  # (..., m, m)
-        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))  # (..., m, m)
+        z = 0.25 * z @ (eye_13 - az @ (eye_15 - az @ (eye_7 - az)))  # (..., m, m)
     return z
 
 
