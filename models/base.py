@@ -179,7 +179,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dropped_softmax_values(scores: torch.Tensor, values: torch.Tensor, dropout_p: float, scale: float):
-    p = F.dropout(torch.softmax(upcast(scores) * scale, -1), dropout_p)  # (..., S, L): fp32 at least
+    logits = upcast(scores) if scale == 1.0 else upcast(scores) * scale  # eagerly, a multiply by 1 is a pass more
+    p = F.dropout(torch.softmax(logits, -1), dropout_p)  # (..., S, L): fp32 at least
     return torch.matmul(p.to(values.dtype), values)  # (..., S, Dv)
 
 

@@ -52,6 +52,15 @@ Deviations from the paper:
   ``clamp_len`` is an evaluation-time knob).
 * Training differs from the paper's only in what a step covers: the paper updates the weights between
   segments, so its memory is produced by older weights; here one step sees every segment of an example.
+
+Eager speed: the layer launches few kernels; what eager PyTorch adds is memory traffic over the scores, (S, L)
+per segment and head. Eagerly the position table (over P distances), its scaling, the key mask, the content scores
+plus that bias, the fp32 upcast, the softmax and the downcast each write a scores-sized tensor, and the backward
+(with the checkpoint's recomputation) writes about a dozen more, among them ``rel_shift``'s slices scattered into
+zero-filled copies of the table and the softmax gradient in fp32. Compiled, Inductor reads the table through
+``rel_shift`` inside one kernel that scales, masks, adds and takes the softmax, and fuses the backward likewise, so
+only the matmuls' outputs and a few fused results reach memory. Debugging eagerly, on a CPU or a GPU, expect it
+several times slower than compiled and its peak memory higher, from those intermediates.
 """
 from __future__ import annotations
 
@@ -161,7 +170,8 @@ class TransformerXL(MultiHeadMixer):
             o = F.scaled_dot_product_attention(content_q.flatten(1, 2), keys.flatten(1, 2), values.flatten(1, 2),
                                                attn_mask=bias.flatten(1, 2), dropout_p=self.dropout_p)
             return o.unflatten(1, (H, -1))  # (B, H n, S, Dh) -> (B, H, n, S, Dh)
-        scores = content_q @ keys.transpose(-1, -2) * Dh**-0.5 + bias  # (B, H, n, S, L)
+        # bias + scale (q + u) k^T: one elementwise kernel eagerly (and one rounding), as in the compiled layer
+        scores = torch.add(bias, content_q @ keys.transpose(-1, -2), alpha=Dh**-0.5)  # (B, H, n, S, L)
         return softmax_values(scores, values, self.dropout_p)  # (B, H, n, S, Dh): weights recomputed, not kept
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
