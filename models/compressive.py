@@ -40,6 +40,14 @@ Deviations from the paper:
 * Bidirectional inside a segment, memory counted in segments, per-layer u and v: as in ``transformer_xl``.
 * Compressed memory is counted in slots (n_cm); the paper's n_cm is the same. Slots for the last M + 1
   segments are computed though no segment reads them (one pass over the sequence is simpler than slicing).
+
+Eager speed: as Transformer-XL's (its docstring says why): eager PyTorch writes each step around the scores as a
+tensor of its own (table, scaling, mask, bias add, fp32 upcast, softmax, downcast, and about a dozen in the
+backward), here over n_cm + (M + 1) S keys per query, where Inductor fuses them into a few kernels. The window is
+also copied more often eagerly: Transformer-XL's [memory, segment] keys and values are concatenated, then copied
+again behind the compressed slots, which are themselves padded in front (a copy) before being unfolded, while the
+compiled layer writes each window once, reading it from its sources. Debugging eagerly, on a CPU or a GPU, expect it
+several times slower than compiled and its peak memory higher.
 """
 from __future__ import annotations
 
