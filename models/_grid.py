@@ -40,14 +40,17 @@ def check_grid(mixer, n: int, grid: Grid | None) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
-              dropout_p: float) -> torch.Tensor:
+              dropout_p: float, may_be_empty: bool = True) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v over the real keys: q (G, H, Lq, Dh), k, v (G, H, Lk, Dh), keep (G, Lk) bool
-    or None (every key real) -> (G, H, Lq, Dh)."""
+    or None (every key real) -> (G, H, Lq, Dh). ``may_be_empty`` False: every group is known to hold a real key
+    (no padding mask, only the grouping's own padding), so no group is checked or zeroed."""
     empty = None
-    if keep is not None:
+    if keep is not None and may_be_empty:
         empty = ~keep.any(-1)  # (G,): no real key at all
         # (G, 1, 1, Lk): such a group attends to its junk, zeroed below
         keep = (keep | empty[:, None])[:, None, None, :]
+    elif keep is not None:
+        keep = keep[:, None, None, :]  # (G, 1, 1, Lk)
     d_head = q.shape[-1]
     # The fused CUDA kernels take head sizes in multiples of 8 (see models/transformer.py); zero columns are exact.
     q, k, v = pad_head_dim(-(-d_head // 8) * 8, q, k, v)  # (G, H, L, multiple of 8)
@@ -64,8 +67,11 @@ def grid_attend(qkv: torch.Tensor, mask: torch.Tensor | None, grid: Grid, querie
     B, _, _, H, Dh = qkv.shape
     P, Hg, Wg = grid.prefix, grid.height, grid.width
     pixels = qkv[:, P:].unflatten(1, (Hg, Wg))  # (B, Hg, Wg, 3, H, Dh)
-    q = queries(pixels[:, :, :, 0])  # (B, G, Lq, H, Dh)
-    k, v = keys(pixels[:, :, :, 1]), keys(pixels[:, :, :, 2])  # each (B, G, Lk, H, Dh)
+    # unbind, not three selects: the backward stacks the three gradients into one tensor, where a select's
+    # backward writes each into a zero-filled copy of the whole (B, Hg, Wg, 3, H, Dh) tensor and adds those up
+    pixel_q, pixel_k, pixel_v = pixels.unbind(3)  # each (B, Hg, Wg, H, Dh)
+    q = queries(pixel_q)  # (B, G, Lq, H, Dh)
+    k, v = keys(pixel_k), keys(pixel_v)  # each (B, G, Lk, H, Dh)
     G = q.shape[1]
     keep = None
     if mask is not None or pads:
@@ -80,7 +86,8 @@ def grid_attend(qkv: torch.Tensor, mask: torch.Tensor | None, grid: Grid, querie
     if keep is not None:
         keep = keep.expand(B, G, -1).flatten(0, 1)  # (B * G, P + Lk)
     q, k, v = (t.transpose(2, 3).flatten(0, 1) for t in (q, k, v))  # each (B * G, H, L, Dh)
-    o = attention(q, k, v, keep, dropout_p)  # (B * G, H, Lq, Dh)
+    # without a mask every pixel is real, and a pixel is a key of its own group: no group can be empty
+    o = attention(q, k, v, keep, dropout_p, may_be_empty=mask is not None)  # (B * G, H, Lq, Dh)
     o = ungroup(o.unflatten(0, (B, G)).transpose(2, 3))  # (B, G, Lq, H, Dh) -> (B, Hg, Wg, H, Dh)
     o = o.reshape(B, Hg * Wg, H, Dh)  # (B, Hg * Wg, H, Dh), pixels row-major
     if not P:

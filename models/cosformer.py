@@ -32,6 +32,15 @@ Deviations from the official code (``OpenNLPLab/cosFormer``): M per example (abo
 has none); the harness's projections have no bias. Attention dropout is not applied (no attention matrix;
 the official code has none either). Only the bidirectional form is registered (the paper's causal form is a
 prefix sum of the same summaries; decoding token by token would need M fixed in advance, e.g. max_len).
+
+Eager speed: beside its two matmuls the method is elementwise work on (B, H, N, 2 Dh) fp32 features, and eagerly
+each step is a kernel of its own that writes a full-size tensor and reads it back (the ReLU, the cos/sin product,
+v's upcast and column of ones, the division by the normaliser, the cast back, and in the backward the gradient of
+each, where the two slices of the (Dh + 1)-wide product are padded back with zeros and added), while Inductor
+fuses each chain into one kernel beside the matmuls. The re-weighting table is only (B, N), so rebuilding it per
+call costs nothing that matters; the mask is folded into it and each side's features are one broadcast product,
+which keeps the eager chain short. Eagerly the layer computes the same values (to fp32 rounding), memory-bound and
+slower than compiled, the backward most.
 """
 from __future__ import annotations
 
@@ -41,7 +50,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .base import MultiHeadMixer, upcast, with_ones
+from .base import MultiHeadMixer, with_ones
 from .registry import Taxonomy, register_model
 
 EPS = 1e-6  # lower clamp of the normaliser, as the official code
@@ -57,13 +66,18 @@ def reweighting_angles(mask: torch.Tensor, length: torch.Tensor | int, dtype: to
 
 def cos_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, angle: torch.Tensor):
     """q, k, v (B, H, N, Dh), mask (B, N), angle (B, N) -> (B, H, N, Dh) in fp32 (fp64 stays fp64)."""
-    cos, sin = angle.cos()[:, None, :, None], angle.sin()[:, None, :, None]  # each (B, 1, N, 1)
-    keep = mask[:, None, :, None]  # (B, 1, N, 1)
-    # padded keys contribute nothing; padded queries (past M their cosines turn negative, so their normaliser
-    # could cross 0) get exactly 0
-    fq, fk = F.relu(upcast(q)) * keep, F.relu(upcast(k)) * keep  # (B, H, N, Dh)
-    fq = torch.cat([fq * cos, fq * sin], dim=-1)  # (B, H, N, 2 Dh)
-    fk = torch.cat([fk * cos, fk * sin], dim=-1)  # (B, H, N, 2 Dh)
+    # [cos a, sin a], 0 at padding: padded keys contribute nothing; padded queries (past M their cosines turn
+    # negative, so their normaliser could cross 0) get exactly 0. The mask is folded into this (B, N) table, and
+    # one broadcast product per side writes [relu(x) cos a, relu(x) sin a] (the concatenation, with the same
+    # values): eagerly that is one kernel over (B, H, N, 2 Dh) instead of an upcast, a mask product, two
+    # products and a cat. The ReLU runs in the input's dtype (exact), the product in fp32 at least.
+    weights = torch.stack([angle.cos(), angle.sin()], dim=-1) * mask[..., None]  # (B, N, 2)
+    weights = weights[:, None, :, :, None]  # (B, 1, N, 2, 1)
+
+    def features(x: torch.Tensor) -> torch.Tensor:
+        return (F.relu(x)[..., None, :] * weights).flatten(-2)  # (B, H, N, 2, Dh) -> (B, H, N, 2 Dh)
+
+    fq, fk = features(q), features(k)  # (B, H, N, 2 Dh) each
     v1 = with_ones(v)  # (B, H, N, Dh + 1): [v, 1] gives the normaliser too
     summary = fk.transpose(-1, -2) @ v1  # (B, H, 2 Dh, Dh + 1): [sum k~ v^T | sum k~]
     o1 = fq @ summary  # (B, H, N, Dh + 1): [numerator | normaliser]
@@ -99,5 +113,6 @@ class CosFormer(MultiHeadMixer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=q.device.type, enabled=False):
-            angle = reweighting_angles(mask, self.reweight_m(mask), upcast(q).dtype)  # (B, N)
+            dtype = torch.promote_types(q.dtype, torch.float32)  # upcast(q)'s dtype, without converting q
+            angle = reweighting_angles(mask, self.reweight_m(mask), dtype)  # (B, N)
             return cos_attention(q, k, v, mask, angle).to(q.dtype)  # (B, H, N, Dh)

@@ -58,10 +58,20 @@ extends it up, left and right only, to stay causal; we classify). One flange for
 tensor2tensor's ``memory_flange`` is (height, width); the query block's height and width are separate options.
 Attention dropout is applied, as in the transformer baseline (on the dense path). ``gpu`` tests check the dense
 path on CUDA against the CPU result and the flex path against the dense one, forward and backward.
+
+Eager speed: the dense path's attention is one SDPA call, the same kernel eager or compiled; the difference is the
+data movement around it. Eagerly the query blocks are a copy, and the key and the value memory blocks each a
+zero-padded copy of the grid plus the copy that cuts the overlapping windows out of it ((qh + 2f)(qw + 2f) / (qh qw)
+times k's size), whose backward folds the windows back in two ``unfold_backward`` passes and copies the padding's
+inside out; Inductor makes each of these one gather from the projections (the padding a predicate, not a tensor)
+and one accumulation back. FlexAttention runs only with ``backend = "flex"``, and eagerly only off CUDA, where
+torch's unfused form builds every (query, key) score: a path for tests. Expect the eager layer to be slower than
+compiled and to hold more memory, with the same outputs.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._grid import check_grid, grid_attend
 from .base import MultiHeadMixer, chosen_backend
@@ -94,6 +104,15 @@ def memory_tiles(rule, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     every = (pairs | ~inside[:, None] | ~inside[None, :]).view(nt, FLEX_BLOCK, nt, FLEX_BLOCK).all(3).all(1)
     full = some & every  # (nt, nt): computed without the mask_mod
     return (some & ~full)[None, None], full[None, None]
+
+
+def pad_grid(t: torch.Tensor, top: int, bottom: int, left: int, right: int) -> torch.Tensor:
+    """(B, Hg, Wg, *C) -> (B, top + Hg + bottom, left + Wg + right, *C), zeros around; t itself when nothing is
+    added. ``F.pad`` rather than zeros and a slice assignment: its backward is one copy of the gradient's slice,
+    the assignment's two."""
+    if not (top or bottom or left or right):
+        return t
+    return F.pad(t, (0, 0) * (t.dim() - 3) + (left, right, top, bottom))
 
 
 def _flex_attend(mixer: ImageLocal, qkv: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -139,8 +158,7 @@ class ImageLocal(MultiHeadMixer):
         """(B, Hg, Wg, *C) pixels -> (B, nh * nw, qh * qw, *C): the query blocks, row-major, each row-major."""
         (nh, nw), qh, qw = self.block_counts(grid), self.query_height, self.query_width
         B, Hg, Wg, *C = t.shape
-        padded = t.new_zeros(B, nh * qh, nw * qw, *C)  # (B, Hp, Wp, *C): the ragged edge is padding
-        padded[:, :Hg, :Wg] = t
+        padded = pad_grid(t, 0, nh * qh - Hg, 0, nw * qw - Wg)  # (B, Hp, Wp, *C): the ragged edge is padding
         blocks = padded.view(B, nh, qh, nw, qw, *C).transpose(2, 3)  # (B, nh, nw, qh, qw, *C)
         return blocks.reshape(B, nh * nw, qh * qw, *C)
 
@@ -149,8 +167,7 @@ class ImageLocal(MultiHeadMixer):
         grown by the flange f on every side (mh = qh + 2f, mw = qw + 2f); outside the grid it holds zeros."""
         (nh, nw), qh, qw, f = self.block_counts(grid), self.query_height, self.query_width, self.memory_flange
         B, Hg, Wg, *C = t.shape
-        padded = t.new_zeros(B, nh * qh + 2 * f, nw * qw + 2 * f, *C)  # (B, Hp + 2f, Wp + 2f, *C)
-        padded[:, f:f + Hg, f:f + Wg] = t
+        padded = pad_grid(t, f, nh * qh - Hg + f, f, nw * qw - Wg + f)  # (B, Hp + 2f, Wp + 2f, *C)
         windows = padded.unfold(1, qh + 2 * f, qh).unfold(2, qw + 2 * f, qw)  # (B, nh, nw, *C, mh, mw): a view
         windows = windows.movedim((-2, -1), (3, 4))  # (B, nh, nw, mh, mw, *C)
         return windows.reshape(B, nh * nw, (qh + 2 * f) * (qw + 2 * f), *C)  # the copy that overlaps the windows

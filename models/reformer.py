@@ -46,6 +46,15 @@ Padding: padded positions are hashed into an extra bucket after all real ones, s
 the same sorted order and chunks whatever padding follows, and padded keys are masked. Appending
 padding leaves outputs at real positions exactly unchanged; so does changing the content of padded
 tokens.
+
+Eager speed: with one round on CUDA without attention dropout the attention is FlexAttention, compiled even in an
+eager model (``flex_call``), so eagerly only the code around it runs differently: the fp32 copy of x for hashing,
+the sort, the gathers of x and v into sorted order, the keys' normalisation and the gather back each write a full
+(B, H, N, Dh) tensor, and in the backward every gather becomes a zero-filled tensor plus a scatter-add and the
+normalisation's gradient a chain of about ten elementwise kernels. Compiled, Inductor fuses the gathers into the
+normalisation, the unsorting into the output's transpose and the normalisation's backward into one kernel. Eagerly
+(and on the CPU, where the round runs as SDPA over windows that ``roll`` and ``cat`` copy) the layer computes the
+same attention, slower than compiled, its extra cost memory traffic rather than arithmetic.
 """
 from __future__ import annotations
 
