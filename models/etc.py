@@ -65,6 +65,16 @@ torch's Philox stream). It takes about SDPA's memory, about half of explicit's, 
 and slower still with dropout (results/layer_bench.csv, rows ``lra etc(backend=flex)``): at r = 84 a 128-query
 tile's window spans three 128-key tiles plus the globals' tile, 512 keys scored per query against explicit's
 3b + G = 265, each through the table's lookup. ``auto`` is explicit.
+
+Eager speed: eagerly each step over the (B, H, N/b, b, Gp + 3b) scores is a kernel of its own that reads and writes
+the whole tensor, seven such passes in the forward (the window's sum with its relative terms, the concatenation
+with the global columns, the fp32 upcast, the scale, the mask, the softmax, the downcast) and six in the backward,
+most of them in fp32. torch.compile fuses each direction's chain into about one kernel between the batched matmuls,
+which are the same cuBLAS calls in both, so the eager step moves several times the bytes and holds more of its
+intermediates at once (a higher memory peak). Debugging eagerly, expect the same outputs up to rounding and the
+same linear growth in N, a constant factor slower; ``auto`` is explicit in both, so FlexAttention (which off CUDA
+runs eagerly as its reference and forms the full score matrix; on CUDA it is compiled even in an eager model) runs
+only when asked for.
 """
 from __future__ import annotations
 
@@ -259,8 +269,12 @@ class ETC(MultiHeadMixer):
                 seen = torch.cat([see[..., :G], see.new_zeros(B, NB, b, Gp - G), see[..., G:]], dim=-1)  # Gp+3b
                 with torch.autocast(device_type=q.device.type, enabled=False):
                     logits = torch.cat([F.pad(glob, (0, Gp - G)), win], dim=-1).float() * Dh**-0.5  # (.., b, Gp+3b)
-                    p = torch.softmax(logits.masked_fill(~seen[:, None], MASKED), dim=-1)  # (B, H, NB, b, Gp+3b)
+                    # where, not masked_fill: one pass each way, where masked_fill copies, then fills (eagerly)
+                    p = torch.softmax(torch.where(seen[:, None], logits, MASKED), dim=-1)  # (B, H, NB, b, Gp+3b)
                 p = F.dropout(p.to(v.dtype), self.dropout_p, training=self.training)
-                o = (torch.einsum("bhnsg,bhgd->bhnsd", p[..., :G], gv)
-                     + torch.einsum("bhnst,bhntd->bhnsd", p[..., Gp:], vw))  # (B, H, NB, b, Dh)
+                # split, not two slices: eagerly its backward is one cat, where each slice's fills a zero tensor of
+                # p's size and the two are then added
+                p_glob, _, p_win = p.split([G, Gp - G, 3 * b], dim=-1)
+                o = (torch.einsum("bhnsg,bhgd->bhnsd", p_glob, gv)
+                     + torch.einsum("bhnst,bhntd->bhnsd", p_win, vw))  # (B, H, NB, b, Dh)
         return o.reshape(B, H, NB * b, Dh)[:, :, :L]  # (B, H, L, Dh)

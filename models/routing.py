@@ -44,6 +44,15 @@ loss). The EMA averages each batch's per-cluster mean direction and re-normalise
 sums the assigned vectors; its code keeps EMAs of sums and counts); decay 0.999 as in the paper. Shared
 Q/K in the encoder (the paper's code shares them only in decoders). Self is masked as in
 Reformer. Causal decoding (the paper's setting) is not registered here: this is the bidirectional form.
+
+Eager speed: the extern calls (the projections, the centroid scores, the sort, SDPA) are the same eager or compiled;
+what compiling fuses are the passes between them, which eagerly are a kernel each over a (B, H, N, ...) tensor: the
+casts, the concatenation of r and v, the gather into sorted order and its padding, the comparison, select and
+self-mask that build SDPA's (B, H, C, c, 3c) additive mask (three passes where compiled writes it once), the
+centroid update's normalisation and transposed copies, and in the backward the windows' unfold gradient, the rows'
+zero-filled slice gradients and the sorted order's gather gradient (a scatter-add into zeros). The centroid update's
+scatter-adds contend on K + 1 rows per head in both. Debugging eagerly, expect the same outputs up to rounding, a
+step slower by a constant factor and a higher memory peak (each intermediate is materialised).
 """
 from __future__ import annotations
 
@@ -149,8 +158,10 @@ class Routing(MultiHeadMixer):
         bias = torch.where(q_cl[..., None] == cl_win[..., None, :], zero, never)  # (B, H, C, c, 3c)
         bias = bias.masked_fill_(is_self, SELF_LOGIT)  # (B, H, C, c, 3c)
 
-        # fused CUDA kernels take head sizes in multiples of 8; zero columns are exact (models/base.py)
-        q_, k_, v_ = pad_head_dim(-(-Dh // 8) * 8, s_q, win[..., :Dh], win[..., Dh:])
+        # fused CUDA kernels take head sizes in multiples of 8; zero columns are exact (models/base.py). The keys and
+        # values split, not sliced: eagerly the gradient of the windows is then one cat, not two zero-filled tensors
+        # of the windows' size and their sum
+        q_, k_, v_ = pad_head_dim(-(-Dh // 8) * 8, s_q, *win.split(Dh, dim=-1))
         Dp = q_.shape[-1]
         o = F.scaled_dot_product_attention(
             q_.reshape(B * H, C, c, Dp), k_.reshape(B * H, C, 3 * c, Dp), v_.reshape(B * H, C, 3 * c, Dp),

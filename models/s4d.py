@@ -42,6 +42,15 @@ copy), so the Vandermonde product and the convolution's spectral products are wr
 it fuses; and the FFT convolution has a written backward (``CircularConv``: the adjoint convolution for the
 input, the correlation for the kernel, two real FFTs each way), where autograd's backward of rfft/irfft runs a
 complex FFT over a zero-filled (B, H, 2L) buffer and several slice-and-scatter copies of it.
+Eager speed: the FFTs are the same cuFFT calls eager or compiled; what compiling removes is the rest, which
+eagerly runs one kernel per operation: around the FFTs each step over a (B, H, L)-sized tensor (the padding copy,
+the D skip's product and sum, GELU, the cast for the projection, the transposes' copies, their gradients) is a
+pass of its own where Inductor fuses the chain, and the kernel's factored Vandermonde product with its discretisation
+is about a hundred and fifty small kernels forward and backward (exp, cos, sin, products, sums), independent of the
+batch, which Inductor fuses into far fewer. Eagerly the spectral products are torch's complex product (``complex_mul``),
+one kernel each (a copy more for a conjugate) instead of the real form's seven. Debugging eagerly, expect the same
+outputs up to rounding, a constant factor slower at long lengths and, at short lengths or small batches, a step
+bounded by launching those small kernels.
 Precision: the kernel (complex64 at least) and the FFT convolution run in fp32 even under bf16 autocast (powers
 Ab^k over thousands of steps and FFT sums lose everything in bf16); the GELU and output projection follow autocast.
 Padding: padded inputs are zeroed before the convolution, so they reach no output; the FFT has length 2L, so
@@ -137,7 +146,11 @@ def vandermonde(log_z: torch.Tensor, CB: torch.Tensor, L: int) -> torch.Tensor:
 def complex_mul(a: torch.Tensor, b: torch.Tensor, conj_b: bool = False) -> torch.Tensor:
     """a * b (a * conj(b) with ``conj_b``) for complex tensors, written in real arithmetic on their (re, im) views:
     torch.compile cannot generate code for complex operations and would run each as its own kernel (a conjugate
-    is a copy of its own), where this fuses into one."""
+    is a copy of its own), where this fuses into one. Eagerly the real form would be seven kernels (four products,
+    a difference, a sum and the stack of the parts), so there it is torch's complex product, one kernel (and a
+    copy for the conjugate): the same arithmetic, equal up to rounding."""
+    if not torch.compiler.is_compiling():
+        return a * (b.conj() if conj_b else b)
     (ar, ai), (br, bi) = torch.view_as_real(a).unbind(-1), torch.view_as_real(b).unbind(-1)
     if conj_b:
         bi = -bi
