@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from lra.report import taxonomy
-from models import list_models
+from models import get_model_class, list_models
 from models.registry import COMPLEXITIES
 from tests.conftest import ROOT, in_background
 
@@ -186,3 +186,30 @@ def test_rows_with_a_blank_protocol_column_form_a_sweep(tmp_path):
     pd.concat([rows, later]).to_csv(tmp_path / "bench.csv", index=False)
     exps = taxonomy.measured_exponents(pd.read_csv(tmp_path / "bench.csv"))
     assert exps["transformer"][0] == pytest.approx(2.0) and exps["linear"][0] == pytest.approx(1.0)
+
+
+def test_the_eager_slowdown_compares_rows_of_one_card_where_one_card_timed_both():
+    """Eager over compiled at 4K x 32: the latest card that timed both (here the H100, though the H200's compiled
+    row is later); a model timed eagerly on one card and compiled on another only compares across them; a model
+    without an eager row, or timed at other shapes only, has none."""
+    rows = (layer("linear", [1.0, 2.0, 3.0], device="H100")
+            + layer("linear", [1.0, 6.0, 3.0], device="H100", compiled=False, sha="b")
+            + [dict(r, timestamp="2026-02-01T00:00:00Z") for r in layer("linear", [1.0, 1.5, 3.0], device="H200")]
+            + layer("local", [1.0, 2.0, 3.0], device="H200")
+            + layer("local", [1.0, 5.0, 3.0], device="H100", compiled=False)
+            + layer("fnet", [1.0, 2.0, 3.0])
+            + layer("axial", [1.0, 2.0], shapes=((1024, 32), (16384, 8)), compiled=False)
+            + layer("axial", [1.0, 2.0], shapes=((1024, 32), (16384, 8))))
+    slow = taxonomy.eager_slowdowns(pd.DataFrame(rows))
+    assert slow == {"linear": pytest.approx(3.0), "local": pytest.approx(2.5)}
+
+
+def test_a_model_that_runs_over_twice_slower_eagerly_says_why_in_its_docstring():
+    """Users debug and run on CPUs eagerly: a mixer whose layer runs more than ``EAGER_LIMIT`` times slower eagerly
+    than compiled (results/layer_bench.csv) states the reason in a paragraph of its module's docstring beginning
+    ``Eager speed:``."""
+    slow = {name: ratio for name, ratio in taxonomy.eager_slowdowns(pd.read_csv(ROOT / "results" / "layer_bench.csv"))
+            .items() if ratio > taxonomy.EAGER_LIMIT}
+    silent = [f"{name} ({ratio:.1f})" for name, ratio in slow.items()
+              if "\nEager speed:" not in (sys.modules[get_model_class(name).__module__].__doc__ or "")]
+    assert not silent, f"models/<name>.py's docstring says nothing of its eager speed: {', '.join(silent)}"
