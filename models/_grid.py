@@ -45,11 +45,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     or None (every key real) -> (G, H, Lq, Dh). ``may_be_empty`` False: every group is known to hold a real key
     (no padding mask, only the grouping's own padding), so no group is checked or zeroed."""
     empty = None
-    if keep is not None and may_be_empty:
-        empty = ~keep.any(-1)  # (G,): no real key at all
-        # (G, 1, 1, Lk): such a group attends to its junk, zeroed below
-        keep = (keep | empty[:, None])[:, None, None, :]
-    elif keep is not None:
+    if keep is not None:
+        if may_be_empty:
+            empty = ~keep.any(-1)  # (G,): no real key at all
+            keep = keep | empty[:, None]  # such a group attends to its junk, zeroed below
         keep = keep[:, None, None, :]  # (G, 1, 1, Lk)
     d_head = q.shape[-1]
     # The fused CUDA kernels take head sizes in multiples of 8 (see models/transformer.py); zero columns are exact.

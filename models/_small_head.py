@@ -408,17 +408,18 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None,
     c, scale, thresh, inv_keep = scalars(D, dropout_p)
     delta = (grad.float() * out.float()).sum(-1).reshape(B * H, NQ)  # (B H, Nq) fp32
     keep, seed = delta if keep is None else keep, delta if seed is None else seed  # pointers never read
-    dq, dk, dv = heads_last(B, NQ, H, D, q), heads_last(B, NK, H, D, k), heads_last(B, NK, H, D, v)
+    dk, dv = heads_last(B, NK, H, D, k), heads_last(B, NK, H, D, v)
     common = (*q.stride(), *k.stride(), *v.stride(), *grad.stride())
     fused = not torch.are_deterministic_algorithms_enabled()  # atomic adds land in no fixed order
-    dq_sum = q.new_zeros(B, NQ, H, D, dtype=torch.float32) if fused else dq
+    # fused: the fp32 (B, Nq, H, D) sum the dK/dV kernel adds into; else the dQ kernel's output
+    dq = q.new_zeros(B, NQ, H, D, dtype=torch.float32) if fused else heads_last(B, NQ, H, D, q)
     block_m, block_n, warps = TILES["dkdv"]
     n_tiles = triton.cdiv(NK, block_n)
-    _backward_dkdv[(n_tiles * B * H,)](q, k, v, keep, seed, grad, lse, delta, dk, dv, dq_sum, H, NQ, NK, n_tiles,
+    _backward_dkdv[(n_tiles * B * H,)](q, k, v, keep, seed, grad, lse, delta, dk, dv, dq, H, NQ, NK, n_tiles,
                                        *common, *dk.stride(), *dv.stride(), c, scale, thresh, inv_keep,
                                        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, FUSED_DQ=fused, **meta)
     if fused:
-        return dq_sum.to(q.dtype).transpose(1, 2), dk, dv  # (B, H, Nq, D) view of (B, Nq, H, D)
+        return dq.to(q.dtype).transpose(1, 2), dk, dv  # (B, H, Nq, D) view of (B, Nq, H, D)
     block_m, block_n, warps = TILES["dq"]
     n_tiles = triton.cdiv(NQ, block_m)
     _backward_dq[(n_tiles * B * H,)](q, k, v, keep, seed, grad, lse, delta, dq, H, NQ, NK, n_tiles, *common,

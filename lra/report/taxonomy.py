@@ -169,7 +169,8 @@ def eager_slowdowns(layer: pd.DataFrame | None, shape: tuple[int, int] = EAGER_S
         compiled = timed[True][timed[True]["model"] == model]
         if compiled.empty:
             continue
-        both = [card for card in eager["device"].astype(str).iloc[::-1] if card in set(compiled["device"].astype(str))]
+        cards = set(compiled["device"].astype(str))
+        both = [card for card in eager["device"].astype(str).iloc[::-1] if card in cards]
         if both:
             eager, compiled = (r[r["device"].astype(str) == both[0]] for r in (eager, compiled))
         out[model] = float(eager["ms_fwd_bwd"].iloc[-1]) / float(compiled["ms_fwd_bwd"].iloc[-1])
