@@ -109,7 +109,7 @@ class TrainerConfig:
     # launch-bound, e.g. Pathfinder's) | max-autotune | max-autotune-no-cudagraphs
     compile_mode: str = "default"
     # before the first step, a few training rows' gradients through the compiled model against the eager model's:
-    # auto (on CUDA, where the model is compiled) | true | false. Where they differ, compile=auto trains eagerly
+    # auto (wherever the model is compiled) | true | false. Where they differ, compile=auto trains eagerly
     # and compile=true stops (lra.train.run's check_compiled_gradients)
     compile_check: str = "auto"
     # how the model's mixers run: their ``backend`` attribute (e.g. flex, dense, explicit, sdpa: each mixer's
@@ -246,7 +246,7 @@ class BenchSettings:
     steps: int = 20  # timed steps; steps/s = 1 / median step time, the 10th and 90th percentiles beside it
     compile: str = "auto"  # torch.compile the model: auto = on CUDA only
     compile_mode: str = "default"  # torch.compile's mode (trainer.compile_mode's choices)
-    # trainer.compile_check's, before a compiled case is timed: auto (on CUDA) | true | false. A model it rejects is
+    # trainer.compile_check's, before a compiled case is timed: auto (= true) | true | false. A model it rejects is
     # timed eagerly, as training would run it (compiled False, compile_note why); with compile=true its row is an error
     compile_check: str = "auto"
     precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU | bf16 | fp32

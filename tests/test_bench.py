@@ -101,19 +101,19 @@ def test_compile_mode_is_passed_recorded_and_compared_within_its_mode(tmp_path, 
     and the rows say so (the default mode stays blank, as in rows older than the column); a later sweep in that mode
     takes no baseline from the default mode's transformer; a mode torch.compile lacks, or fewer than 3 warm-up steps
     to record the graphs in, are refused before any case runs."""
-    modes = []
+    modes, unchecked = [], dict(compile="true", compile_check="false")  # the compile check: its own tests
     monkeypatch.setattr(torch, "compile", lambda model, dynamic, mode: modes.append(mode) or model)
-    default = bench.run_bench(make_cfg(tmp_path, ["transformer"], [64], compile="true"))
+    default = bench.run_bench(make_cfg(tmp_path, ["transformer"], [64], **unchecked))
     assert modes == ["default"] and default["compile_mode"].tolist() == [""]
-    cfg = make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="reduce-overhead", warmup=3)
+    cfg = make_cfg(tmp_path, [mean_mixer], [64], **unchecked, compile_mode="reduce-overhead", warmup=3)
     graphs = bench.run_bench(cfg)
     assert modes[1:] == ["reduce-overhead"] and graphs["compile_mode"].tolist() == ["reduce-overhead"]
     assert pd.isna(graphs["rel_speed"].iloc[0])  # the only transformer row ran in the default mode
     assert pd.read_csv(tmp_path / "bench.csv")["compile_mode"].fillna("").tolist() == ["", "reduce-overhead"]
     with pytest.raises(ValueError, match="choose one of default, reduce-overhead"):
-        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="fast"))
+        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], **unchecked, compile_mode="fast"))
     with pytest.raises(ValueError, match="set bench.warmup to 3 or more"):
-        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_mode="reduce-overhead"))
+        bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], **unchecked, compile_mode="reduce-overhead"))
 
 
 class ScaledLogits(nn.Module):
@@ -154,13 +154,19 @@ def test_the_compile_check_decides_as_the_runner_and_the_row_says_so(tmp_path, m
         bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile_check="sometimes"))
 
 
-def test_the_compile_check_runs_on_cuda_only_by_default(tmp_path, monkeypatch, mean_mixer):
-    """bench.compile_check=auto (its default): not on the CPU, where a compiled model is asked for, not chosen."""
+def test_the_compile_check_runs_wherever_a_model_is_compiled_unless_turned_off(tmp_path, monkeypatch, mean_mixer):
+    """bench.compile_check=auto (its default) checks a compiled case on the CPU as on CUDA (Inductor's CPU code is
+    wrong in places too); false compiles unchecked; an eager case is never checked."""
     calls = []
-    monkeypatch.setattr(engine, "compiled_gradient_check", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(engine, "compiled_gradient_check",
+                        lambda *a, **k: calls.append(1) or engine.GradientCheck(precision="fp32"))
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
     row = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true")).iloc[0]
-    assert calls == [] and row["compiled"] and pd.isna(row["compile_note"])
+    assert calls == [1] and row["compiled"] and pd.isna(row["compile_note"])
+    row = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="true", compile_check="false")).iloc[0]
+    assert calls == [1] and row["compiled"]
+    row = bench.run_bench(make_cfg(tmp_path, [mean_mixer], [64], compile="false")).iloc[0]
+    assert calls == [1] and not row["compiled"]
 
 
 def test_variants_are_rows_labelled_by_their_options(tmp_path, monkeypatch):

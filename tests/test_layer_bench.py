@@ -247,7 +247,7 @@ def test_compile_puts_every_timed_layer_through_torch_compile(tmp_path, monkeypa
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda layer, dynamic, mode: compiled.append(mode) or layer)
     out = tmp_path / "layers.csv"
-    layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile"])
+    layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile", "--compile-check", "false"])
     rows = pd.read_csv(out)
     assert compiled == ["default"] * 3 and len(rows) == 3 and rows.compile_mode.isna().all()  # blank: the default
     assert rows.compiled.all() and (rows.status == "ok").all()
@@ -271,9 +271,9 @@ class ScaledOutput(torch.nn.Module):
 
 
 def test_the_compile_check_times_a_layer_it_rejects_eagerly_and_the_row_says_why(tmp_path, monkeypatch):
-    """--compile-check (as trainer.compile_check; auto: on CUDA, so true here): the layer's gradients compiled and
-    eager, each against a float64 copy's. Rejected: timed eagerly, compiled False, compile_note the finding (a
-    parameter of the mixer, both errors); right: compiled."""
+    """--compile-check (as trainer.compile_check; auto checks as true does, on the CPU too): the layer's gradients
+    compiled and eager, each against a float64 copy's. Rejected: timed eagerly, compiled False, compile_note the
+    finding (a parameter of the mixer, both errors); right: compiled; false: compiled unchecked."""
     monkeypatch.setattr(torch, "compile", ScaledOutput)
     out = tmp_path / "layers.csv"
     args = ["--models", "linear", "--shapes", "64x2", "--warmup", "0", "--steps", "1", "--device", "cpu",
@@ -287,7 +287,10 @@ def test_the_compile_check_times_a_layer_it_rejects_eagerly_and_the_row_says_why
     row = pd.read_csv(out).iloc[-1]
     assert row.status == "ok" and row.compiled and pd.isna(row.compile_note)
     monkeypatch.setattr(ScaledOutput, "factor", 1.1)
-    layer_bench.main(args)  # auto: the check runs on CUDA only
+    layer_bench.main(args)  # auto: the check runs here, on the CPU, as on CUDA
+    row = pd.read_csv(out).iloc[-1]
+    assert not row.compiled and row.compile_note.startswith("compile check: mixer.")
+    layer_bench.main([*args, "--compile-check", "false"])
     row = pd.read_csv(out).iloc[-1]
     assert row.compiled and pd.isna(row.compile_note)
 
@@ -298,8 +301,8 @@ def test_compile_mode_compiles_every_layer_in_that_mode_and_says_so(tmp_path, mo
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda layer, dynamic, mode: compiled.append(mode) or layer)
     out = tmp_path / "layers.csv"
-    layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile-mode", "reduce-overhead",
-                     "--warmup", "3"])
+    layer_bench.main(["--models", "linear", "--out", str(out), *PEER_ARGS, "--compile-check", "false",
+                      "--compile-mode", "reduce-overhead", "--warmup", "3"])
     rows = pd.read_csv(out)
     assert compiled == ["reduce-overhead"] * 3 == list(rows.compile_mode) and rows.compiled.all()
     assert "every layer compiled (reduce-overhead)" in capsys.readouterr().out

@@ -341,3 +341,24 @@ def test_transformer_equals_the_softmax_formula_for_any_head_size(d_qkv, n_heads
     o = scores.softmax(-1) @ v  # (B, H, N, Dh)
     want = m.out(o.transpose(1, 2).reshape(2, 40, d_qkv))
     torch.testing.assert_close(m(x, mask), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.heavy  # CI's second tier: torch.compile of every model, on the CPU
+@pytest.mark.parametrize("name", MODELS)
+def test_on_the_cpu_a_compiled_model_has_its_eager_gradients(name):
+    """The compile check runs wherever a model is compiled (``trainer.compile_check=auto``), since Inductor's CPU
+    code can be wrong too (torch 2.13: the backward of a padded tensor's overlapping ``unfold`` alone, off by more
+    than the gradient's size). Compiled on the CPU, every model passes the check, with padding and a CLS token, its
+    pattern's blocks not dividing the length: a CPU run with ``trainer.compile=true`` trains compiled."""
+    from lra.train import engine
+
+    torch.manual_seed(0)
+    enc = Encoder(name, {}, vocab_size=20, seq_len=100, n_layers=1, d_model=32, n_heads=2, d_qkv=32, d_ff=32,
+                  dropout=0.0, attn_dropout=0.0, positions="learned", cls_token=True, grid=(10, 10))
+    model = Classifier(enc, 32, 32, 3, "cls")
+    tokens = torch.randint(1, 20, (4, 100))
+    tokens[1, 70:] = 0  # padding
+    torch._dynamo.reset()
+    check = engine.compiled_gradient_check(model, (tokens,), torch.tensor([0, 1, 2, 1]))
+    assert check.precision is not None, f"{name}: torch.compile failed in {check.failed}"
+    assert not check.rejected, f"{name}: {check.describe()}"

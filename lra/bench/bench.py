@@ -227,7 +227,7 @@ def bench_case(cfg: DictConfig, name: str, row: BenchRow, device: torch.device, 
     tokens = torch.randint(1, b.vocab_size, (row.batch_size, row.seq_len), device=device)  # (B, N), no padding
     labels = torch.randint(0, get_task(cfg.task.name).n_classes, (row.batch_size,), device=device)  # (B,)
     mode = b.get("compile_mode", "default")
-    if compile_ and engine.compile_check_due(b.compile_check, compile_, device):
+    if engine.compile_check_due(b.compile_check, compile_):
         compile_ = checked_compile(cfg, row, model, tokens, labels, device, precision)
         row.compiled, row.compile_mode = compile_, engine.recorded_compile_mode(compile_, mode)
     if compile_:

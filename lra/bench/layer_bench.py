@@ -19,7 +19,7 @@ sets ours beside them. Without it, the packages' numbers are the stored ``peers_
 ``results/published.csv`` (timed on the card and torch their rows name, not this one, so their ms compare only
 roughly).
 ``--compile`` puts every timed layer (ours, the packages', SDPA's) through ``torch.compile`` first, as the runner
-compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. Before that, on CUDA
+compiles the model it trains; the warm-up steps compile it, and rows say ``compiled``. Before that
 (``--compile-check``, as ``trainer.compile_check``), the runner's compile check: the layer's gradients compiled and
 eager, each against a float64 copy's; a layer it rejects is timed eagerly (``compiled`` False, ``compile_note``
 why). ``--compile-mode`` picks torch.compile's mode (``trainer.compile_mode``'s choices; it implies ``--compile``,
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help="torch.compile's mode (implies --compile): reduce-overhead replays CUDA graphs")
     parser.add_argument("--compile-check", choices=CHOICES["trainer.compile_check"], default="auto",
                         help="before a layer is timed compiled, its compiled gradients against float64's, as the "
-                             "runner checks (auto: on CUDA); a layer it rejects is timed eagerly, its row saying why")
+                             "runner checks (auto = true); a layer it rejects is timed eagerly, its row saying why")
     parser.add_argument("--width", type=parse_width, default=PROTOCOL_WIDTH, metavar="DxHxQ",
                         help="our mixers at this d_model x heads x d_qkv (e.g. Pathfinder's 32x4x16) instead of the "
                              "protocol's 256x4x256; not with --peers")
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         parser.error(str(error))
     device = engine.resolve_device(args.device)
     engine.configure(device)
-    check = engine.compile_check_due(args.compile_check, args.compile, device)
+    check = engine.compile_check_due(args.compile_check, args.compile)
     models = args.models.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     common = dict(precision="bf16" if device.type == "cuda" else "fp32", device=device_name(device),

@@ -676,7 +676,7 @@ class Trainer:
         self.compiled, self.train_fn, self.eval_fn = False, self.eager_train_fn, self.model
 
     def check_compiled_gradients(self) -> None:
-        """``trainer.compile_check`` (auto: on CUDA, where the model is compiled: ``engine.compile_check_due``):
+        """``trainer.compile_check`` (auto: wherever the model is compiled: ``engine.compile_check_due``):
         before this process's first step, the loss gradients of the first ``engine.COMPILE_CHECK_ROWS`` training rows
         (unpacked), through torch.compile and eagerly, each against a float64 copy of the model's, in eval mode
         (``engine.compiled_gradient_check``: compiled is accepted within ``COMPILE_ERROR_FACTOR`` times eager's error
@@ -689,7 +689,7 @@ class Trainer:
         says so); where no graph compiles, it says the gradients are unchecked and leaves the failure to the training
         step's own fallback."""
         cfg = self.cfg
-        if not engine.compile_check_due(cfg.trainer.compile_check, self.compiled, self.device):
+        if not engine.compile_check_due(cfg.trainer.compile_check, self.compiled):
             return
         rows = torch.arange(min(engine.COMPILE_CHECK_ROWS, len(self.data.train)))
         inputs, labels = self.device_inputs(rows, False)
