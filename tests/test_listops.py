@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lra.data import listops
-from lra.data.listops import OPERATORS, VOCAB, generate, generate_trees, read_tsv, tokenize
+from lra.data.listops import OPERATORS, VOCAB, generate, generate_trees, read_tsv, token_ids, tokenize
 from lra.errors import DataError
 
 
@@ -112,6 +112,21 @@ def test_tokenizer_follows_lra_rewrite():
     ids = tokenize("( ( ( [MAX 2 ) 9 ) ] )")
     assert [VOCAB[i] for i in ids] == ["[MAX", "2", "9", "]"]
     assert 0 not in ids and len(VOCAB) == 16  # pad + 15 symbols
+
+
+@pytest.mark.parametrize("source", ["( ( ( [MAX 2 ) 9 ) ] )", "[SM 1 ]", "( [MIN\t3\u00a0] )\x1c(", "", "( )",
+                                    "[MED ( 0 ( 9 ] ] ) )"])
+def test_read_tsvs_tokenizer_is_the_rewrite(source):
+    """read_tsv's string-operation tokenizer gives ``tokenize``'s ids, whatever whitespace split() separates on."""
+    assert token_ids(source).tolist() == tokenize(source)
+
+
+@pytest.mark.parametrize("source", ["( [MEAN 2 ] )", "( [MIN 12 ] )", "( [MIN 1 ]) )", "[MINX", "a 1"])
+def test_read_tsvs_tokenizer_refuses_what_tokenize_refuses(source):
+    with pytest.raises(KeyError):
+        tokenize(source)
+    with pytest.raises(KeyError):
+        token_ids(source)
 
 
 def test_truncation(tmp_path):
