@@ -4,6 +4,7 @@ through the same loaders.
     python -m lra.generate listops --out DIR [--seed S --train N --val N --test N --workers W]
     python -m lra.generate pathfinder --resolution 32 --difficulty hard --n 200000 --out DIR [--seed S --workers W]
     python -m lra.generate pathfinder --resolution 128 --time results/generate.csv [--time-images N --warmup N]
+    python -m lra.generate pathfinder --resolution 128 --time results/generate.csv --time-workers 16 --time-images 8000
 """
 from __future__ import annotations
 
@@ -34,12 +35,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-images", type=int, default=40, help="images timed")
     p.add_argument("--warmup", type=int, default=200, help="images drawn first, untimed")
     p.add_argument("--time-runs", type=int, default=3, help="alternating runs; the fastest counts")
+    p.add_argument("--time-workers", type=int, metavar="W", help="with --time: instead of the one-core comparison, "
+                   "the wall time of writing --time-images images in W processes (pathfinder_gen.time_parallel)")
 
     args = parser.parse_args(argv)
     if args.task == "listops":
         folder = generate(args.out, seed=args.seed, train=args.train, val=args.val, test=args.test,
                           workers=args.workers)
         print(f"wrote {folder}")
+    elif args.time and args.time_workers:
+        row = pathfinder_gen.time_parallel(args.resolution, args.difficulty, args.time_images, args.time_workers,
+                                           args.seed)
+        append_row(args.time, {**row, "git_sha": git_sha(), "timestamp": now_iso()}, pathfinder_gen.TIMING_COLUMNS)
     elif args.time:
         for row in pathfinder_gen.time_generators(args.resolution, args.difficulty, args.time_images, args.warmup,
                                                   args.seed, args.time_runs):

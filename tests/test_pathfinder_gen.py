@@ -426,6 +426,24 @@ def test_timing_rows(tmp_path):
     assert (lists["images"], lists["runs"]) == (4, 2) and lists["git_sha"]
 
 
+def test_parallel_timing_row_is_the_wall_time_of_writing_the_images(tmp_path, monkeypatch):
+    """``--time CSV --time-workers W``: ``generate`` itself, W processes, into a temporary folder it removes; the row
+    says the workers, the wall time per image and LRA's 200,000 at that rate."""
+    from lra import generate
+
+    folders = []
+    real = pg.generate
+    monkeypatch.setattr(pg, "generate", lambda out, *a, **k: folders.append(real(out, *a, **k)) or folders[-1])
+    out = tmp_path / "generate.csv"
+    generate.main(["pathfinder", "--resolution", "32", "--difficulty", "easy", "--time", str(out), "--time-images",
+                   "12", "--time-workers", "2"])
+    row = pd.read_csv(out).iloc[-1]
+    assert list(pd.read_csv(out).columns) == pg.TIMING_COLUMNS
+    assert (row.task, row.generator, row.workers, row.images) == ("pathfinder32", "paddle lists", 2, 12)
+    assert row.minutes_200k_wall == pytest.approx(row.s_per_image * 200_000 / 60, abs=0.1) and row.git_sha
+    assert len(folders) == 1 and not folders[0].exists() and row.s_per_image > 0  # written, then removed
+
+
 @pytest.mark.slow
 def test_paddle_lists_outpace_the_canvas_code():
     """A ratio on one core of this machine (the committed figures are in results/generate.csv)."""
