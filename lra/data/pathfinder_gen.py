@@ -87,6 +87,7 @@ import math
 import operator
 import os
 import platform
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing import get_all_start_methods, get_context
@@ -1373,8 +1374,6 @@ def time_parallel(resolution: int = 128, difficulty: str = "hard", images: int =
     Returns a TIMING_COLUMNS row (less git_sha and timestamp): ``s_per_image`` the wall time per image at that
     parallelism, ``minutes_200k_wall`` LRA's 200,000 images at the same rate, measured rather than projected from
     one core (the pool's start, the disk and the cores' shared caches and clocks are in it)."""
-    import tempfile
-
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     batch_size = batch_size or max(1, images // (4 * workers))
     with tempfile.TemporaryDirectory(prefix="pathfinder-timing-") as tmp:
