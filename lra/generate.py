@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> None:
         folder = generate(args.out, seed=args.seed, train=args.train, val=args.val, test=args.test,
                           workers=args.workers)
         print(f"wrote {folder}")
-    elif args.time and args.time_workers:
-        row = pathfinder_gen.time_parallel(args.resolution, args.difficulty, args.time_images, args.time_workers,
-                                           args.seed)
-        append_row(args.time, {**row, "git_sha": git_sha(), "timestamp": now_iso()}, pathfinder_gen.TIMING_COLUMNS)
     elif args.time:
-        for row in pathfinder_gen.time_generators(args.resolution, args.difficulty, args.time_images, args.warmup,
-                                                  args.seed, args.time_runs):
+        if args.time_workers:
+            rows = [pathfinder_gen.time_parallel(args.resolution, args.difficulty, args.time_images,
+                                                 args.time_workers, args.seed)]
+        else:
+            rows = pathfinder_gen.time_generators(args.resolution, args.difficulty, args.time_images, args.warmup,
+                                                  args.seed, args.time_runs)
+        for row in rows:
             append_row(args.time, {**row, "git_sha": git_sha(), "timestamp": now_iso()},
                        pathfinder_gen.TIMING_COLUMNS)
     else:

@@ -1331,7 +1331,7 @@ def generate(out_dir, resolution: int = 32, difficulty: str = "hard", n: int = 2
     mpath.write_text(json.dumps(manifest, indent=1))
     jobs = [(str(folder), params, seed, k, size) for k in range(math.ceil(n / batch_size))
             if not _batch_done(folder, k, size := min(batch_size, n - k * batch_size))]
-    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    workers = workers or usable_cores()
     parallel = workers > 1 and len(jobs) > 1
     ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")  # workers never touch torch
     # the pool forks before tqdm starts its monitor thread
@@ -1340,6 +1340,11 @@ def generate(out_dir, resolution: int = 32, difficulty: str = "hard", n: int = 2
         for size in (pool.imap_unordered(_write_batch, jobs) if parallel else map(_write_batch, jobs)):
             bar.update(size)
     return folder
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one): ``generate``'s default workers."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _batch_done(folder: Path, k: int, size: int) -> bool:
@@ -1374,21 +1379,26 @@ def time_parallel(resolution: int = 128, difficulty: str = "hard", images: int =
     Returns a TIMING_COLUMNS row (less git_sha and timestamp): ``s_per_image`` the wall time per image at that
     parallelism, ``minutes_200k_wall`` LRA's 200,000 images at the same rate, measured rather than projected from
     one core (the pool's start, the disk and the cores' shared caches and clocks are in it)."""
-    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    workers = workers or usable_cores()
     batch_size = batch_size or max(1, images // (4 * workers))
     with tempfile.TemporaryDirectory(prefix="pathfinder-timing-") as tmp:
         start = time.perf_counter()
         generate(tmp, resolution, difficulty, images, seed, workers, batch_size, progress=False)
         wall = time.perf_counter() - start
     per = wall / images
-    row = {"task": "pathx" if resolution == 128 else f"pathfinder{resolution}", "resolution": resolution,
-           "difficulty": difficulty, "generator": "paddle lists", "version": GENERATOR_VERSION, "images": images,
-           "warmup": 0, "runs": 1, "s_per_image": round(per, 5), "seed": seed, "cpu": _cpu_name(),
-           "python": platform.python_version(), "numpy": np.__version__, "pillow": Image.__version__,
-           "workers": workers, "minutes_200k_wall": round(per * 200_000 / 60, 1)}
+    row = {**_timing_row(resolution, difficulty, "paddle lists", images, seed), "warmup": 0, "runs": 1,
+           "s_per_image": round(per, 5), "workers": workers, "minutes_200k_wall": round(per * 200_000 / 60, 1)}
     print(f"pathfinder{resolution} {difficulty}: {images} images in {wall:.1f} s on {workers} processes; "
           f"200,000 would take {row['minutes_200k_wall']} minutes")
     return row
+
+
+def _timing_row(resolution: int, difficulty: str, generator: str, images: int, seed: int) -> dict:
+    """What every timing row says of what was timed and where (TIMING_COLUMNS less the measurements)."""
+    return {"task": "pathx" if resolution == 128 else f"pathfinder{resolution}", "resolution": resolution,
+            "difficulty": difficulty, "generator": generator, "version": GENERATOR_VERSION, "images": images,
+            "seed": seed, "cpu": _cpu_name(), "python": platform.python_version(), "numpy": np.__version__,
+            "pillow": Image.__version__}
 
 
 def _cpu_name() -> str:
@@ -1445,12 +1455,10 @@ def time_generators(resolution: int = 128, difficulty: str = "hard", images: int
     rows = []
     for reference in (True, False):
         per = spent[reference] / images
-        rows.append({"task": "pathx" if resolution == 128 else f"pathfinder{resolution}", "resolution": resolution,
-                     "difficulty": difficulty, "generator": "canvas" if reference else "paddle lists",
-                     "version": GENERATOR_VERSION, "images": images, "warmup": warm[reference], "runs": runs,
-                     "s_per_image": round(per, 5), "speedup": round(spent[True] / spent[reference], 2),
-                     "minutes_200k_16_cores": round(per * 200_000 / 16 / 60, 1), "seed": seed, "cpu": _cpu_name(),
-                     "python": platform.python_version(), "numpy": np.__version__, "pillow": Image.__version__})
+        rows.append({**_timing_row(resolution, difficulty, "canvas" if reference else "paddle lists", images, seed),
+                     "warmup": warm[reference], "runs": runs, "s_per_image": round(per, 5),
+                     "speedup": round(spent[True] / spent[reference], 2),
+                     "minutes_200k_16_cores": round(per * 200_000 / 16 / 60, 1)})
         print(f"pathfinder{resolution} {difficulty} {rows[-1]['generator']}: {per * 1000:.1f} ms/image/core, "
               f"x{rows[-1]['speedup']}")
     return rows
