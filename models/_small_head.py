@@ -78,18 +78,22 @@ The bound. Per score (B H Nq Nk scores a layer), with DP = max(16, D):
   forward  2 tensor-core products of depth DP (q . k, then p v), 1 exp2, ~6 FP32 operations (the exponent's FFMA,
            max, subtract, sum, the rescale's share, the select of dropout), hash ~5 integer operations;
   dK, dV   5 products (S^T, dP^T, dV, dK, and dQ's share), 1 exp2, ~6 FP32 operations, hash ~5 plus the rows'
-           keys (1 / 128 of a full lowbias32 pair per score), D / 128 atomic adds;
+           keys (a lowbias32 pair per query of a step and thread that holds it: ~4 per score at these tiles),
+           D / 128 atomic adds;
   dQ       (deterministic mode only) 3 products (S, dP, dQ), 1 exp2, ~4 FP32 operations, hash ~5, and dK/dV's
            share of dQ is not formed;
-so a training step takes E = 2 exp2 per score and issues about I = 45 other instructions per score and thread with
-dropout (about 28 without), besides 7 products of depth DP; in deterministic mode E = 3, I = 55 (33) and 9
-products. A step of LRA's Pathfinder transformer (batch 512, 4 heads, N 1024, 4 layers) has
-S = B H N^2 layers = 512 * 4 * 1024^2 * 4 = 8.6e9 scores. On a card of n SMs at clock f its attention then takes at
-least max(S I / (128 n f), S E / (16 n f), 2 S P DP / F) seconds for P products: 128 FP32/INT32 lanes an SM a
-clock issue I, 16 MUFU lanes an SM a clock take E, F is the card's dense bf16 tensor rate (FLOP/s).
+so a training step takes E = 2 exp2 per score and 7 products of depth DP, and the loops compiled for sm_90 (head
+size 4, bf16, no mask; nvdisasm of Triton's cubin, instructions of the loop body over the scores a thread holds)
+issue I = 18.3 + 24.0 = 42.3 instructions per score with dropout (11.8 + 12.6 = 24.4 without); in deterministic
+mode E = 3, 9 products and I = 18.3 + 22.5 + 14.8 = 55.6 (11.8 + 11.4 + 8.8 = 32.0), dK/dV then forming no dQ.
+A step of LRA's Pathfinder transformer (batch 512, 4 heads, N 1024, 4 layers) has S = B H N^2 layers =
+512 * 4 * 1024^2 * 4 = 8.6e9 scores. On a card of n SMs at clock f its attention then takes at least
+max(S I / (128 n f), S E / (16 n f), 2 S P DP / F) seconds for P products: 128 FP32/INT32 lanes an SM a clock issue
+I, 16 MUFU lanes an SM a clock take E, F is the card's dense bf16 tensor rate (FLOP/s). Measured against it:
+docs/performance.md.
 
-CUDA only in use (the transformer takes it for unpacked rows, ``backend``); the tests run the same kernels on the
-CPU through Triton's interpreter.
+CUDA only in use (the transformer takes it for unpacked 16-bit rows with heads off a multiple of 8, ``backend``);
+the tests run the same kernels on the CPU through Triton's interpreter.
 """
 from __future__ import annotations
 

@@ -24,9 +24,10 @@ from the dK/dV kernel; under torch's deterministic mode from a kernel of its own
 exponent. Their attention dropout departs from FlashAttention's Philox: each
 score's keep decision is a counter-based integer hash of (seed, batch-head, query, key), a few integer operations
 per score, statistically equivalent (each score kept independently with probability 1 - p), the seed drawn from
-torch's RNG each call. "auto" takes SDPA everywhere: the kernels become its choice for small heads on CUDA once
-results/layer_bench.csv holds their rows beside SDPA's at those shapes (on the CPU they run only under Triton's
-interpreter, for the tests).
+torch's RNG each call. "auto" takes them on CUDA for 16-bit inputs (bf16/fp16, as autocast gives) with heads
+off a multiple of 8, which SDPA would pad: at Pathfinder's shape (4 heads of 4, N 1,024, batch 512) a layer runs
+faster and in less memory than through SDPA, with attention dropout and without (results/layer_bench.csv, width
+32x4x16). Elsewhere "auto" keeps SDPA; on the CPU the kernels run only under Triton's interpreter, for the tests.
 
 Causal form (``causal = True``, set on an instance: next-token pretraining, ``lra.train.pretrain``): query i
 attends to keys j <= i, through SDPA on unpacked rows (``is_causal`` without padding, else the padding mask and the
@@ -72,8 +73,10 @@ class Transformer(MultiHeadMixer):
 
     def takes_small_head(self, q: torch.Tensor, segments: torch.Tensor | None) -> bool:
         """Whether the small-head kernels run: when ``backend`` names them (unpacked rows, head size <= 32, CUDA or
-        Triton's interpreter); "auto" keeps SDPA."""
+        Triton's interpreter), and under "auto" where ``small_heads_suit`` the rows."""
         backend = chosen_backend(self)
+        if backend == "auto":
+            return segments is None and small_heads_suit(q)
         if backend == "small_head":
             if segments is not None:
                 raise ValueError("backend='small_head' takes unpacked rows only; packed rows (segments) run SDPA's "
@@ -138,6 +141,13 @@ class Transformer(MultiHeadMixer):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :] & past,
                                                dropout_p=self.dropout_p, scale=d_head ** -0.5)  # mask (B, 1, N, N)
         return o[..., :d_head]  # (B, H, N, d_head)
+
+
+def small_heads_suit(q: torch.Tensor) -> bool:
+    """"auto"'s choice of the small-head kernels for q (B, H, N, Dh): on CUDA, bf16 or fp16, Dh off a multiple of 8
+    (which SDPA pads) and at most MAX_HEAD (0 without triton)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 != 0 \
+        and q.shape[-1] <= MAX_HEAD
 
 
 @once_per_batch

@@ -3,6 +3,7 @@ dropout keep mask: on the CPU through Triton's interpreter (TRITON_INTERPRET=1, 
 triton is imported), or on a GPU."""
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from models._small_head import (
     threshold,
 )
 from models.registry import create_model
+from models.transformer import small_heads_suit
 from tests.conftest import compiles_for_hopper
 from tests.mixer_checks import out_and_grads, relative_errors
 
@@ -219,7 +221,7 @@ def test_the_transformer_with_backend_small_head_computes_what_sdpa_does(monkeyp
     mask = torch.ones(2, 70, dtype=torch.bool, device=DEVICE)
     mask[1, 50:] = False
     *ours, mixer = transformer_outputs("small_head", x, mask)
-    *sdpa, _ = transformer_outputs("auto", x, mask)
+    *sdpa, _ = transformer_outputs("dense", x, mask)
     for a, b in zip(ours, sdpa):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="unpacked rows only"):
@@ -231,6 +233,20 @@ def test_the_transformer_with_backend_small_head_computes_what_sdpa_does(monkeyp
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="runs on CUDA"):
             mixer(x, mask)
+
+
+@pytest.mark.parametrize(("device", "dtype", "d_head", "takes"), [
+    ("cuda", torch.bfloat16, 4, True), ("cuda", torch.float16, 12, True), ("cuda", torch.bfloat16, 32 + 4, False),
+    ("cuda", torch.bfloat16, 8, False), ("cuda", torch.bfloat16, 16, False), ("cuda", torch.float32, 4, False),
+    ("cuda", torch.float64, 4, False), ("cpu", torch.bfloat16, 4, False)])
+def test_auto_takes_the_small_head_kernels_for_16_bit_cuda_heads_that_sdpa_would_pad(device, dtype, d_head, takes):
+    """"auto"'s choice, pinned: the kernels where SDPA would pad the head (off a multiple of 8, up to 32), for the
+    bf16/fp16 rows autocast gives on CUDA; SDPA for fp32 and float64 (the compile check's reference copy), on the
+    CPU, and for packed rows."""
+    q = SimpleNamespace(is_cuda=device == "cuda", dtype=dtype, shape=(2, 4, 10, d_head))
+    assert small_heads_suit(q) is takes
+    mixer = create_model("transformer", d_model=32, n_heads=4, d_qkv=16, dropout=0.0, max_len=10)
+    assert mixer.takes_small_head(q, None) is takes and not mixer.takes_small_head(q, torch.zeros(2, 10))
 
 
 def test_the_transformers_dropout_follows_the_run_seed():
