@@ -84,8 +84,8 @@ The bound. Per score (B H Nq Nk scores a layer), with DP = max(16, D):
            share of dQ is not formed;
 so a training step takes E = 2 exp2 per score and 7 products of depth DP, and the loops compiled for sm_90 (head
 size 4, bf16, no mask; nvdisasm of Triton's cubin, instructions of the loop body over the scores a thread holds)
-issue I = 18.3 + 24.0 = 42.3 instructions per score with dropout (11.8 + 12.6 = 24.4 without); in deterministic
-mode E = 3, 9 products and I = 18.3 + 22.5 + 14.8 = 55.6 (11.8 + 11.4 + 8.8 = 32.0), dK/dV then forming no dQ.
+issue I = 16.3 + 24.0 = 40.3 instructions per score with dropout (9.0 + 12.6 = 21.6 without); in deterministic
+mode E = 3, 9 products and I = 16.3 + 22.5 + 14.8 = 53.6 (9.0 + 11.4 + 8.8 = 29.2), dK/dV then forming no dQ.
 A step of LRA's Pathfinder transformer (batch 512, 4 heads, N 1024, 4 layers) has S = B H N^2 layers =
 512 * 4 * 1024^2 * 4 = 8.6e9 scores. On a card of n SMs at clock f its attention then takes at least
 max(S I / (128 n f), S E / (16 n f), 2 S P DP / F) seconds for P products: 128 FP32/INT32 lanes an SM a clock issue
@@ -173,15 +173,34 @@ def _mm(a, b, OP: tl.constexpr):
 
 @triton.jit
 def _tile(base, stride_n, stride_d, offs_n, offs_d, N, D):
-    """A (BLOCK, DP) tile of a (N, D) matrix in its own dtype, zeros outside it."""
+    """A (BLOCK, len(offs_d)) tile of a (N, D) matrix in its own dtype, zeros outside it."""
     return tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d,
                    mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
 
 
 @triton.jit
+def _widened(x, DP: tl.constexpr):
+    """(BLOCK, DL) -> (BLOCK, DP) in registers, zeros interleaved until DP columns: column d lands at d DP / DL.
+    Operands widened alike keep their dot products, and a product's output columns are read back by ``_narrowed``."""
+    for _ in tl.static_range(5):
+        if x.shape[1] < DP:
+            x = tl.interleave(x, tl.zeros_like(x))
+    return x
+
+
+@triton.jit
+def _narrowed(x, DL: tl.constexpr):
+    """(BLOCK, DP) -> (BLOCK, DL): the columns ``_widened`` placed, at d DP / DL."""
+    for _ in tl.static_range(5):
+        if x.shape[1] > DL:
+            x, _odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    return x
+
+
+@triton.jit
 def _store(base, stride_n, stride_d, offs_n, offs_d, N, D, x, OP: tl.constexpr):
-    """fp32 x (BLOCK, DP) into a (N, D) matrix of the pointer's dtype (under the interpreter, rounded to the nearest
-    bf16 first: its own conversion truncates)."""
+    """fp32 x (BLOCK, len(offs_d)) into a (N, D) matrix of the pointer's dtype (under the interpreter, rounded to the
+    nearest bf16 first: its own conversion truncates)."""
     if OP == 3:
         x = _round_bf16(x)
     tl.store(base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d, x.to(base.dtype.element_ty),
@@ -203,15 +222,18 @@ def _key_bias(KEEP, b, offs_n, NK, HAS_MASK: tl.constexpr):
 @triton.jit
 def _forward(Q, K, V, KEEP, SEED, OUTPUT, LSE, H, NQ, NK, n_tiles,
              sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-             c, thresh, inv_keep, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, OP: tl.constexpr):
-    """Grid (query tiles x heads,): out and the log-sum-exp of a query tile, online softmax over key tiles."""
+             c, thresh, inv_keep, D: tl.constexpr, DL: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, OP: tl.constexpr):
+    """Grid (query tiles x heads,): out and the log-sum-exp of a query tile, online softmax over key tiles. Tiles
+    are loaded at their DL = next_pow2(D) real columns (a row's D values lie together: few, wide loads) and widened
+    in registers (``_widened``). The backward kernels load theirs padded to DP instead: widening the many tiles of
+    their products would shuffle registers more than it saves in loads."""
     pid = tl.program_id(0)
     bh, tile = pid // n_tiles, pid % n_tiles
     b, h = bh // H, bh % H
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, DP)
-    q = _tile(Q + b * sqb + h * sqh, sqn, sqd, offs_m, offs_d, NQ, D)  # (BLOCK_M, DP)
+    offs_d = tl.arange(0, DL)
+    q = _widened(_tile(Q + b * sqb + h * sqh, sqn, sqd, offs_m, offs_d, NQ, D), DP)  # (BLOCK_M, DP)
     K += b * skb + h * skh
     V += b * svb + h * svh
     m = tl.full((BLOCK_M,), NO_ROW, tl.float32)  # running maximum of the exponents (log2 units)
@@ -221,8 +243,8 @@ def _forward(Q, K, V, KEEP, SEED, OUTPUT, LSE, H, NQ, NK, n_tiles,
         rows = _row_keys(tl.load(SEED).to(tl.uint32), bh, offs_m)
     for start in range(0, NK, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        k = _tile(K, skn, skd, offs_n, offs_d, NK, D)  # (BLOCK_N, DP)
-        v = _tile(V, svn, svd, offs_n, offs_d, NK, D)
+        k = _widened(_tile(K, skn, skd, offs_n, offs_d, NK, D), DP)  # (BLOCK_N, DP)
+        v = _widened(_tile(V, svn, svd, offs_n, offs_d, NK, D), DP)
         t = _mm(q, tl.trans(k), OP) * c + _key_bias(KEEP, b, offs_n, NK, HAS_MASK)[None, :]  # (BLOCK_M, BLOCK_N)
         m_new = tl.maximum(m, tl.max(t, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -235,7 +257,7 @@ def _forward(Q, K, V, KEEP, SEED, OUTPUT, LSE, H, NQ, NK, n_tiles,
     seen = total > 0.0  # False: no real key at all
     total = tl.where(seen, total, 1.0)
     o = acc * tl.where(seen, inv_keep / total, 0.0)[:, None]
-    _store(OUTPUT + b * sob + h * soh, son, sod, offs_m, offs_d, NQ, D, o, OP)
+    _store(OUTPUT + b * sob + h * soh, son, sod, offs_m, offs_d, NQ, D, _narrowed(o, DL), OP)  # (BLOCK_M, DL)
     lse = tl.where(seen, (m + tl.log2(total)) / LOG2E, float("inf"))  # natural log of sum_j exp(s_ij)
     tl.store(LSE + bh * NQ + offs_m, lse, mask=offs_m < NQ)
 
@@ -398,7 +420,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, seed: Tensor |
     n_tiles = triton.cdiv(NQ, block_m)
     _forward[(n_tiles * B * H,)](q, k, v, lse if keep is None else keep, lse if seed is None else seed, out, lse,
                                  H, NQ, NK, n_tiles, *q.stride(), *k.stride(), *v.stride(), *out.stride(), c, thresh,
-                                 inv_keep, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **meta)
+                                 inv_keep, DL=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
+                                 num_warps=warps, **meta)
     return out, lse
 
 

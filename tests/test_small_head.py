@@ -305,6 +305,8 @@ for D, value, op, extras in ((4, "*bf16", 1, (True, True)), (32, "*bf16", 1, (Fa
     for name, fn in (("forward", kernels._forward), ("dkdv", kernels._backward_dkdv), ("dq", kernels._backward_dq)):
         block_m, block_n, warps = kernels.TILES[name]
         meta = dict(D=D, DP=max(16, D), BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=extras[0], DROPOUT=extras[1], OP=op)
+        if "DL" in fn.arg_names:
+            meta["DL"] = triton.next_power_of_2(D)
         signature = {arg: "constexpr" if arg in meta else value if arg in IN_DTYPE else TYPES.get(arg)
                      or ("*fp32" if arg in ("LSE", "DELTA") else "i32") for arg in fn.arg_names}
         triton.compile(ASTSource(fn, signature, constexprs=meta), target=GPUTarget("cuda", 90, 32),
