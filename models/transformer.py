@@ -98,7 +98,7 @@ class Transformer(MultiHeadMixer):
         backend = chosen_backend(self)
         if backend == "dense" or (backend == "auto" and not q.is_cuda):
             return "dense"
-        flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        flash = cuda_16_bit(q)
         return "varlen" if backend != "jagged" and flash else "jagged"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -143,11 +143,15 @@ class Transformer(MultiHeadMixer):
         return o[..., :d_head]  # (B, H, N, d_head)
 
 
+def cuda_16_bit(q: torch.Tensor) -> bool:
+    """Rows the fused 16-bit kernels take: on CUDA, in fp16 or bf16 (as autocast gives)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def small_heads_suit(q: torch.Tensor) -> bool:
-    """"auto"'s choice of the small-head kernels for q (B, H, N, Dh): on CUDA, bf16 or fp16, Dh off a multiple of 8
-    (which SDPA pads) and at most MAX_HEAD (0 without triton)."""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 != 0 \
-        and q.shape[-1] <= MAX_HEAD
+    """"auto"'s choice of the small-head kernels for q (B, H, N, Dh): ``cuda_16_bit`` rows whose Dh is off a
+    multiple of 8 (which SDPA pads) and at most MAX_HEAD (0 without triton)."""
+    return cuda_16_bit(q) and q.shape[-1] % 8 != 0 and q.shape[-1] <= MAX_HEAD
 
 
 @once_per_batch
