@@ -391,6 +391,27 @@ def test_direct_draws_are_the_generators():
     assert pg._direct_matches(np.random.PCG64)  # else generation is right, only slower
 
 
+def test_word_draws_are_the_generators():
+    """Draws made in Python from blocks of raw outputs (what the paddle-list code draws with): value for value the
+    Generator's, and settle() leaves the generator where the Generator's own draws leave it, across block ends, with
+    a 32-bit half kept or not, and with Generator draws between settles."""
+    ours, theirs = np.random.default_rng(3), np.random.default_rng(3)
+    for run in range(3):
+        integers, random, bounded, settle = pg._words(ours)
+        angle = bounded(-180, 180)
+        for i in range(2 * pg._WORDS_BLOCK + run):
+            low, high = [(0, 1), (0, 2), (-180, 180), (0, 360), (0, 3), (0, 99991)][i % 6]
+            assert integers(low, high) == int(theirs.integers(low, high))
+            if i % 4 == run:
+                assert angle() == int(theirs.integers(-180, 180))
+            if i % 3:
+                assert random() == theirs.random()
+        settle()
+        assert ours.bit_generator.state == theirs.bit_generator.state
+        assert int(ours.integers(0, 7)) == int(theirs.integers(0, 7))  # the generator goes on from there
+    assert pg._words_match(np.random.PCG64)  # else generation takes the direct C calls: right, only slower
+
+
 def test_marker_windows_are_the_canvas_markers():
     for res, step in ((32, 1), (128, 9)):
         params = pg.PathfinderParams.for_lra(res, "hard")

@@ -366,12 +366,14 @@ def _placed(hw, start, key, contrast) -> _Paddle:
 #   at an on-canvas pixel (rounding is monotone: max(a, b) + q = max(a + q, b + q)). Masks are <= 1, so only
 #   pixels >= 0.8 of both can reach it: per pair of angles, the shifts P's start - Q's start at which they do.
 # Which kept paddles reach which pixels is read from occupancy bitmasks (Python ints) of their g > 0 and mask
-# >= _HOT; g itself from a canvas of mask levels (every mask value is float32(k / 255) for an integer k).
+# >= _HOT; g itself as mask levels (every mask value is float32(k / 255) for an integer k, and k -> value is
+# increasing, so the max of levels gives the max of values) from each kept paddle near the pivot.
 _NEGLIGIBLE = 1e-20  # a turn weight at or below it is past the cut-off
 _TIE = 1e-10         # |u - cumulative| below it: resolved by the exact arithmetic
 _HOT = 0.79          # mask values below it cannot reach 1.8 with another mask (<= 1; a value is float32(k / 255))
 _NO_ROOM = False     # a cumulative table's value where extend gives up (total < 1e-4) without a draw
 _MISSING = object()
+_UNSTEPPED = 1 << 62  # a heading's ``dpos`` where _step is no fixed pos offset (``_PairGeometry.next_pivot`` then)
 _NEAR_KEPT = 100_000  # cached near-candidate tables per geometry (a few hundred bytes each)
 
 
@@ -443,16 +445,122 @@ def _direct_matches(kind: type) -> bool:
         return False
 
 
+_WORDS_BLOCK = 1024  # 64-bit outputs ``_words`` draws from the bit generator at a time
+
+
+def _words(rng: np.random.Generator):
+    """``_direct``'s draws made in Python from PCG64's 64-bit outputs, drawn _WORDS_BLOCK at a time (``random_raw``)
+    and spent as numpy spends them: random() is (word >> 11) * 2**-53 (next_double); a 32-bit draw takes a word's
+    low half and keeps its high half for the next 32-bit draw (next_uint32's has_uint32 / uinteger); integers is
+    numpy's Lemire draw on those. Returns (integers, random, bounded, settle): settle() leaves the bit generator
+    where these draws have left the stream (its state before the blocks, advanced by the words spent, with the kept
+    half) and must run before anything else draws from ``rng``; a draw after it starts from that state."""
+    bitgen, scale = rng.bit_generator, 1.0 / 9007199254740992.0
+    words = []  # the current block's unspent words, the next one last
+    pop = words.pop
+    start = None  # [state before the blocks, words drawn in them] since the last settle
+    has = half = 0
+
+    def refill() -> None:
+        nonlocal start, has, half
+        if start is None:
+            state = bitgen.state
+            start = [state, 0]
+            has, half = state["has_uint32"], state["uinteger"]
+        words[:] = bitgen.random_raw(_WORDS_BLOCK).tolist()[::-1]
+        start[1] += _WORDS_BLOCK
+
+    def random() -> float:
+        if not words:
+            refill()
+        return (pop() >> 11) * scale
+
+    def next32() -> int:
+        nonlocal has, half
+        if not words:
+            refill()
+        if has:
+            has = 0
+            return half
+        word = pop()
+        has, half = 1, word >> 32
+        return word & 0xFFFFFFFF
+
+    def integers(low: int, high: int) -> int:
+        n = high - low
+        if n == 1:
+            return low
+        if n > 0xFFFFFFFF:
+            settle()
+            return int(rng.integers(low, high))
+        m = next32() * n
+        if m & 0xFFFFFFFF < n:
+            floor = (0x100000000 - n) % n
+            while m & 0xFFFFFFFF < floor:
+                m = next32() * n
+        return (m >> 32) + low
+
+    def bounded(low: int, high: int):
+        return functools.partial(integers, low, high)
+
+    def settle() -> None:
+        nonlocal start
+        if start is not None:
+            state, drawn = start
+            bitgen.state = state
+            bitgen.advance(drawn - len(words))
+            state = bitgen.state
+            state["has_uint32"], state["uinteger"] = has, half
+            bitgen.state = state
+            words.clear()
+            start = None
+
+    return integers, random, bounded, settle
+
+
+@functools.cache
+def _words_match(kind: type) -> bool:
+    """Whether ``_words`` draws what the Generator draws for bit generator ``kind``, settling where it does: mixed
+    sequences of both calls over several ranges, across block ends and with Generator draws between settles,
+    compared value by value and by the state."""
+    try:
+        ours, theirs = np.random.Generator(kind(20240607)), np.random.Generator(kind(20240607))
+        for run in range(3):
+            integers, random, bounded, settle = _words(ours)
+            angle = bounded(-180, 180)
+            for i in range(2 * _WORDS_BLOCK + 7 * run):
+                if i % 5 == run and angle() != int(theirs.integers(-180, 180)):
+                    return False
+                low, high = ((0, 1), (0, 2), (-180, 180), (0, 360), (0, 7), (0, 1000), (5, 123457))[i % 7]
+                if integers(low, high) != int(theirs.integers(low, high)) or (i % 3 and random() != theirs.random()):
+                    return False
+            settle()
+            if ours.bit_generator.state != theirs.bit_generator.state:
+                return False
+            if int(ours.integers(0, 1000)) != int(theirs.integers(0, 1000)) or ours.random() != theirs.random():
+                return False
+        return ours.bit_generator.state == theirs.bit_generator.state
+    except (AttributeError, TypeError, ValueError, KeyError):  # no raw draws, no advance, another state layout
+        return False
+
+
 def _stream(rng: np.random.Generator):
     """(integers(low, high) -> int, random() -> float, bounded(low, high) -> a function drawing integers(low,
-    high)) drawing exactly what ``rng``'s methods draw, the direct calls where they match (a third of the cost)."""
-    if _direct_matches(type(rng.bit_generator)):
-        return _direct(rng)
+    high), settle()) drawing exactly what ``rng``'s methods draw: from blocks of raw outputs (``_words``) or the
+    bit generator's C functions where they match (a third of the cost or less), else the methods; settle() must
+    run before anything else draws from ``rng``."""
+    kind = type(rng.bit_generator)
+    if _direct_matches(kind):
+        return _words(rng) if _words_match(kind) else (*_direct(rng), _settled)
 
     def integers(low: int, high: int) -> int:
         return int(rng.integers(low, high))
 
-    return integers, rng.random, lambda low, high: functools.partial(integers, low, high)
+    return integers, rng.random, lambda low, high: functools.partial(integers, low, high), _settled
+
+
+def _settled() -> None:
+    """The settle() of a stream whose draws are the bit generator's own: nothing to do."""
 
 
 def _bitmasks(rows: np.ndarray) -> list[int]:
@@ -461,11 +569,11 @@ def _bitmasks(rows: np.ndarray) -> list[int]:
     return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
-def _cumulative(g, weights):
-    """extend's cumulative pmf over the non-negligible candidates, from their g and turn weights: a tuple between
-    two -inf (tuples of floats leave the cycle collector's lists), _NO_ROOM, or None when the total is too close to
-    extend's 1e-4 threshold to decide without the exact sums."""
-    cum = list(itertools.accumulate(map(operator.mul, map((1.0).__sub__, g), weights)))  # (1 - g) * w, summed
+def _cumulative(terms):
+    """extend's cumulative pmf over the non-negligible candidates, from their terms (1 - g) * w (g and turn weight
+    w): a tuple between two -inf (tuples of floats leave the cycle collector's lists), _NO_ROOM, or None when the
+    total is too close to extend's 1e-4 threshold to decide without the exact sums."""
+    cum = list(itertools.accumulate(terms))
     acc = cum[-1] if cum else 0.0
     if acc < 0.5e-4:
         return _NO_ROOM
@@ -475,11 +583,13 @@ def _cumulative(g, weights):
 
 
 class _Heading:
-    """A heading's growth tables: step * sin / cos as _step computes them; over the candidates of non-negligible
-    turn weight (``rel``, also as a bitmask ``relevant``): weights, offsets, angles, the pids of the paddles drawn
-    back from them, offsets into a g patch; cumulative tables by edge class."""
-    __slots__ = ("dc", "ds", "flat", "near", "nxt", "orient", "ox", "oy", "qid", "rel", "rel_bits", "tables",
-                 "theta", "weights")
+    """A heading's growth tables: step * sin / cos as _step computes them and, where _step's ceil of a sum is the
+    pivot's coordinate + a fixed ceil for every pivot a step starts from, that step as a pos offset ``dpos`` (else
+    _UNSTEPPED); over the candidates of non-negligible turn weight (``rel``, also as a bitmask ``rel_bits``):
+    weights, pos offsets (``flat``), (pos offset, pid of the paddle drawn back) per candidate, angles; cumulative
+    tables and their terms, by edge class; near tables and the level reads they come from (``_Scene._near_cmf``)."""
+    __slots__ = ("cands", "dc", "dpos", "ds", "end", "flat", "near", "nxt", "orient", "reads", "rel", "rel_bits",
+                 "tables", "terms", "theta", "weights")
 
 
 class _PairGeometry:
@@ -504,34 +614,48 @@ class _PairGeometry:
         # pivots farther than pad + m + r from an edge see neither the band nor the edge on that axis
         self.lo, self.hi_y, self.hi_x = p.padding + m + r, h - 1 - p.padding - m - r, w - 1 - p.padding - m - r
         # table keys of a pivot's edge class and Q's band class, per coordinate on the canvas
-        self.key_y = [(c + 1 if c < self.lo or c > self.hi_y else 0) << 16 for c in range(h)]
-        self.key_x = [c + 1 if c < self.lo or c > self.hi_x else 0 for c in range(w)]
-        self.qkey_y = [(c + 1 if c - self.R < p.padding or c + self.R > h - 1 - p.padding else 0) << 44
-                       for c in range(h)]
-        self.qkey_x = [(c + 1 if c - self.R < p.padding or c + self.R > w - 1 - p.padding else 0) << 24
-                       for c in range(w)]
-        # (py << 16) + px -> the edge key of a pivot whose circle translates (a pivot off the canvas has none)
-        self.pivots = {(y << 16) + x: self.key_y[y] | self.key_x[x] for y in range(h) for x in range(w)
-                       if self.exact_y[y] and self.exact_x[x]}
+        key_y = [(c + 1 if c < self.lo or c > self.hi_y else 0) << 16 for c in range(h)]
+        key_x = [c + 1 if c < self.lo or c > self.hi_x else 0 for c in range(w)]
+        qkey_y = [(c + 1 if c - self.R < p.padding or c + self.R > h - 1 - p.padding else 0) << 44 for c in range(h)]
+        qkey_x = [(c + 1 if c - self.R < p.padding or c + self.R > w - 1 - p.padding else 0) << 24 for c in range(w)]
         band = np.zeros((h, w))
         band[:p.padding], band[h - p.padding:], band[:, :p.padding], band[:, w - p.padding:] = 1, 1, 1, 1
         self.band = band
         self.band_dilated = _dilate(band, _disk(m))  # g of the band alone (the rim outside the canvas is 0)
         # occupancy bitmasks (Python ints): pixel (y, x) is bit (y + M) * S + x + M, a margin M wide enough that
         # a pattern around an on-canvas anchor never wraps into the next row
-        self.M = max(self.R + m, r)
-        self.S = w + 2 * self.M
+        self.M = M = max(self.R + m, r)
+        self.S = S = w + 2 * M
+        # A point (y, x) is also the int pos = y * S + x, the shift that anchors a bitmask pattern at it; steps and
+        # offsets add to it. Pivots lie within L + m + 1 < M of the canvas, where x + M is in [0, S): so pos + B
+        # (B = M * S + M) is (y + M) * S + x + M, which ``point`` decodes, and no such pivot off the canvas has the
+        # pos of a point on it.
+        self.B = M * S + M
+        # pos -> the edge key of a pivot on the canvas whose circle translates
+        self.pivots = {y * S + x: key_y[y] | key_x[x] for y in range(h) for x in range(w)
+                       if self.exact_y[y] and self.exact_x[x]}
+        self.qkey = [0] * (h * S)  # pos of a paddle start on the canvas -> its band class (qkey_y | qkey_x)
+        for y in range(h):
+            self.qkey[y * S:y * S + w] = [qkey_y[y] | qx for qx in qkey_x]
+        self.hot_order = {}  # per qid: its hot values by falling value and their prefix bitmasks (``pair``)
         self.ids, self.thetas, self.hot = {}, [], []
         self.support_bits, self.hot_bits = [], []  # per pid: where its g is > 0, where its mask is >= _HOT
-        self.level_patches, self.E = [], self.R + m  # per pid: its g as levels, (2E + 1)^2 around its start
+        self.reach, self.E = [], self.R + m  # per pid: its g as levels around its start (``near_corner``)
         self.level_values = np.arange(256).astype(np.float64) / 255  # level k -> float32(k / 255), as a mask holds it
         self.level_values = self.level_values.astype(np.float32).astype(np.float64)
-        self.level_list = self.level_values.tolist()
-        self.near_count = 0  # entries of the headings' ``near`` tables, which are emptied past _NEAR_KEPT
-        # the level canvas a scene keeps its paddles' g on (row stride S, margin M), read as Python ints, and its
-        # (2E + 1)^2 windows around paddle starts, made as met
-        self.levels = np.zeros((h + 2 * self.M, self.S), np.uint8)
-        self.levels_read, self.level_windows = memoryview(self.levels.ravel()), {}
+        self.free_levels = (1.0 - self.level_values).tolist()  # level k -> 1 - its value
+        self.near_count = self.read_count = 0  # entries of the headings' ``near`` / ``reads`` tables (_NEAR_KEPT)
+        # a paddle whose g touches a candidate starts within E + r of the pivot on each axis: its pos - the pivot's
+        # + near_corner is then in [0, near_rows) with remainder mod S at most near_side (points on the canvas
+        # whose columns differ by more than E + r wrap to a remainder of at least S - w + 1 + E + r > near_side)
+        self.near_side = 2 * (self.E + r)
+        self.near_corner, self.near_rows = (self.E + r) * (S + 1), (self.near_side + 1) * S
+        # such a paddle sees a candidate (within r of the pivot) at an offset within H = E + 2r of its start: its
+        # levels padded with zeros to rows of width S, 2H + 1 of them, are read there without bounds (``reach``)
+        self.H = self.E + 2 * r
+        if 2 * self.H + 1 > S:
+            raise ValueError("pathfinder_gen: a padded level patch is wider than a bitmask row")
+        self.reach_zero = self.H * (S + 1) + self.near_corner  # reach's index of a candidate at d = 0 offset 0
         self.headings, self.edges, self.tables, self.band_hits, self.pairs, self.trig = \
             {}, {}, {}, {}, {}, {}
         self.flipped = [float(_flip(t)) for t in self.orient_arr]
@@ -542,12 +666,29 @@ class _PairGeometry:
         far = max(p.padding, 2 * p.seed_distance)  # the targets' lined mask > 0.3, as _seed_info builds it
         self.target_lined = np.ones((h, w), bool)
         self.target_lined[far:h - far, far:w - far] = False
-        self.seed_distance, self.tries = p.seed_distance, p.max_paddle_retrial + 1
+        self.tries = p.max_paddle_retrial + 1
+        # per angle a in degrees: the second target's tail row / column per first tail row / column on the canvas,
+        # rounded half-even from the float sum as ``seed`` computes it
+        self.tail2 = []
+        for a in range(360):
+            sa, ca = self.sincos(self.deg[a])
+            self.tail2.append(([round(t + p.seed_distance * sa) for t in range(h)],
+                               [round(t + p.seed_distance * ca) for t in range(w)]))
 
     @staticmethod
     def _exact(n: int, d: np.ndarray, f: np.ndarray) -> list[bool]:
         """Per pivot coordinate c on the canvas: every circle point c + d floors to c + floor(d)."""
         return [bool(np.array_equal(np.floor(c + d).astype(int) - c, f)) for c in range(n)]
+
+    def point(self, pos: int) -> tuple[int, int]:
+        """(y, x) of a pivot's or a paddle start's pos."""
+        y, x = divmod(pos + self.B, self.S)
+        return y - self.M, x - self.M
+
+    def next_pivot(self, pos: int, hd: _Heading) -> int:
+        """The pos of _step(pivot, heading, L + 2m) from the pivot at ``pos``, as _step computes it."""
+        y, x = self.point(pos)
+        return math.ceil(y + hd.ds) * self.S + math.ceil(x + hd.dc)
 
     def sincos(self, theta: float) -> tuple[float, float]:
         got = self.trig.get(theta)
@@ -576,7 +717,9 @@ class _PairGeometry:
             self.hot.append((ys - R, xs - R, mask[ys, xs].astype(np.float64)))
             self.hot_bits.append(self.bits(ys - R, xs - R))
             self.support_bits.append(self.bits(gy - E, gx - E))
-            self.level_patches.append(levels)
+            reach = np.zeros((2 * self.H + 1, self.S), np.uint8)
+            reach[self.H - E:self.H + E + 1, self.H - E:self.H + E + 1] = levels
+            self.reach.append(reach.tobytes())
         return got
 
     def bits(self, oy: np.ndarray, ox: np.ndarray) -> int:
@@ -599,14 +742,19 @@ class _PairGeometry:
             got = self.headings[theta] = _Heading()
             got.theta = theta
             got.ds, got.dc = float(self.step * np.sin(theta)), float(self.step * np.cos(theta))
+            reach = range(-self.M, max(self.h, self.w) + self.M)  # pivot coordinates a step starts from
+            sy, sx = math.ceil(got.ds), math.ceil(got.dc)
+            fixed = all(math.ceil(c + got.ds) == c + sy and math.ceil(c + got.dc) == c + sx for c in reach)
+            got.dpos = sy * self.S + sx if fixed else _UNSTEPPED
             got.rel = rel
             got.rel_bits = self.bits(self.oy[rel], self.ox[rel])
             got.weights = t[rel].tolist()
+            got.end = len(rel) + 1  # one past a cumulative table's last candidate entry
             # candidate k of the relevant ones at index k + 1, as in the cumulative tables
-            got.oy, got.ox = [0, *self.oy[rel].tolist()], [0, *self.ox[rel].tolist()]
-            got.orient, got.qid = [0.0, *self.orient_arr[rel].tolist()], [0, *(self.flipped_id[j] for j in rel)]
-            got.tables, got.near = {}, {}
-            got.flat = (self.oy[rel] * self.S + self.ox[rel]).tolist()  # offsets in the level canvas (row stride S)
+            got.flat = (self.oy[rel] * self.S + self.ox[rel]).tolist()
+            got.cands = [(0, 0), *zip(got.flat, (self.flipped_id[j] for j in rel))]
+            got.orient = [0.0, *self.orient_arr[rel].tolist()]
+            got.tables, got.terms, got.near, got.reads = {}, {}, {}, {}
             got.nxt = [None] * (len(rel) + 1)  # the heading tables of the relevant candidates' angles, as met
         return got
 
@@ -620,12 +768,9 @@ class _PairGeometry:
             on = (y >= 0) & (y < self.h) & (x >= 0) & (x < self.w)
             got = np.ones(self.K)
             got[on] = self.band_dilated[y[on], x[on]]
+            if not np.isin(got, (0.0, 1.0)).all():  # _near_cmf's terms rely on it
+                raise ValueError("pathfinder_gen: the band's g is not 0 or 1")
             self.edges[(by, bx)] = got
-        return got
-
-    def level_window(self, y: int, x: int) -> np.ndarray:
-        M, E = self.M, self.E
-        got = self.level_windows[(y << 16) + x] = self.levels[y + M - E:y + M + E + 1, x + M - E:x + M + E + 1]
         return got
 
     def next_heading(self, hd: _Heading, k: int) -> _Heading:
@@ -633,10 +778,11 @@ class _PairGeometry:
         return got
 
     def table(self, hd: _Heading, key: int):
-        """(cumulative pmf where only the band and the edge touch the candidates, their g) for a heading and a
-        pivot's edge class ``key`` = key_y[py] | key_x[px]."""
-        values = tuple(self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist())
-        got = hd.tables[key] = (_cumulative(values, hd.weights), values)
+        """The cumulative pmf where only the band and the edge touch the candidates, for a heading and a pivot's
+        edge class ``key`` = key_y[py] | key_x[px]; its terms (1 - g) * w in ``hd.terms[key]``."""
+        values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist()
+        terms = hd.terms[key] = tuple(map(operator.mul, map((1.0).__sub__, values), hd.weights))
+        got = hd.tables[key] = _cumulative(terms)
         return got
 
     def band_hit(self, key: int) -> bool:
@@ -652,18 +798,33 @@ class _PairGeometry:
         return got
 
     def pair(self, pid: int, qid: int) -> int:
-        """Bitmask over shifts P's start - Q's start (bit (dy + 2R) * (4R + 1) + dx + 2R) at which paddles pid
-        and qid reach 1.8 together at some pixel, on the canvas or off it."""
+        """Bitmask over shifts (dy, dx) = P's start - Q's start, bit (dy + 2R) * S + dx + 2R (so a pos difference
+        plus 2R (S + 1)), at which paddles pid and qid reach 1.8 together at some pixel, on the canvas or off it.
+        P's pixel at offset (y, x) with value v meets Q's pixel at offset (y', x') at shift (y' - y, x' - x); the
+        pixels of Q reaching 1.8 with v are a prefix of Q's pixels by falling value (a float64 sum is monotone)."""
         key = pid << 24 | qid
         got = self.pairs.get(key)
         if got is None:
+            falling, prefix = self.hot_order.get(qid) or self.order_hot(qid)
             py, px, pv = self.hot[pid]
-            qy, qx, qv = self.hot[qid]
-            ia, ib = np.nonzero(pv[:, None] + qv[None, :] >= 1.8)  # float64 sums of the float32 values
-            span, side = 2 * self.R, 4 * self.R + 1
-            bits = np.zeros(side * side, bool)
-            bits[(qy[ib] - py[ia] + span) * side + qx[ib] - px[ia] + span] = True
-            got = self.pairs[key] = _bitmasks(bits[None])[0]
+            reach = (pv[:, None] + falling[None, :] >= 1.8).sum(axis=1)  # float64 sums of the float32 values
+            R, S, got = self.R, self.S, 0
+            for n, y, x in zip(reach.tolist(), py.tolist(), px.tolist()):
+                if n:
+                    got |= prefix[n] << (R - y) * S + R - x
+            self.pairs[key] = got
+        return got
+
+    def order_hot(self, qid: int):
+        """Paddle qid's hot values by falling value, and per n the bitmask of the first n of them at bit
+        (y + R) * S + x + R for offset (y, x): ``pair``'s pieces."""
+        ys, xs, vals = self.hot[qid]
+        order = np.argsort(-vals, kind="stable")
+        prefix, acc = [0], 0
+        for bit in ((ys[order] + self.R) * self.S + xs[order] + self.R).tolist():
+            acc |= 1 << bit
+            prefix.append(acc)
+        got = self.hot_order[qid] = (vals[order], prefix)
         return got
 
     def hit_on_canvas(self, pid: int, qid: int, dy: int, dx: int, hy: int, hx: int) -> bool:
@@ -688,6 +849,7 @@ class _PairGeometry:
             got.hy, got.hx = float(length) * sn, float(length) * cs  # as _step multiplies, before its sum
             sn, cs = self.sincos(float(_flip(theta)))
             got.py, got.px = float(length + self.m) * sn, float(length + self.m) * cs
+            got.pivot_y, got.pivot_x = self.seed_pivots(got.hy, got.py, self.h), self.seed_pivots(got.hx, got.px, self.w)
             p, (h, w) = self.p, self.p.window_size  # _seed_info with the padded dilation (the same booleans)
             off = _seed_kernel(theta, p.paddle_length, p.paddle_thickness, self.m, p.antialias_scale)
             usable = not p.cv2_border or bool(_blocked_flat(np.ones((h, w), bool), off).all())  # a sample in-canvas
@@ -696,6 +858,17 @@ class _PairGeometry:
                 ys, xs = np.nonzero(~_blocked_flat(self.target_lined, off))
                 got.free = (ys.tolist(), xs.tolist()) if len(ys) else None
         return got
+
+    @staticmethod
+    def seed_pivots(head: float, pivot: float, n: int) -> list:
+        """Per tail coordinate t on the canvas (size n): the pivot's coordinate ceil(ceil(t + head) + pivot), as
+        _step computes it, where it and the head's lie on the canvas, else None."""
+        out = []
+        for t in range(n):
+            c = math.ceil(t + head)
+            d = math.ceil(c + pivot)
+            out.append(d if 0 <= c < n and 0 <= d < n else None)
+        return out
 
     def seedless(self, deg: int) -> bool:
         """Whether the first target has no seed pixel at angle deg (an attempt drawing it fails at once)."""
@@ -711,26 +884,27 @@ def _pair_geometry(p: PathfinderParams, m: int) -> _PairGeometry:
 class _Seed:
     """A seed angle (integer degrees): theta, _step's offsets tail -> head (L at theta) and head -> pivot (L + m
     at the flipped angle), the seed kernel where cv2's border leaves it usable, the first target's seed pixels,
-    the heading table and the paddle's pid."""
-    __slots__ = ("free", "hd", "hx", "hy", "kernel", "pid", "px", "py", "theta")
+    the heading table and the paddle's pid; per tail row / column on the canvas, the pivot's where head and pivot
+    lie on the canvas (``seed_pivots``)."""
+    __slots__ = ("free", "hd", "hx", "hy", "kernel", "pid", "pivot_x", "pivot_y", "px", "py", "theta")
 
 
 class _Track:
-    """A snake while it is drawn from paddle lists: pivot (py, px), heading table ``hd`` (its angle hd.theta),
-    paddles as (y, x, pid) (``last`` the newest, its start the snake's ``tip`` once it is complete), their contrasts.
-    ``layer`` as _Snake's."""
-    __slots__ = ("contrasts", "hd", "last", "origin", "paddles", "patch", "pids", "px", "py", "tip")
+    """A snake while it is drawn from paddle lists: its pivot's pos (``_PairGeometry``), heading table ``hd`` (its
+    angle hd.theta), paddles as (pos of the start, pid) (``last`` the newest), their contrasts. A target pair that
+    fits sets the rest (``_Scene._pair_done``): the snake's ``tip`` (its last start, None for a single paddle), and
+    the geometry and patch key ``layer`` draws with (as _Snake's)."""
+    __slots__ = ("contrasts", "g", "hd", "last", "origin", "paddles", "patch", "pos", "tip")
 
-    def __init__(self, origin, pivot, seed: _Seed, contrast):
-        self.origin, (self.py, self.px), self.hd, self.tip = origin, pivot, seed.hd, None
-        self.last = (*origin, seed.pid)
+    def __init__(self, origin, at: int, pos: int, seed: _Seed, contrast):
+        self.origin, self.pos, self.hd, self.last = origin, pos, seed.hd, (at, seed.pid)
         self.paddles, self.contrasts = [self.last], [contrast]
 
     def layer(self, hw) -> np.ndarray:
         """This snake alone on an empty canvas (float, before bytescale): for tests and inspection."""
         out = np.zeros(hw)
-        for (y, x, pid), contrast in zip(self.paddles, self.contrasts):
-            pad = _Paddle(hw, (y, x), (self.pids[pid], *self.patch), contrast)
+        for (at, pid), contrast in zip(self.paddles, self.contrasts):
+            pad = _Paddle(hw, self.g.point(at), (self.g.thetas[pid], *self.patch), contrast)
             np.maximum(out[pad.win], pad.line, out=out[pad.win])
         return out
 
@@ -778,8 +952,6 @@ class _Scene:
         self.patch = (p.paddle_length, p.paddle_thickness, margin, p.antialias_scale)  # a paddle's key, less theta
         self.kept, self.synced, self.banded = [], 0, False  # target_pair's kept-out paddles, how many are on mask
         self.support = self.hot = 0  # occupancy bitmasks of the kept paddles' g > 0 and mask >= _HOT
-        self.levels = self.levels_read = None  # their g as levels on a canvas with the bitmasks' margin and stride
-        self.leveled = 0  # how many kept paddles are on it
 
     def clear(self) -> None:
         """Empty canvases, as a new scene's: the next target pair is drawn from scratch."""
@@ -901,11 +1073,11 @@ class _Scene:
         raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
 
     def _keep(self, g: _PairGeometry, paddle) -> None:
-        """keep_out for a listed paddle (y, x, pid)."""
+        """keep_out for a listed paddle (pos, pid)."""
         self.kept.append(paddle)
-        at = paddle[0] * g.S + paddle[1]
-        self.support |= g.support_bits[paddle[2]] << at
-        self.hot |= g.hot_bits[paddle[2]] << at
+        at, pid = paddle
+        self.support |= g.support_bits[pid] << at
+        self.hot |= g.hot_bits[pid] << at
 
     def _sync(self, g: _PairGeometry) -> None:
         """Bring the mask canvas up to the kept-out paddles (the band first, as ``targets`` sets it)."""
@@ -914,7 +1086,8 @@ class _Scene:
             self.mask[:pad_], self.mask[-pad_:], self.mask[:, :pad_], self.mask[:, -pad_:] = 1, 1, 1, 1
             self.banded = True
         h, w, size = g.h, g.w, 2 * g.R + 1
-        for y, x, pid in self.kept[self.synced:]:
+        for at, pid in self.kept[self.synced:]:
+            y, x = g.point(at)
             y0, x0 = y - g.R, x - g.R
             cy0, cy1, cx0, cx1 = max(y0, 0), min(y0 + size, h), max(x0, 0), min(x0 + size, w)
             if cy0 < cy1 and cx0 < cx1:
@@ -941,26 +1114,33 @@ class _Scene:
     def _pairs(self, g: _PairGeometry) -> list[_Track]:
         """``targets`` redrawn until a pair fits, with the same random calls: paddles are listed, the mask is
         built only where a step needs the exact arithmetic, and the image is drawn once the pair fits. _grow's
-        common case is written out here (a growth step is the inner loop of an image's work); anything else is
-        left to _grow before any draw, or with the draw made (u0) when it lies within _TIE of a boundary."""
+        common case is written out here (a growth step is the inner loop of an image's work), on pos ints: the next
+        pivot is the pivot's pos + the heading's dpos, a candidate's start the pivot's + its offset, and the
+        bitmasks shift by them. Anything else is left to _grow before any draw, or with the draw made (u0) when it
+        lies within _TIE of a boundary."""
         p, rng = self.p, self.rng
-        integers, random, bounded = _stream(rng)
+        integers, random, bounded, self.settle = _stream(rng)
         self.integers, self.random, turn = integers, random, bounded(0, 360)
         contrasts, mu0 = p.paddle_contrast_list, list(p.snake_contrast_list) * 2
         shuffle, draws = len(set(mu0)) > 1, len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
         # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
         # pixels (30 in 360 have some at 32 px): such attempts take no more than that draw here
         quick, dead = not shuffle and len(contrasts) == 1, g.dead
-        S, pivots, qkey_y, qkey_x, hot_bits, support_bits, band_hits = \
-            g.S, g.pivots, g.qkey_y, g.qkey_x, g.hot_bits, g.support_bits, g.band_hits
+        pivots, qkey, hot_bits, support_bits, band_hits = g.pivots, g.qkey, g.hot_bits, g.support_bits, g.band_hits
         retrials, steps = range(g.tries, 0, -1), range(p.contour_length - 1)
-        bisect_right, ceil = bisect.bisect_right, math.ceil
+        bisect_right, collides = bisect.bisect_right, self._collides
+        # the attempt's bitmasks hold bit b of the canvas's at b - base (base >= 0, below every paddle start and
+        # pivot they are shifted to: ``low`` = base + lift keeps a pivot's candidates above it), so they span the
+        # rows the attempt reached rather than the canvas above them
+        lift, slack = (g.r + 1) * g.S, (g.r + 1 + 2 * (g.p.paddle_length + 2 * g.m)) * g.S
         if g.near_count > _NEAR_KEPT:
             for heading in g.headings.values():
                 heading.near.clear()
             g.near_count = 0
-        self.levels, self.levels_read, self.leveled = g.levels, g.levels_read, 0
-        self.levels.fill(0)
+        if g.read_count > _NEAR_KEPT:
+            for heading in g.headings.values():
+                heading.reads.clear()
+            g.read_count = 0
         for _ in range(p.max_target_pair_attempts):
             deg = None
             if quick:
@@ -971,11 +1151,10 @@ class _Scene:
             if self.banded:  # an exact step of the last attempt drew on the mask
                 self.buf.fill(0)
                 self.banded, self.synced = False, 0
-            if self.leveled:
-                self.levels.fill(0)
-                self.leveled = 0
             self.kept = kept = []
-            support = hot = 0
+            support = hot = base = 0
+            if shuffle:
+                self.settle()
             mu = [mu0[j] for j in rng.permutation(len(mu0))] if shuffle else mu0
             s0 = self._seed_track(g, contrasts[integers(0, len(contrasts)) if len(contrasts) > 1 else 0] * mu[0],
                                   None, deg)
@@ -984,52 +1163,63 @@ class _Scene:
             if s1 is None:
                 continue
             tracks = ((s0, mu[0]), (s1, mu[1]))
+            base = max(0, min(s0.last[0], s1.last[0]) - slack)
+            low = base + lift
             for _ in steps:
                 contrast = contrasts[integers(0, len(contrasts))] if draws else contrasts[0]
                 for s, factor in tracks:
                     hd = s.hd
-                    py, px = ceil(s.py + hd.ds), ceil(s.px + hd.dc)
-                    key = pivots.get((py << 16) + px)
+                    pos = s.pos + hd.dpos
+                    key = pivots.get(pos)
+                    if key is None and hd.dpos == _UNSTEPPED:
+                        pos = g.next_pivot(s.pos, hd)
+                        key = pivots.get(pos)
                     if key is None:
                         cmf = None
                     else:
-                        cmf, values = hd.tables.get(key) or g.table(hd, key)
-                        if support & hd.rel_bits << (py * S + px):
-                            cmf = self._near_cmf(g, hd, key, py, px, values)
+                        cmf = hd.tables.get(key, _MISSING)
+                        if cmf is _MISSING:
+                            cmf = g.table(hd, key)
+                        if pos < low:  # the window's base moves down with the pivot
+                            support, hot = support << base - max(0, pos - slack), hot << base - max(0, pos - slack)
+                            base = max(0, pos - slack)
+                            low = base + lift
+                        if support >> pos - base & hd.rel_bits:
+                            cmf = self._near_cmf(g, hd, key, pos)
                         if cmf is _NO_ROOM:
                             break
                     if cmf is None:
-                        self.support, self.hot = support, hot
+                        self.support, self.hot = support << base, hot << base
                         grown = self._grow(g, s, contrast * factor)
-                        support, hot = self.support, self.hot
+                        support, hot, base, low = self.support, self.hot, 0, lift
                         if not grown:
                             break
                         continue
-                    end = len(cmf) - 1
+                    end, cands = hd.end, hd.cands
                     for left in retrials:
                         u = random()
                         k = bisect_right(cmf, u, 1, end)
                         if not (cmf[k] > u + _TIE and cmf[k - 1] < u - _TIE):
-                            self.support, self.hot = support, hot
+                            self.support, self.hot = support << base, hot << base
                             grown = self._grow(g, s, contrast * factor, u, left)
-                            support, hot = self.support, self.hot
+                            support, hot, base, low = self.support, self.hot, 0, lift
                             break
-                        hy, hx, qid = py + hd.oy[k], px + hd.ox[k], hd.qid[k]
-                        key = qkey_y[hy] | qkey_x[hx]
+                        at, qid = cands[k]
+                        at += pos
+                        key = qkey[at]
                         if key and (band_hits[key | qid] if (key | qid) in band_hits else g.band_hit(key | qid)):
                             continue
-                        if hot & hot_bits[qid] << (hy * S + hx) and self._collides(g, qid, hy, hx):
+                        if hot >> at - base & hot_bits[qid] and collides(g, qid, at):
                             continue
-                        y, x, pid = last = s.last
+                        last = s.last
                         kept.append(last)
-                        at = y * S + x
-                        support |= support_bits[pid] << at
-                        hot |= hot_bits[pid] << at
-                        s.last = q = (hy, hx, qid)
-                        s.paddles.append(q)
+                        support |= support_bits[last[1]] << last[0] - base
+                        hot |= hot_bits[last[1]] << last[0] - base
+                        s.last = last = (at, qid)
+                        s.paddles.append(last)
                         if draws:
                             s.contrasts.append(contrast * factor)
-                        s.py, s.px, s.hd = py, px, hd.nxt[k] or g.next_heading(hd, k)
+                        s.pos, s.hd = pos, hd.nxt[k] or g.next_heading(hd, k)
                         grown = True
                         break
                     else:
@@ -1040,7 +1230,7 @@ class _Scene:
                     continue
                 break
             else:
-                self.support, self.hot = support, hot
+                self.support, self.hot = support << base, hot << base
                 return self._pair_done(g, s0, s1)
         raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
 
@@ -1053,14 +1243,14 @@ class _Scene:
         for s in (s0, s1):
             if len(s.contrasts) < len(s.paddles):  # one paddle contrast, none drawn: all are the seed's
                 s.contrasts = [s.contrasts[0]] * len(s.paddles)
-            for (y, x, pid), c in zip(s.paddles, s.contrasts):
-                self._draw_listed(g, y, x, pid, c)
-            s.tip, s.pids, s.patch = s.last[:2] if len(s.paddles) > 1 else None, g.thetas, self.patch
+            for (at, pid), c in zip(s.paddles, s.contrasts):
+                self._draw_listed(g, at, pid, c)
+            s.tip, s.g, s.patch = g.point(s.last[0]) if len(s.paddles) > 1 else None, g, self.patch
         return [s0, s1]
 
     def _seed_track(self, g: _PairGeometry, contrast, tail1, deg: int | None = None):
         """``seed`` for a target (``lined=None``): same draws, same outcome (``deg``: the first angle, drawn)."""
-        integers, h, w = self.integers, g.h, g.w
+        integers = self.integers
         for _ in range(g.tries):
             if deg is None:
                 deg = integers(-180, 180)
@@ -1073,29 +1263,40 @@ class _Scene:
                 k = integers(0, len(free[0]))
                 ty, tx = free[0][k], free[1][k]
             else:
-                sa, ca = g.sincos(g.deg[integers(0, 360)])
-                ty, tx = round(tail1[0] + g.seed_distance * sa), round(tail1[1] + g.seed_distance * ca)  # half-even
-            hy, hx = math.ceil(ty + rec.hy), math.ceil(tx + rec.hx)
-            py, px = math.ceil(hy + rec.py), math.ceil(hx + rec.px)
-            if 0 <= hy < h and 0 <= hx < w and 0 <= py < h and 0 <= px < w:
-                return _Track((ty, tx), (py, px), rec, contrast)
+                rows, cols = g.tail2[integers(0, 360)]
+                ty, tx = rows[tail1[0]], cols[tail1[1]]
+            if 0 <= ty < g.h and 0 <= tx < g.w:
+                py, px = rec.pivot_y[ty], rec.pivot_x[tx]
+                if py is not None and px is not None:
+                    return _Track((ty, tx), ty * g.S + tx, py * g.S + px, rec, contrast)
+            elif self._seed_fits(rec, ty, tx):  # a tail off the canvas: the head and pivot may still lie on it
+                raise RuntimeError("pathfinder_gen: a target tail off the canvas")
         return None
+
+    def _seed_fits(self, rec: _Seed, ty: int, tx: int) -> bool:
+        """Whether a seed paddle's head and pivot, from tail (ty, tx), lie on the canvas (as ``seed`` tests them)."""
+        h, w = self.hw
+        hy, hx = math.ceil(ty + rec.hy), math.ceil(tx + rec.hx)
+        py, px = math.ceil(hy + rec.py), math.ceil(hx + rec.px)
+        return 0 <= hy < h and 0 <= hx < w and 0 <= py < h and 0 <= px < w
 
     def _grow(self, g: _PairGeometry, s: _Track, contrast, u0: float | None = None, tries: int | None = None) -> bool:
         """``extend`` on a track: same draws, same outcome. ``u0``: the first retrial's draw, already made by a
         caller that found it too close to a cumulative boundary; ``tries``: the retrials left then."""
         hd = s.hd
-        py, px = math.ceil(s.py + hd.ds), math.ceil(s.px + hd.dc)  # _step(pivot, heading, L + 2m)
+        pos = g.next_pivot(s.pos, hd)
         cmf = exact = None
-        key = g.pivots.get((py << 16) + px)
+        key = g.pivots.get(pos)
         if key is not None:
-            cmf, values = hd.tables.get(key) or g.table(hd, key)
-            if self.support & hd.rel_bits << (py * g.S + px):  # a kept paddle reaches a relevant candidate
-                cmf = self._near_cmf(g, hd, key, py, px, values)
+            cmf = hd.tables.get(key, _MISSING)
+            if cmf is _MISSING:
+                cmf = g.table(hd, key)
+            if self.support & hd.rel_bits << pos:  # a kept paddle reaches a relevant candidate
+                cmf = self._near_cmf(g, hd, key, pos)
             if cmf is _NO_ROOM:
                 return False
         if cmf is None:
-            exact = self._exact_cmf(g, (py, px), hd.theta)
+            exact = self._exact_cmf(g, g.point(pos), hd.theta)
             if exact is None:
                 return False
         for _ in range(g.tries if tries is None else tries):
@@ -1104,67 +1305,76 @@ class _Scene:
             else:
                 u, u0 = u0, None
             if exact is None:
-                k = bisect.bisect_right(cmf, u, 1, len(cmf) - 1)
+                k = bisect.bisect_right(cmf, u, 1, hd.end)
                 if cmf[k] > u + _TIE and cmf[k - 1] < u - _TIE:
-                    hy, hx, qid = py + hd.oy[k], px + hd.ox[k], hd.qid[k]
+                    at, qid = hd.cands[k]
+                    at += pos
                 else:
-                    exact = self._exact_cmf(g, (py, px), hd.theta)
+                    exact = self._exact_cmf(g, g.point(pos), hd.theta)
                     if exact is None:  # cannot happen: the shortcut's total is >= 2e-4
                         raise RuntimeError("pathfinder_gen: the turn table and the exact pmf disagree")
             if exact is not None:
                 e_cmf, cy, cx, angles = exact
                 i = int(e_cmf.searchsorted(u, "right"))
                 i = 0 if i == len(e_cmf) else i
-                hy, hx, orient, qid = int(cy[i]), int(cx[i]), float(angles[i]), g.pid(float(_flip(angles[i])))
-            key = g.qkey_y[hy] | g.qkey_x[hx]
+                at, orient, qid = int(cy[i]) * g.S + int(cx[i]), float(angles[i]), g.pid(float(_flip(angles[i])))
+            key = g.qkey[at]
             if key and (g.band_hits.get(key | qid) if (key | qid) in g.band_hits else g.band_hit(key | qid)):
                 continue
-            if self.hot & g.hot_bits[qid] << (hy * g.S + hx) and self._collides(g, qid, hy, hx):
+            if self.hot & g.hot_bits[qid] << at and self._collides(g, qid, at):
                 continue
-            y, x, pid = last = s.last  # the previous paddle's mask joins one step late
-            self.kept.append(last)
-            self.support |= g.support_bits[pid] << (y * g.S + x)
-            self.hot |= g.hot_bits[pid] << (y * g.S + x)
-            s.last = q = (hy, hx, qid)
+            self._keep(g, s.last)  # the previous paddle's mask joins one step late
+            s.last = q = (at, qid)
             s.paddles.append(q)
             s.contrasts.append(contrast)
-            s.py, s.px = py, px
+            s.pos = pos
             s.hd = (hd.nxt[k] or g.next_heading(hd, k)) if exact is None else g.heading(orient)
             return True
         return False
 
-    def _near_cmf(self, g: _PairGeometry, hd: _Heading, key: int, py: int, px: int, values: list):
-        """The cumulative pmf where kept paddles reach relevant candidates: the band's g ``values`` (over the
-        relevant candidates) maxed with the level canvas, brought up to the kept paddles first. The levels read
-        decide it with the heading and the edge class ``key``: kept per heading."""
-        M, windows = g.M, g.level_windows
-        for y, x, pid in self.kept[self.leveled:]:
-            window = windows.get((y << 16) + x)
-            if window is None:
-                window = g.level_window(y, x)
-            np.maximum(window, g.level_patches[pid], out=window)
-        self.leveled = len(self.kept)
-        read, base = self.levels_read, (py + M) * g.S + px + M
-        seen = (key, bytes(map(read.__getitem__, map(base.__add__, hd.flat))))
+    def _near_cmf(self, g: _PairGeometry, hd: _Heading, key: int, pos: int):
+        """The cumulative pmf where kept paddles reach relevant candidates: g is the band's (0 or 1 at each relevant
+        candidate) maxed with the levels of the kept paddles near the pivot, so a term (1 - g) * w is the table's
+        term (1 - band) * w times 1 - the level's value (bit for bit: w * 1.0 = w, and a band term is 0). Those
+        levels decide it with the heading and the edge class ``key``: kept per heading."""
+        corner, rows, side, S, zero, flat = g.near_corner, g.near_rows, g.near_side, g.S, g.reach_zero, hd.flat
+        reads, near = hd.reads, []
+        for at, pid in self.kept:
+            d = at - pos + corner
+            if 0 <= d < rows and d % S <= side:
+                got = reads.get(pid << 24 | d)
+                if got is None:  # paddle pid's levels at the candidates: its padded patch there
+                    got = reads[pid << 24 | d] = bytes(map(g.reach[pid].__getitem__, map((zero - d).__add__, flat)))
+                    g.read_count += 1
+                near.append(got)
+        levels = near[0] if len(near) == 1 else bytes(map(max, *near))
+        seen = (key, levels)
         got = hd.near.get(seen, _MISSING)
         if got is _MISSING:
-            got = hd.near[seen] = _cumulative(map(max, map(g.level_list.__getitem__, seen[1]), values), hd.weights)
+            got = hd.near[seen] = _cumulative(map(operator.mul, map(g.free_levels.__getitem__, levels), hd.terms[key]))
             g.near_count += 1
         return got
 
-    def _collides(self, g: _PairGeometry, qid: int, hy: int, hx: int) -> bool:
-        """The acceptance test for paddle qid at (hy, hx) against each kept paddle near it."""
-        big, h, w, span, side, pairs = g.R, g.h, g.w, 2 * g.R, 4 * g.R + 1, g.pairs
-        clipped = hy < big or hy + big >= h or hx < big or hx + big >= w
-        for y, x, pid in reversed(self.kept):  # the newest paddles are the likeliest to meet it
-            dy, dx = y - hy, x - hx
-            if -span <= dy <= span and -span <= dx <= span:
+    def _collides(self, g: _PairGeometry, qid: int, at: int) -> bool:
+        """The acceptance test for paddle qid at pos ``at`` against each kept paddle near it: the bit of their
+        pos difference in ``pair`` (a difference of points on the canvas whose columns are more than 2R apart
+        reads a column of the bitmask past 4R, which is clear)."""
+        big, span, pairs = g.R, 2 * g.R, g.pairs
+        corner, rows = span * g.S + span, (2 * span + 1) * g.S
+        hy, hx = g.point(at)
+        clipped = hy < big or hy + big >= g.h or hx < big or hx + big >= g.w
+        for a, pid in reversed(self.kept):  # the newest paddles are the likeliest to meet it
+            shift = a - at + corner
+            if 0 <= shift < rows:
                 bitmask = pairs.get(pid << 24 | qid)
                 if bitmask is None:
                     bitmask = g.pair(pid, qid)
-                if bitmask >> ((dy + span) * side + dx + span) & 1 and \
-                        (not clipped or g.hit_on_canvas(pid, qid, dy, dx, hy, hx)):
-                    return True
+                if bitmask >> shift & 1:
+                    if not clipped:
+                        return True
+                    y, x = g.point(a)
+                    if g.hit_on_canvas(pid, qid, y - hy, x - hx, hy, hx):
+                        return True
         return False
 
     def distractors(self, count, max_trial, length) -> None:
@@ -1180,21 +1390,20 @@ class _Scene:
                                            for _ in range(length - 1))
                 if ok:
                     self._keep(g, s.last)
-                    for (y, x, pid), c in zip(s.paddles, s.contrasts):
-                        self._draw_listed(g, y, x, pid, c)
+                    for (at, pid), c in zip(s.paddles, s.contrasts):
+                        self._draw_listed(g, at, pid, c)
                     break
                 del self.kept[base:]  # all or nothing, as many_snakes restores its copies
                 self.support, self.hot = support, hot
                 if self.synced > base:  # an exact step put this snake's paddles on the mask: rebuild it
                     self.buf.fill(0)
                     self.banded, self.synced = False, 0
-                if self.leveled > base:  # ... or on the level canvas
-                    self.levels.fill(0)
-                    self.leveled = 0
 
-    def _draw_listed(self, g: _PairGeometry, y: int, x: int, pid: int, contrast) -> None:
-        """``draw`` of a listed paddle: its contrast line patch maxed into the image, clipped to the canvas."""
+    def _draw_listed(self, g: _PairGeometry, at: int, pid: int, contrast) -> None:
+        """``draw`` of a listed paddle at pos ``at``: its contrast line patch maxed into the image, clipped to the
+        canvas."""
         line, (h, w), size = _contrast_line(g.thetas[pid], *self.patch, contrast), self.hw, 2 * g.R + 1
+        y, x = g.point(at)
         y0, x0 = y - g.R, x - g.R
         cy0, cy1, cx0, cx1 = max(y0, 0), min(y0 + size, h), max(x0, 0), min(x0 + size, w)
         if cy0 < cy1 and cx0 < cx1:
@@ -1225,7 +1434,7 @@ class _Scene:
             head = (math.ceil(tail[0] + rec.hy), math.ceil(tail[1] + rec.hx))
             pivot = (math.ceil(head[0] + rec.py), math.ceil(head[1] + rec.px))
             if 0 <= head[0] < h and 0 <= head[1] < w and 0 <= pivot[0] < h and 0 <= pivot[1] < w:
-                return _Track(tail, pivot, rec, contrast)
+                return _Track(tail, tail[0] * g.S + tail[1], pivot[0] * g.S + pivot[1], rec, contrast)
         return None
 
     def many_snakes(self, count, max_trial, length) -> None:
@@ -1274,6 +1483,8 @@ def _render(p: PathfinderParams, rng, debug: bool = False, reference: bool = Fal
         total = int(150 * (1. / ((7.5 + 13 * margin + 4 * margin * margin) / 123.5)))
         n_single = total - 2 * p.contour_length - p.num_distractor_snakes * p.distractor_length
         many(n_single, p.max_paddle_retrial, 1)
+    if not reference:
+        scene.settle()  # the paddle-list code's draws are spent: the generator takes over
     o = int(rng.integers(0, 2))
     ends = [snakes[o].origin, snakes[o if label else 1 - o].tip]
     marker = scene.marker if reference else scene.marker_fast
