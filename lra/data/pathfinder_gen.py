@@ -849,7 +849,8 @@ class _PairGeometry:
             got.hy, got.hx = float(length) * sn, float(length) * cs  # as _step multiplies, before its sum
             sn, cs = self.sincos(float(_flip(theta)))
             got.py, got.px = float(length + self.m) * sn, float(length + self.m) * cs
-            got.pivot_y, got.pivot_x = self.seed_pivots(got.hy, got.py, self.h), self.seed_pivots(got.hx, got.px, self.w)
+            got.pivot_y = self.seed_pivots(got.hy, got.py, self.h)
+            got.pivot_x = self.seed_pivots(got.hx, got.px, self.w)
             p, (h, w) = self.p, self.p.window_size  # _seed_info with the padded dilation (the same booleans)
             off = _seed_kernel(theta, p.paddle_length, p.paddle_thickness, self.m, p.antialias_scale)
             usable = not p.cv2_border or bool(_blocked_flat(np.ones((h, w), bool), off).all())  # a sample in-canvas
