@@ -374,13 +374,13 @@ def test_every_shortcut_falls_back_on_the_exact_arithmetic(monkeypatch):
     assert _digest(*case) == SAME_AS_V2[case]
     assert len(steps) > 10_000
     monkeypatch.undo()
-    monkeypatch.setattr(pg, "_direct_matches", lambda kind: False)
+    monkeypatch.setattr(pg, "_draws_match", lambda draws, kind: False)
     assert _digest(*case) == SAME_AS_V2[case]
 
 
 def test_direct_draws_are_the_generators():
     ours, theirs = np.random.default_rng(3), np.random.default_rng(3)
-    integers, random, bounded = pg._direct(ours)
+    integers, random, bounded, _ = pg._direct(ours)
     angle, small = bounded(-180, 180), bounded(0, 7)
     for i in range(6000):
         low, high = [(0, 1), (0, 2), (-180, 180), (0, 360), (0, 3), (0, 99991)][i % 6]
@@ -388,7 +388,7 @@ def test_direct_draws_are_the_generators():
         assert angle() == int(theirs.integers(-180, 180)) and small() == int(theirs.integers(0, 7))
         assert random() == theirs.random()
     assert ours.bit_generator.state == theirs.bit_generator.state
-    assert pg._direct_matches(np.random.PCG64)  # else generation is right, only slower
+    assert pg._draws_match(pg._direct, np.random.PCG64)  # else generation is right, only slower
 
 
 def test_word_draws_are_the_generators():
@@ -409,7 +409,7 @@ def test_word_draws_are_the_generators():
         settle()
         assert ours.bit_generator.state == theirs.bit_generator.state
         assert int(ours.integers(0, 7)) == int(theirs.integers(0, 7))  # the generator goes on from there
-    assert pg._words_match(np.random.PCG64)  # else generation takes the direct C calls: right, only slower
+    assert pg._draws_match(pg._words, np.random.PCG64)  # else generation takes the direct C calls: right, only slower
 
 
 def test_marker_windows_are_the_canvas_markers():

@@ -388,61 +388,37 @@ def _integers_0_1_draws() -> bool:
 _INTEGERS_0_1_DRAWS = _integers_0_1_draws()
 
 
-def _direct(rng: np.random.Generator):
-    """(integers(low, high), random(), bounded(low, high) -> a function drawing integers(low, high)) of ``rng``
-    through its bit generator's C functions: numpy's Lemire draw for ranges below 2**32 (a one-value range draws
-    nothing), written out."""
-    c = rng.bit_generator.ctypes
-    next32, state = c.next_uint32, c.state
-
+def _lemire(next32, wide):
+    """integers(low, high) drawn as numpy draws them from 32-bit outputs ``next32()``: its Lemire draw for ranges
+    below 2**32 (a one-value range draws nothing); wider ranges go to ``wide(low, high)``."""
     def integers(low: int, high: int) -> int:
         n = high - low
         if n == 1:
             return low
         if n > 0xFFFFFFFF:
-            return int(rng.integers(low, high))
-        m = next32(state) * n
+            return wide(low, high)
+        m = next32() * n
         if m & 0xFFFFFFFF < n:
             floor = (0x100000000 - n) % n
             while m & 0xFFFFFFFF < floor:
-                m = next32(state) * n
+                m = next32() * n
         return (m >> 32) + low
 
-    def bounded(low: int, high: int):
-        n = high - low
-        if not 1 < n <= 0xFFFFFFFF:
-            return functools.partial(integers, low, high)
-        floor = (0x100000000 - n) % n
-
-        def draw() -> int:
-            m = next32(state) * n
-            if m & 0xFFFFFFFF < n:
-                while m & 0xFFFFFFFF < floor:
-                    m = next32(state) * n
-            return (m >> 32) + low
-
-        return draw
-
-    return integers, functools.partial(c.next_double, state), bounded
+    return integers
 
 
-@functools.cache
-def _direct_matches(kind: type) -> bool:
-    """Whether ``_direct`` draws what the Generator draws for bit generator ``kind``: a mixed sequence of both
-    calls over several ranges, compared value by value and by the final state."""
-    try:
-        ours, theirs = np.random.Generator(kind(20240607)), np.random.Generator(kind(20240607))
-        integers, random, bounded = _direct(ours)
-        angle = bounded(-180, 180)
-        for i in range(3000):
-            if i % 5 == 0 and angle() != int(theirs.integers(-180, 180)):
-                return False
-            low, high = ((0, 1), (0, 2), (-180, 180), (0, 360), (0, 7), (0, 1000), (5, 123457))[i % 7]
-            if integers(low, high) != int(theirs.integers(low, high)) or (i % 3 == 0 and random() != theirs.random()):
-                return False
-        return ours.bit_generator.state == theirs.bit_generator.state
-    except (AttributeError, TypeError, ValueError):  # no ctypes access, or not seedable from an int
-        return False
+def _bounded(integers):
+    """bounded(low, high) -> a function drawing integers(low, high)."""
+    return lambda low, high: functools.partial(integers, low, high)
+
+
+def _direct(rng: np.random.Generator):
+    """(integers(low, high), random(), bounded(low, high) -> a function drawing integers(low, high), settle()) of
+    ``rng`` through its bit generator's C functions (``_lemire`` on next_uint32); the bit generator is where the
+    draws leave it, so settle() has nothing to do."""
+    c = rng.bit_generator.ctypes
+    integers = _lemire(functools.partial(c.next_uint32, c.state), lambda low, high: int(rng.integers(low, high)))
+    return integers, functools.partial(c.next_double, c.state), _bounded(integers), _settled
 
 
 _WORDS_BLOCK = 1024  # 64-bit outputs ``_words`` draws from the bit generator at a time
@@ -452,9 +428,9 @@ def _words(rng: np.random.Generator):
     """``_direct``'s draws made in Python from PCG64's 64-bit outputs, drawn _WORDS_BLOCK at a time (``random_raw``)
     and spent as numpy spends them: random() is (word >> 11) * 2**-53 (next_double); a 32-bit draw takes a word's
     low half and keeps its high half for the next 32-bit draw (next_uint32's has_uint32 / uinteger); integers is
-    numpy's Lemire draw on those. Returns (integers, random, bounded, settle): settle() leaves the bit generator
-    where these draws have left the stream (its state before the blocks, advanced by the words spent, with the kept
-    half) and must run before anything else draws from ``rng``; a draw after it starts from that state."""
+    ``_lemire`` on those. Returns (integers, random, bounded, settle): settle() leaves the bit generator where these
+    draws have left the stream (its state before the blocks, advanced by the words spent, with the kept half) and
+    must run before anything else draws from ``rng``; a draw after it starts from that state."""
     bitgen, scale = rng.bit_generator, 1.0 / 9007199254740992.0
     words = []  # the current block's unspent words, the next one last
     pop = words.pop
@@ -486,22 +462,9 @@ def _words(rng: np.random.Generator):
         has, half = 1, word >> 32
         return word & 0xFFFFFFFF
 
-    def integers(low: int, high: int) -> int:
-        n = high - low
-        if n == 1:
-            return low
-        if n > 0xFFFFFFFF:
-            settle()
-            return int(rng.integers(low, high))
-        m = next32() * n
-        if m & 0xFFFFFFFF < n:
-            floor = (0x100000000 - n) % n
-            while m & 0xFFFFFFFF < floor:
-                m = next32() * n
-        return (m >> 32) + low
-
-    def bounded(low: int, high: int):
-        return functools.partial(integers, low, high)
+    def wide(low: int, high: int) -> int:
+        settle()
+        return int(rng.integers(low, high))
 
     def settle() -> None:
         nonlocal start
@@ -515,18 +478,19 @@ def _words(rng: np.random.Generator):
             words.clear()
             start = None
 
-    return integers, random, bounded, settle
+    integers = _lemire(next32, wide)
+    return integers, random, _bounded(integers), settle
 
 
 @functools.cache
-def _words_match(kind: type) -> bool:
-    """Whether ``_words`` draws what the Generator draws for bit generator ``kind``, settling where it does: mixed
-    sequences of both calls over several ranges, across block ends and with Generator draws between settles,
-    compared value by value and by the state."""
+def _draws_match(draws, kind: type) -> bool:
+    """Whether ``draws`` (``_direct`` or ``_words``) draws what the Generator draws for bit generator ``kind``,
+    settling where it does: mixed sequences of both calls over several ranges, across ``_words``'s block ends and
+    with Generator draws between settles, compared value by value and by the state."""
     try:
         ours, theirs = np.random.Generator(kind(20240607)), np.random.Generator(kind(20240607))
         for run in range(3):
-            integers, random, bounded, settle = _words(ours)
+            integers, random, bounded, settle = draws(ours)
             angle = bounded(-180, 180)
             for i in range(2 * _WORDS_BLOCK + 7 * run):
                 if i % 5 == run and angle() != int(theirs.integers(-180, 180)):
@@ -540,23 +504,24 @@ def _words_match(kind: type) -> bool:
             if int(ours.integers(0, 1000)) != int(theirs.integers(0, 1000)) or ours.random() != theirs.random():
                 return False
         return ours.bit_generator.state == theirs.bit_generator.state
-    except (AttributeError, TypeError, ValueError, KeyError):  # no raw draws, no advance, another state layout
+    except (AttributeError, TypeError, ValueError, KeyError):  # no ctypes or raw draws, no advance, another state
         return False
 
 
 def _stream(rng: np.random.Generator):
     """(integers(low, high) -> int, random() -> float, bounded(low, high) -> a function drawing integers(low,
     high), settle()) drawing exactly what ``rng``'s methods draw: from blocks of raw outputs (``_words``) or the
-    bit generator's C functions where they match (a third of the cost or less), else the methods; settle() must
-    run before anything else draws from ``rng``."""
+    bit generator's C functions (``_direct``) where they match (a third of the cost or less), else the methods;
+    settle() must run before anything else draws from ``rng``."""
     kind = type(rng.bit_generator)
-    if _direct_matches(kind):
-        return _words(rng) if _words_match(kind) else (*_direct(rng), _settled)
+    for draws in (_words, _direct):
+        if _draws_match(draws, kind):
+            return draws(rng)
 
     def integers(low: int, high: int) -> int:
         return int(rng.integers(low, high))
 
-    return integers, rng.random, lambda low, high: functools.partial(integers, low, high), _settled
+    return integers, rng.random, _bounded(integers), _settled
 
 
 def _settled() -> None:
