@@ -19,7 +19,9 @@ draw the same images with the same random calls. The canvas code (``_Scene.targe
 ``_PairGeometry`` gives the arithmetic): per-heading cumulative tables over fixed candidate offsets, occupancy
 bitmasks as prefilters, per-angle-pair collision shifts, and the canvas arithmetic wherever a shortcut cannot decide
 (a draw within 1e-10 of a cumulative boundary, a pivot whose candidate circle does not translate, a total near
-extend's 1e-4 threshold). Memory O(H*W) plus caches (a few hundred MB at 128 px, bounded).
+extend's 1e-4 threshold). Where numba is installed, the default's target-pair attempts run compiled
+(``pathfinder_jit``: the same draws and arithmetic on the caches copied into arrays), each handing back to Python
+what those arrays cannot decide. Memory O(H*W) plus caches (a few hundred MB at 128 px, bounded).
 
 Random calls mirror snakes2 one for one (``rng.integers`` for ``np.random.randint``, ``rng.random`` for
 ``np.random.rand``), so with a RandomState adapter this code reproduces a literal Python 3 + cv2 port of
@@ -89,6 +91,7 @@ import os
 import platform
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
@@ -96,6 +99,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
+
+from lra.data import pathfinder_jit
 
 GENERATOR_VERSION = 2  # what this code draws for a given seed; the versions are listed in the module docstring
 DIFFICULTIES = {"easy": "curv_baseline", "intermediate": "curv_contour_length_9", "hard": "curv_contour_length_14"}
@@ -418,7 +423,7 @@ def _direct(rng: np.random.Generator):
     draws leave it, so settle() has nothing to do."""
     c = rng.bit_generator.ctypes
     integers = _lemire(functools.partial(c.next_uint32, c.state), lambda low, high: int(rng.integers(low, high)))
-    return integers, functools.partial(c.next_double, c.state), _bounded(integers), _settled
+    return integers, functools.partial(c.next_double, c.state), _bounded(integers), _settled, None
 
 
 _WORDS_BLOCK = 1024  # 64-bit outputs ``_words`` draws from the bit generator at a time
@@ -428,37 +433,44 @@ def _words(rng: np.random.Generator):
     """``_direct``'s draws made in Python from PCG64's 64-bit outputs, drawn _WORDS_BLOCK at a time (``random_raw``)
     and spent as numpy spends them: random() is (word >> 11) * 2**-53 (next_double); a 32-bit draw takes a word's
     low half and keeps its high half for the next 32-bit draw (next_uint32's has_uint32 / uinteger); integers is
-    ``_lemire`` on those. Returns (integers, random, bounded, settle): settle() leaves the bit generator where these
-    draws have left the stream (its state before the blocks, advanced by the words spent, with the kept half) and
-    must run before anything else draws from ``rng``; a draw after it starts from that state."""
+    ``_lemire`` on those. Returns (integers, random, bounded, settle, tape): settle() leaves the bit generator where
+    these draws have left the stream (its state before the blocks, advanced by the words spent, with the kept half)
+    and must run before anything else draws from ``rng``; a draw after it starts from that state. ``tape`` lends
+    the stream to compiled code (``pathfinder_jit``): tape.lend(n) -> (unspent words as uint64, index of the next
+    one, has, half) with at least n unspent, tape.spent(index, has, half) takes back where that code left it."""
     bitgen, scale = rng.bit_generator, 1.0 / 9007199254740992.0
-    words = []  # the current block's unspent words, the next one last
-    pop = words.pop
+    block, array = [], np.zeros(0, np.uint64)  # the drawn words (ints, and as an array for the tape); next: block[i]
+    i = n = 0
     start = None  # [state before the blocks, words drawn in them] since the last settle
     has = half = 0
 
-    def refill() -> None:
-        nonlocal start, has, half
+    def refill() -> None:  # the unspent words, then a new block
+        nonlocal block, array, i, n, start, has, half
         if start is None:
             state = bitgen.state
             start = [state, 0]
             has, half = state["has_uint32"], state["uinteger"]
-        words[:] = bitgen.random_raw(_WORDS_BLOCK).tolist()[::-1]
+        raw = bitgen.random_raw(_WORDS_BLOCK)
+        block, array = block[i:] + raw.tolist(), np.concatenate((array[i:], raw))
+        i, n = 0, len(block)
         start[1] += _WORDS_BLOCK
 
     def random() -> float:
-        if not words:
+        nonlocal i
+        if i == n:
             refill()
-        return (pop() >> 11) * scale
+        i += 1
+        return (block[i - 1] >> 11) * scale
 
     def next32() -> int:
-        nonlocal has, half
-        if not words:
+        nonlocal i, has, half
+        if i == n:
             refill()
         if has:
             has = 0
             return half
-        word = pop()
+        word = block[i]
+        i += 1
         has, half = 1, word >> 32
         return word & 0xFFFFFFFF
 
@@ -467,19 +479,27 @@ def _words(rng: np.random.Generator):
         return int(rng.integers(low, high))
 
     def settle() -> None:
-        nonlocal start
+        nonlocal start, block, array, i, n
         if start is not None:
             state, drawn = start
             bitgen.state = state
-            bitgen.advance(drawn - len(words))
+            bitgen.advance(drawn - (n - i))
             state = bitgen.state
             state["has_uint32"], state["uinteger"] = has, half
             bitgen.state = state
-            words.clear()
-            start = None
+            block, array, i, n, start = [], array[:0], 0, 0, None
+
+    def lend(least: int):
+        while n - i < least:
+            refill()
+        return array, i, has, half
+
+    def spent(index: int, has_: int, half_: int) -> None:
+        nonlocal i, has, half
+        i, has, half = index, has_, half_
 
     integers = _lemire(next32, wide)
-    return integers, random, _bounded(integers), settle
+    return integers, random, _bounded(integers), settle, types.SimpleNamespace(lend=lend, spent=spent)
 
 
 @functools.cache
@@ -490,7 +510,7 @@ def _draws_match(draws, kind: type) -> bool:
     try:
         ours, theirs = np.random.Generator(kind(20240607)), np.random.Generator(kind(20240607))
         for run in range(3):
-            integers, random, bounded, settle = draws(ours)
+            integers, random, bounded, settle, _ = draws(ours)
             angle = bounded(-180, 180)
             for i in range(2 * _WORDS_BLOCK + 7 * run):
                 if i % 5 == run and angle() != int(theirs.integers(-180, 180)):
@@ -510,9 +530,9 @@ def _draws_match(draws, kind: type) -> bool:
 
 def _stream(rng: np.random.Generator):
     """(integers(low, high) -> int, random() -> float, bounded(low, high) -> a function drawing integers(low,
-    high), settle()) drawing exactly what ``rng``'s methods draw: from blocks of raw outputs (``_words``) or the
-    bit generator's C functions (``_direct``) where they match (a third of the cost or less), else the methods;
-    settle() must run before anything else draws from ``rng``."""
+    high), settle(), tape) drawing exactly what ``rng``'s methods draw: from blocks of raw outputs (``_words``, the
+    one with a tape for compiled code) or the bit generator's C functions (``_direct``) where they match (a third
+    of the cost or less), else the methods; settle() must run before anything else draws from ``rng``."""
     kind = type(rng.bit_generator)
     for draws in (_words, _direct):
         if _draws_match(draws, kind):
@@ -521,7 +541,7 @@ def _stream(rng: np.random.Generator):
     def integers(low: int, high: int) -> int:
         return int(rng.integers(low, high))
 
-    return integers, rng.random, _bounded(integers), _settled
+    return integers, rng.random, _bounded(integers), _settled, None
 
 
 def _settled() -> None:
@@ -553,8 +573,8 @@ class _Heading:
     _UNSTEPPED); over the candidates of non-negligible turn weight (``rel``, also as a bitmask ``rel_bits``):
     weights, pos offsets (``flat``), (pos offset, pid of the paddle drawn back) per candidate, angles; cumulative
     tables and their terms, by edge class; near tables and the level reads they come from (``_Scene._near_cmf``)."""
-    __slots__ = ("cands", "dc", "dpos", "ds", "end", "flat", "near", "nxt", "orient", "reads", "rel", "rel_bits",
-                 "tables", "terms", "theta", "weights")
+    __slots__ = ("cands", "dc", "dpos", "ds", "end", "flat", "id", "near", "nxt", "orient", "reads", "rel",
+                 "rel_bits", "tables", "terms", "theta", "weights")
 
 
 class _PairGeometry:
@@ -623,6 +643,10 @@ class _PairGeometry:
         self.reach_zero = self.H * (S + 1) + self.near_corner  # reach's index of a candidate at d = 0 offset 0
         self.headings, self.edges, self.tables, self.band_hits, self.pairs, self.trig = \
             {}, {}, {}, {}, {}, {}
+        self.heading_list = []  # headings by id (the order they were built in)
+        # what the lazily built caches gained, in order: ("nxt", heading id, k), ("table", heading id, key),
+        # ("band", key), ("seed", deg), ("dead", deg); the compiled attempts' mirror copies them from here
+        self.journal, self.mirror = [], None
         self.flipped = [float(_flip(t)) for t in self.orient_arr]
         self.flipped_id = [self.pid(t) for t in self.flipped]
         self.deg = {d: float(np.int64(d) * np.pi / 180) for d in range(-180, 360)}  # rng.integers(...) * pi / 180
@@ -705,7 +729,8 @@ class _PairGeometry:
             t *= t
             rel = np.flatnonzero(t > _NEGLIGIBLE)
             got = self.headings[theta] = _Heading()
-            got.theta = theta
+            got.theta, got.id = theta, len(self.heading_list)
+            self.heading_list.append(got)
             got.ds, got.dc = float(self.step * np.sin(theta)), float(self.step * np.cos(theta))
             reach = range(-self.M, max(self.h, self.w) + self.M)  # pivot coordinates a step starts from
             sy, sx = math.ceil(got.ds), math.ceil(got.dc)
@@ -740,6 +765,7 @@ class _PairGeometry:
 
     def next_heading(self, hd: _Heading, k: int) -> _Heading:
         got = hd.nxt[k] = self.heading(hd.orient[k])
+        self.journal.append(("nxt", hd.id, k))
         return got
 
     def table(self, hd: _Heading, key: int):
@@ -748,6 +774,7 @@ class _PairGeometry:
         values = self.edge((key >> 16) - 1, (key & 0xFFFF) - 1)[hd.rel].tolist()
         terms = hd.terms[key] = tuple(map(operator.mul, map((1.0).__sub__, values), hd.weights))
         got = hd.tables[key] = _cumulative(terms)
+        self.journal.append(("table", hd.id, key))
         return got
 
     def band_hit(self, key: int) -> bool:
@@ -760,6 +787,7 @@ class _PairGeometry:
             y, x = hy + ys, hx + xs
             on = (y >= 0) & (y < self.h) & (x >= 0) & (x < self.w)
             got = self.band_hits[key] = bool((self.band[y[on], x[on]] + vals[on] >= 1.8).any())
+            self.journal.append(("band", key))
         return got
 
     def pair(self, pid: int, qid: int) -> int:
@@ -823,6 +851,7 @@ class _PairGeometry:
             if usable:
                 ys, xs = np.nonzero(~_blocked_flat(self.target_lined, off))
                 got.free = (ys.tolist(), xs.tolist()) if len(ys) else None
+            self.journal.append(("seed", deg))
         return got
 
     @staticmethod
@@ -839,12 +868,22 @@ class _PairGeometry:
     def seedless(self, deg: int) -> bool:
         """Whether the first target has no seed pixel at angle deg (an attempt drawing it fails at once)."""
         got = self.dead[deg + 180] = self.seed_angle(deg).free is None
+        self.journal.append(("dead", deg))
         return got
 
 
 @functools.cache
 def _pair_geometry(p: PathfinderParams, m: int) -> _PairGeometry:
     return _PairGeometry(p, m)
+
+
+_COMPILED = pathfinder_jit.available()  # target-pair attempts compiled (numba) where they can be
+
+
+def _mirror(g: _PairGeometry) -> pathfinder_jit.Mirror:
+    """The geometry's caches as the compiled attempts read them (built once per geometry)."""
+    g.mirror = pathfinder_jit.Mirror(g, lambda pid: _paddle_patch(g.thetas[pid], *g.patch)[1], _UNSTEPPED, _NO_ROOM)
+    return g.mirror
 
 
 class _Seed:
@@ -1085,13 +1124,18 @@ class _Scene:
         bitmasks shift by them. Anything else is left to _grow before any draw, or with the draw made (u0) when it
         lies within _TIE of a boundary."""
         p, rng = self.p, self.rng
-        integers, random, bounded, self.settle = _stream(rng)
+        integers, random, bounded, self.settle, tape = _stream(rng)
         self.integers, self.random, turn = integers, random, bounded(0, 360)
         contrasts, mu0 = p.paddle_contrast_list, list(p.snake_contrast_list) * 2
         shuffle, draws = len(set(mu0)) > 1, len(contrasts) > 1 or _INTEGERS_0_1_DRAWS
         # an attempt whose first random call is the first seed's angle fails at once on an angle without seed
         # pixels (30 in 360 have some at 32 px): such attempts take no more than that draw here
         quick, dead = not shuffle and len(contrasts) == 1, g.dead
+        # the quick path's attempts run compiled where numba is installed, each handing back to the loop below
+        # (rewound) what it cannot decide from the mirrored tables
+        fast = None
+        if _COMPILED and quick and not draws and tape is not None:
+            fast = g.mirror or _mirror(g)
         pivots, qkey, hot_bits, support_bits, band_hits = g.pivots, g.qkey, g.hot_bits, g.support_bits, g.band_hits
         retrials, steps = range(g.tries, 0, -1), range(p.contour_length - 1)
         bisect_right, collides = bisect.bisect_right, self._collides
@@ -1107,7 +1151,16 @@ class _Scene:
             for heading in g.headings.values():
                 heading.reads.clear()
             g.read_count = 0
-        for _ in range(p.max_target_pair_attempts):
+        untried = p.max_target_pair_attempts
+        while untried:
+            if fast is not None:
+                why, spent = fast.attempts(untried, tape, _TIE)
+                untried -= spent
+                if why == pathfinder_jit.OK:
+                    return self._adopt(g, fast, contrasts[0], mu0)
+                if not untried:
+                    break
+            untried -= 1
             deg = None
             if quick:
                 deg = turn()  # integers(-180, 180) is this draw - 180
@@ -1199,6 +1252,24 @@ class _Scene:
                 self.support, self.hot = support << base, hot << base
                 return self._pair_done(g, s0, s1)
         raise RuntimeError(f"no target pair fits after {p.max_target_pair_attempts} attempts: check {p}")
+
+    def _adopt(self, g: _PairGeometry, fast: pathfinder_jit.Mirror, contrast, mu) -> list[_Track]:
+        """The pair the compiled attempts fitted, as the Python loop leaves it: kept paddles, bitmasks, tracks."""
+        if self.banded:  # an exact step of an earlier attempt drew on the mask
+            self.buf.fill(0)
+            self.banded, self.synced = False, 0
+        kept, tracks = fast.pair()
+        self.kept, self.support, self.hot = kept, 0, 0
+        for at, pid in kept:
+            self.support |= g.support_bits[pid] << at
+            self.hot |= g.hot_bits[pid] << at
+        pair = []
+        for (origin, paddles, pos, hid), factor in zip(tracks, mu):
+            s = _Track.__new__(_Track)
+            s.origin, s.paddles, s.last, s.pos, s.hd = origin, paddles, paddles[-1], pos, g.heading_list[hid]
+            s.contrasts = [contrast * factor]
+            pair.append(s)
+        return self._pair_done(g, *pair)
 
     def _pair_done(self, g: _PairGeometry, s0: _Track, s1: _Track) -> list[_Track]:
         """The pair fits: the last keep-outs, the mask and the image as ``targets`` leaves them, and the snakes
@@ -1510,6 +1581,9 @@ def generate(out_dir, resolution: int = 32, difficulty: str = "hard", n: int = 2
             if not _batch_done(folder, k, size := min(batch_size, n - k * batch_size))]
     workers = workers or usable_cores()
     parallel = workers > 1 and len(jobs) > 1
+    if progress and jobs and not pathfinder_jit.available():
+        print("pathfinder_gen: numba is not installed, so target pairs are drawn in Python: the same images, "
+              "slower (pip install 'lra[pathfinder]')")
     ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")  # workers never touch torch
     # the pool forks before tqdm starts its monitor thread
     with (ctx.Pool(min(workers, len(jobs))) if parallel else contextlib.nullcontext()) as pool, \
@@ -1563,7 +1637,7 @@ def time_parallel(resolution: int = 128, difficulty: str = "hard", images: int =
         generate(tmp, resolution, difficulty, images, seed, workers, batch_size, progress=False)
         wall = time.perf_counter() - start
     per = wall / images
-    row = {**_timing_row(resolution, difficulty, "paddle lists", images, seed), "warmup": 0, "runs": 1,
+    row = {**_timing_row(resolution, difficulty, _generator_name(), images, seed), "warmup": 0, "runs": 1,
            "s_per_image": round(per, 5), "workers": workers, "minutes_200k_wall": round(per * 200_000 / 60, 1)}
     print(f"pathfinder{resolution} {difficulty}: {images} images in {wall:.1f} s on {workers} processes; "
           f"200,000 would take {row['minutes_200k_wall']} minutes")
@@ -1588,11 +1662,21 @@ def _cpu_name() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
+GENERATORS = ("canvas", "paddle lists", "paddle lists + numba")  # the algorithms timing rows name
+
+
+def _generator_name() -> str:
+    """What ``_render`` runs by default here: paddle lists, their target-pair attempts compiled where numba is."""
+    return GENERATORS[2] if _COMPILED else GENERATORS[1]
+
+
 def _time_one(job) -> tuple[float, str]:
     """(CPU seconds, digest of images and labels) of ``images`` renders + PNG encodes of batch 0 of ``seed`` by one
-    algorithm, after ``warmup`` images of batch 1: run in a process of its own, so neither algorithm's caches
-    (nor the objects the cycle collector scans) weigh on the other."""
-    params, reference, images, warmup, seed = job
+    of GENERATORS, after ``warmup`` images of batch 1: run in a process of its own, so no algorithm's caches (nor
+    the objects the cycle collector scans) weigh on another's."""
+    global _COMPILED
+    params, generator, images, warmup, seed = job
+    reference, _COMPILED = generator == GENERATORS[0], generator == GENERATORS[2]
     rng = batch_rng(seed, 1)
     for _ in range(warmup):
         _render(params, rng, reference=reference)
@@ -1609,35 +1693,35 @@ def _time_one(job) -> tuple[float, str]:
 
 def time_generators(resolution: int = 128, difficulty: str = "hard", images: int = 40, warmup: int = 200,
                     seed: int = 0, runs: int = 1) -> list[dict]:
-    """CPU seconds per image (render + PNG encode, one process on one core) of the canvas algorithm
-    (``_render(..., reference=True)``, the code before paddle lists) and of today's, on the same ``images`` images
-    (batch 0 of ``seed``) after ``warmup`` images of batch 1 (a tenth of them, at most 100, for the canvas
+    """CPU seconds per image (render + PNG encode, one process on one core) of each of GENERATORS this machine can
+    run (the compiled one needs numba): the canvas algorithm (``_render(..., reference=True)``, the code before
+    paddle lists), paddle lists in Python, and with their target-pair attempts compiled, on the same ``images``
+    images (batch 0 of ``seed``) after ``warmup`` images of batch 1 (a tenth of them, at most 100, for the canvas
     algorithm, whose caches fill sooner), each in a fresh process, the fastest of ``runs`` alternating runs (the
-    least disturbed by other load); the two must draw the same images. Returns a row for each (TIMING_COLUMNS
-    less git_sha and timestamp, which ``python -m lra.generate pathfinder --time`` adds as it appends them;
-    ``minutes_200k_16_cores`` projects LRA's 200,000 images onto 16 such cores)."""
+    least disturbed by other load); all must draw the same images. Returns a row for each (TIMING_COLUMNS less
+    git_sha and timestamp, which ``python -m lra.generate pathfinder --time`` adds as it appends them; ``speedup``
+    over the canvas algorithm; ``minutes_200k_16_cores`` projects LRA's 200,000 images onto 16 such cores)."""
     params = PathfinderParams.for_lra(resolution, difficulty)
-    warm = {True: max(1, min(warmup // 10, 100)), False: warmup}
+    generators = GENERATORS if pathfinder_jit.available() else GENERATORS[:2]
+    warm = {name: max(1, min(warmup // 10, 100)) if name == GENERATORS[0] else warmup for name in generators}
     ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
-    spent, digests = {True: [], False: []}, set()
+    spent, digests = {name: [] for name in generators}, set()
     for _ in range(runs):
-        for reference in (True, False):
+        for name in generators:
             with ctx.Pool(1) as pool:
-                seconds, digest = pool.apply(_time_one, ((params, reference, images, warm[reference], seed),))
-            spent[reference].append(seconds)
+                seconds, digest = pool.apply(_time_one, ((params, name, images, warm[name], seed),))
+            spent[name].append(seconds)
             digests.add(digest)
     if len(digests) != 1:
-        raise RuntimeError(f"pathfinder_gen: the two algorithms drew different images (seed {seed}, batch 0)")
-    spent = {reference: min(seconds) for reference, seconds in spent.items()}
+        raise RuntimeError(f"pathfinder_gen: the algorithms drew different images (seed {seed}, batch 0)")
+    spent = {name: min(seconds) for name, seconds in spent.items()}
     rows = []
-    for reference in (True, False):
-        per = spent[reference] / images
-        rows.append({**_timing_row(resolution, difficulty, "canvas" if reference else "paddle lists", images, seed),
-                     "warmup": warm[reference], "runs": runs, "s_per_image": round(per, 5),
-                     "speedup": round(spent[True] / spent[reference], 2),
+    for name in generators:
+        per = spent[name] / images
+        rows.append({**_timing_row(resolution, difficulty, name, images, seed), "warmup": warm[name], "runs": runs,
+                     "s_per_image": round(per, 5), "speedup": round(spent[GENERATORS[0]] / spent[name], 2),
                      "minutes_200k_16_cores": round(per * 200_000 / 16 / 60, 1)})
-        print(f"pathfinder{resolution} {difficulty} {rows[-1]['generator']}: {per * 1000:.1f} ms/image/core, "
-              f"x{rows[-1]['speedup']}")
+        print(f"pathfinder{resolution} {difficulty} {name}: {per * 1000:.1f} ms/image/core, x{rows[-1]['speedup']}")
     return rows
 
 
