@@ -457,6 +457,22 @@ def test_compiled_attempts_draw_the_python_images(monkeypatch):
     assert whys.count(pathfinder_jit.OK) > 100 and whys.count(pathfinder_jit.PYTHON) > 10
 
 
+@pytest.mark.skipif(not pathfinder_jit.available(), reason="numba is not installed: Python runs every attempt")
+def test_a_numba_that_cannot_compile_the_attempts_leaves_them_to_python(monkeypatch):
+    """Where compiling fails (another numba's typing), one warning, and Python draws the same images from there."""
+    import numba
+
+    def fails(*args):
+        raise numba.core.errors.TypingError("cannot type this")
+
+    case = (32, "hard", 7, 100)
+    monkeypatch.setattr(pathfinder_jit, "_attempts", fails)
+    monkeypatch.setattr(pathfinder_jit, "_failure", None)
+    with pytest.warns(UserWarning, match="cannot compile the target-pair attempts"):
+        assert _digest(*case) == SAME_AS_V2[case]
+    assert not pathfinder_jit.available()
+
+
 def test_marker_windows_are_the_canvas_markers():
     for res, step in ((32, 1), (128, 9)):
         params = pg.PathfinderParams.for_lra(res, "hard")

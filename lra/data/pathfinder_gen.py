@@ -1158,6 +1158,8 @@ class _Scene:
                 untried -= spent
                 if why == pathfinder_jit.OK:
                     return self._adopt(g, fast, contrasts[0], mu0)
+                if why == pathfinder_jit.UNAVAILABLE:
+                    fast = None
                 if not untried:
                     break
             untried -= 1

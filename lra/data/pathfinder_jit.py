@@ -22,6 +22,7 @@ attempt, drawing the same images.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -30,15 +31,18 @@ try:
 except ImportError:  # the Python attempts run instead: same images, slower
     numba = None
 
-OK, FAILED, PYTHON, WORDS, SPENT = 0, 1, 2, 3, 4  # an attempt's end / why ``attempts`` returned
+OK, FAILED, PYTHON, WORDS, SPENT, UNAVAILABLE = 0, 1, 2, 3, 4, 5  # an attempt's end / why ``attempts`` returned
 MISSING, NO_ROOM, UNDECIDED = -1, -2, -3  # a table slot: not built, extend gives up, too near the threshold
 RESERVE = 512  # unspent words an attempt starts with (one takes ~25); running out rewinds it and asks for more
 _SCALE = 1.0 / 9007199254740992.0  # 2**-53: next_double's (word >> 11) * 2**-53
 _LOW32 = 0xFFFFFFFF
 
 
+_failure = None  # numba's error where it could not compile the attempts: Python runs them from then on
+
+
 def available() -> bool:
-    return numba is not None
+    return numba is not None and _failure is None
 
 
 def _jit(fn):
@@ -410,15 +414,25 @@ class Mirror:
     # ---- running attempts
     def attempts(self, left: int, tape, tie: float) -> tuple[int, int]:
         """Run up to ``left`` attempts on the tape's words, handing back draws within ``tie`` of a table's
-        boundary: (why it stopped: OK, SPENT or PYTHON, attempts spent); the tape is left where the last attempt
-        run here left it (at the start of one that needs Python)."""
+        boundary: (why it stopped: OK, SPENT, PYTHON, or UNAVAILABLE where numba cannot compile them; attempts
+        spent); the tape is left where the last attempt run here left it (at the start of one that needs Python)."""
+        global _failure
+        if not available():
+            return UNAVAILABLE, 0
         self.sync()
         total, need, st = 0, RESERVE, self.st
         while True:
             words, index, has, half = tape.lend(need)
             st[0], st[1], st[2], st[3] = index, has, half, 0
-            why, spent = _attempts(left - total, words, st, self.geo, tie, self._seeds(), self.tails,
-                                   self._tables(), self._heads(), self._paddle_arrays(), self.free_levels, self.out)
+            try:
+                why, spent = _attempts(left - total, words, st, self.geo, tie, self._seeds(), self.tails,
+                                       self._tables(), self._heads(), self._paddle_arrays(), self.free_levels,
+                                       self.out)
+            except numba.core.errors.NumbaError as error:  # compiling failed before any draw: the tape is as lent
+                _failure = error
+                warnings.warn(f"pathfinder_jit: numba {numba.__version__} cannot compile the target-pair attempts "
+                              f"({type(error).__name__}); Python draws them (the same images, slower)", stacklevel=2)
+                return UNAVAILABLE, total
             tape.spent(int(st[0]), int(st[1]), int(st[2]))
             total += spent
             if why != WORDS:
