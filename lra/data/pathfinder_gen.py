@@ -418,9 +418,9 @@ def _bounded(integers):
 
 
 def _direct(rng: np.random.Generator):
-    """(integers(low, high), random(), bounded(low, high) -> a function drawing integers(low, high), settle()) of
-    ``rng`` through its bit generator's C functions (``_lemire`` on next_uint32); the bit generator is where the
-    draws leave it, so settle() has nothing to do."""
+    """(integers(low, high), random(), bounded(low, high) -> a function drawing integers(low, high), settle(), no
+    tape) of ``rng`` through its bit generator's C functions (``_lemire`` on next_uint32); the bit generator is where
+    the draws leave it, so settle() has nothing to do."""
     c = rng.bit_generator.ctypes
     integers = _lemire(functools.partial(c.next_uint32, c.state), lambda low, high: int(rng.integers(low, high)))
     return integers, functools.partial(c.next_double, c.state), _bounded(integers), _settled, None
