@@ -473,6 +473,24 @@ def test_a_numba_that_cannot_compile_the_attempts_leaves_them_to_python(monkeypa
     assert not pathfinder_jit.available()
 
 
+@pytest.mark.skipif(not pathfinder_jit.available(), reason="numba is not installed: Python runs every attempt")
+def test_without_a_cache_folder_the_attempts_compile_uncached(monkeypatch):
+    """numba refuses cache=True where no folder is writable: the functions are compiled without a cache then."""
+    import numba
+
+    real, asked = numba.njit, []
+
+    def njit(*args, cache=False, **kwargs):
+        asked.append(cache)
+        if cache:
+            raise RuntimeError("cannot cache function: no locator available for file")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    plus_one = pathfinder_jit._jit(lambda x: x + 1)
+    assert plus_one(41) == 42 and hasattr(plus_one, "py_func") and asked[:2] == [True, False]  # compiled, uncached
+
+
 def test_marker_windows_are_the_canvas_markers():
     for res, step in ((32, 1), (128, 9)):
         params = pg.PathfinderParams.for_lra(res, "hard")

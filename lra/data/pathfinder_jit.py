@@ -46,7 +46,12 @@ def available() -> bool:
 
 
 def _jit(fn):
-    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+    if numba is None:
+        return fn
+    try:  # compiled once, then loaded from numba's cache (beside this file, else in the user's cache folder)
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # no writable cache folder: compile in every process
+        return numba.njit(nogil=True)(fn)
 
 
 @_jit
