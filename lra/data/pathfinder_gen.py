@@ -1465,11 +1465,10 @@ class _Scene:
             if hit is None:  # many_snakes' lined mask (its border set to 1) > 0.3
                 hit = self.mask > 0.3
                 hit[0], hit[-1], hit[:, 0], hit[:, -1] = True, True, True, True
-            ys, xs = np.nonzero(~_blocked_flat(hit, rec.kernel))
-            if not len(ys):
+            free = np.flatnonzero(~_blocked_flat(hit, rec.kernel))  # row-major, as np.nonzero orders them
+            if not len(free):
                 return None
-            k = integers(0, len(ys))
-            tail = (int(ys[k]), int(xs[k]))
+            tail = divmod(int(free[integers(0, len(free))]), w)
             head = (math.ceil(tail[0] + rec.hy), math.ceil(tail[1] + rec.hx))
             pivot = (math.ceil(head[0] + rec.py), math.ceil(head[1] + rec.px))
             if 0 <= head[0] < h and 0 <= head[1] < w and 0 <= pivot[0] < h and 0 <= pivot[1] < w:
