@@ -655,7 +655,6 @@ class _PairGeometry:
         far = max(p.padding, 2 * p.seed_distance)  # the targets' lined mask > 0.3, as _seed_info builds it
         self.target_lined = np.ones((h, w), bool)
         self.target_lined[far:h - far, far:w - far] = False
-        self.tries = p.max_paddle_retrial + 1
         # per angle a in degrees: the second target's tail row / column per first tail row / column on the canvas,
         # rounded half-even from the float sum as ``seed`` computes it
         self.tail2 = []
@@ -1261,10 +1260,9 @@ class _Scene:
             self.buf.fill(0)
             self.banded, self.synced = False, 0
         kept, tracks = fast.pair()
-        self.kept, self.support, self.hot = kept, 0, 0
-        for at, pid in kept:
-            self.support |= g.support_bits[pid] << at
-            self.hot |= g.hot_bits[pid] << at
+        self.kept, self.support, self.hot = [], 0, 0
+        for paddle in kept:
+            self._keep(g, paddle)
         pair = []
         for (origin, paddles, pos, hid), factor in zip(tracks, mu):
             s = _Track.__new__(_Track)
@@ -1451,7 +1449,7 @@ class _Scene:
 
     def _seed_distractor(self, g: _PairGeometry, contrast):
         """``seed(lined, contrast, stop)`` on the synced mask, without drawing: same draws, same outcome."""
-        p, integers, h, w = self.p, self.integers, g.h, g.w
+        p, integers, w = self.p, self.integers, g.w
         free_share = hit = None
         for _ in range(g.tries):
             rec = g.seed_angle(integers(-180, 180))
@@ -1468,11 +1466,10 @@ class _Scene:
             free = np.flatnonzero(~_blocked_flat(hit, rec.kernel))  # row-major, as np.nonzero orders them
             if not len(free):
                 return None
-            tail = divmod(int(free[integers(0, len(free))]), w)
-            head = (math.ceil(tail[0] + rec.hy), math.ceil(tail[1] + rec.hx))
-            pivot = (math.ceil(head[0] + rec.py), math.ceil(head[1] + rec.px))
-            if 0 <= head[0] < h and 0 <= head[1] < w and 0 <= pivot[0] < h and 0 <= pivot[1] < w:
-                return _Track(tail, tail[0] * g.S + tail[1], pivot[0] * g.S + pivot[1], rec, contrast)
+            ty, tx = divmod(int(free[integers(0, len(free))]), w)
+            py, px = rec.pivot_y[ty], rec.pivot_x[tx]  # None where the head or the pivot leaves the canvas
+            if py is not None and px is not None:
+                return _Track((ty, tx), ty * g.S + tx, py * g.S + px, rec, contrast)
         return None
 
     def many_snakes(self, count, max_trial, length) -> None:

@@ -126,7 +126,7 @@ def _attempt(words, st, geo, tie, seeds, tails, tables, heads, paddles, free_lev
     S, h, w, tries, steps, corner, rows, side, zero = (geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6],
                                                       geo[7], geo[8])
     M, B, unstepped = geo[10], geo[11], geo[12]
-    dead, seed_state, seed_hid, seed_pid, free_n, free_at, free_y, free_x, piv_y, piv_x = seeds
+    dead, seed_hid, seed_pid, free_n, free_at, free_y, free_x, piv_y, piv_x = seeds
     tail_r, tail_c = tails
     pivot_cls, qcls, band, tab, terms_at, cmf_pool, term_pool = tables
     hd_dpos, hd_ds, hd_dc, hd_n, hd_flat, hd_off, hd_qid, hd_nxt = heads
@@ -146,7 +146,7 @@ def _attempt(words, st, geo, tie, seeds, tails, tables, heads, paddles, free_lev
             if t == 1 or it > 0:
                 deg = _integers(words, st, -180, 180)
             a = deg + 180
-            if seed_state[a] < 0:
+            if seed_hid[a] < 0:  # the seed angle is not built yet
                 return PYTHON
             if t == 0:
                 n = free_n[a]
@@ -300,7 +300,7 @@ class Mirror:
         self.qcls = np.array([self.qkeys[key] for key in g.qkey], np.int32)
         self.band = np.full((len(self.qkeys), 64), -1, np.int8)
         self.dead = np.full(360, -1, np.int8)
-        self.seed_state, self.seed_hid, self.seed_pid = (np.full(360, -1, np.int64) for _ in range(3))
+        self.seed_hid, self.seed_pid = np.full(360, -1, np.int64), np.full(360, -1, np.int64)  # -1: not built
         self.free_n, self.free_at = np.full(360, -1, np.int64), np.zeros(360, np.int64)
         self.free_y, self.free_x, self.free_used = np.zeros(0, np.int64), np.zeros(0, np.int64), 0
         self.piv_y, self.piv_x = np.full((360, h), -1, np.int64), np.full((360, w), -1, np.int64)
@@ -414,7 +414,6 @@ class Mirror:
             self.free_used += len(ys)
         self.piv_y[a] = [-1 if c is None else c for c in rec.pivot_y]
         self.piv_x[a] = [-1 if c is None else c for c in rec.pivot_x]
-        self.seed_state[a] = 0
 
     # ---- running attempts
     def attempts(self, left: int, tape, tie: float) -> tuple[int, int]:
@@ -445,8 +444,8 @@ class Mirror:
             need = 2 * max(need, len(words) - int(st[0]))  # an attempt ran out of words: lend it more
 
     def _seeds(self):
-        return (self.dead, self.seed_state, self.seed_hid, self.seed_pid, self.free_n, self.free_at, self.free_y,
-                self.free_x, self.piv_y, self.piv_x)
+        return (self.dead, self.seed_hid, self.seed_pid, self.free_n, self.free_at, self.free_y, self.free_x,
+                self.piv_y, self.piv_x)
 
     def _tables(self):
         return self.pivot_cls, self.qcls, self.band, self.tab, self.terms_at, self.cmf_pool, self.term_pool
@@ -458,7 +457,7 @@ class Mirror:
     def _paddle_arrays(self):
         return self.reach, self.dense, self.hot_y, self.hot_x, self.hot_v, self.hot_n
 
-    def pair(self) -> tuple[list, list, list]:
+    def pair(self) -> tuple[list, list]:
         """The fitted pair of the last OK: (kept paddles in order, per track (origin, paddles, pos, heading id))."""
         kept_at, kept_pid, tr_at, tr_pid, tr_len, tr_pos, tr_hid, tr_origin, counts = self.out[:9]
         nk = int(counts[0])
